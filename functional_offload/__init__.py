@@ -1,0 +1,29 @@
+"""functional_offload: optax-style optimizers for PyTorch whose state can live in host memory.
+
+    import functional_offload as fo
+    opt = fo.chain(fo.clip_by_global_norm(1.0),
+                   fo.adamw(lr=3e-4, placement=fo.placement.offload_fraction(1.0)))
+    state = opt.init(params)
+    params, state = opt.update(grads, state)
+"""
+
+from functional_offload import placement
+from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
+                                     chain, params_of)
+from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
+from functional_offload.executor import HostExecutor
+from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
+                                           clip_by_global_norm, global_norm, masked, scale,
+                                           schedules)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "chain", "params_of",
+    "adam", "adamw", "sgd", "AdamState", "SGDState",
+    "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
+    "ApplyIfFiniteState", "schedules",
+    "placement", "HostExecutor",
+    "save", "load", "state_dict", "load_state_dict", "CheckpointError",
+]

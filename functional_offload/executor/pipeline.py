@@ -1,0 +1,223 @@
+"""The host-step pipeline: chunked D2H → CPU kernel → H2D through a pinned staging ring.
+
+The host leaves' elements are laid end to end and cut into chunks of at most ``chunk_bytes`` of
+grads. Chunk ``k`` takes ring slot ``k mod S``, which holds its grads (copied in) and its output
+params (copied out). While the worker threads run the kernel on chunk ``k``, the grads of chunks
+``k+1 … k+S-1`` are copying in and the params of chunk ``k-1`` are copying out:
+
+    D2H stream:  [g k+1][g k+2]…            (issued S-1 chunks ahead)
+    CPU workers:        [kernel k  ]         (chunk split across threads, GIL released)
+    H2D stream:                     [p k]    (issued as soon as chunk k is done)
+
+A slot's grad half is rewritten only after the kernel that read it finished (program order); its
+output half only after the H2D that read it completed (its event). Only the ring is pinned, once;
+state (masters, moments) stays in ordinary host memory, touched by the CPU alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+
+from functional_offload.executor.transport import transport_for
+
+__all__ = ["HostLeaf", "HostExecutor", "physical_cores", "Kernel"]
+
+_ALIGN = 64  # bytes; segment offsets in a slot are aligned to this
+
+
+class HostLeaf(NamedTuple):
+    """One host-resident leaf, flattened to 1-D views."""
+
+    path: str
+    grad: torch.Tensor  # on the param's device, 1-D
+    param: torch.Tensor  # the model param, 1-D (on its device)
+    state: tuple[torch.Tensor, ...]  # host tensors, 1-D: (value, moments...) — value is fp32
+    write_param: bool  # the param is a separate (device or low-precision) tensor to write back
+    hyper: Any  # per-leaf scalars handed to the kernel
+
+
+Kernel = Callable[[torch.Tensor, tuple, Optional[torch.Tensor], Any], None]
+"""``kernel(grad, state_slices, out_or_None, hyper)`` updates one contiguous piece in place."""
+
+
+class _Segment(NamedTuple):
+    leaf: int
+    start: int
+    stop: int
+    offset: int  # byte offset in the slot half
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads not counted)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except AttributeError:
+        allowed = set(range(os.cpu_count() or 1))
+    try:
+        cores = set()
+        cpu = core = pkg = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cpu = int(val)
+                elif key == "physical id":
+                    pkg = val.strip()
+                elif key == "core id":
+                    core = val.strip()
+                    if cpu in allowed:
+                        cores.add((pkg, core))
+        return max(1, len(cores)) if cores else max(1, len(allowed))
+    except OSError:
+        return max(1, len(allowed))
+
+
+class HostExecutor:
+    """Runs the host part of an update; owns the pinned ring and the worker threads.
+
+    Args:
+      chunk_bytes: grad bytes per chunk (and per ring-slot half); MBs to tens of MBs.
+      slots: ring slots; ``slots - 1`` chunks of grads copy in ahead of the kernel.
+      threads: worker threads for the kernel (default: physical cores).
+    """
+
+    def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None):
+        if chunk_bytes < 4096 or slots < 2:
+            raise ValueError(f"executor needs chunk_bytes >= 4096 and slots >= 2, got "
+                             f"chunk_bytes={chunk_bytes}, slots={slots}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"executor threads must be >= 1, got {threads}")
+        self.chunk_bytes = int(chunk_bytes)
+        self.slots = int(slots)
+        self.threads = threads or physical_cores()
+        self._rings: dict[torch.device, torch.Tensor] = {}
+        self._out_events: dict[torch.device, list] = {}
+        self._transports: dict[torch.device, Any] = {}
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+
+    # ---- resources, allocated once -------------------------------------------------------
+    def reserve(self, device: torch.device) -> None:
+        """Allocate the staging ring (pinned for CUDA) and streams for params on ``device``."""
+        if device in self._rings:
+            return
+        pin = device.type == "cuda"
+        nbytes = self.slots * 2 * self.chunk_bytes
+        self._rings[device] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._out_events[device] = [None] * self.slots
+        self._transports[device] = transport_for(device)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held (the CUDA rings; nothing else is pinned)."""
+        return sum(r.numel() for d, r in self._rings.items() if d.type == "cuda")
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(r.numel() for r in self._rings.values())
+
+    def _workers(self) -> cf.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="fo-host")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ---- planning -------------------------------------------------------------------------
+    def _chunks(self, leaves: Sequence[HostLeaf]) -> list[list[_Segment]]:
+        chunks: list[list[_Segment]] = []
+        cur: list[_Segment] = []
+        used = 0
+        for i, leaf in enumerate(leaves):
+            size = leaf.grad.element_size()
+            n, start = leaf.grad.numel(), 0
+            while start < n:
+                room = (self.chunk_bytes - used) // size
+                if room < min(n - start, _ALIGN):  # slot full: start the next chunk
+                    chunks.append(cur)
+                    cur, used = [], 0
+                    continue
+                stop = min(n, start + room)
+                cur.append(_Segment(i, start, stop, used))
+                used += -(-(stop - start) * size // _ALIGN) * _ALIGN
+                start = stop
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _pieces(self, chunk: Sequence[_Segment]) -> list[tuple[_Segment, int, int]]:
+        total = sum(s.stop - s.start for s in chunk)
+        step = max(_ALIGN, -(-math.ceil(total / self.threads) // _ALIGN) * _ALIGN)
+        return [(s, a, min(s.stop, a + step)) for s in chunk for a in range(s.start, s.stop, step)]
+
+    # ---- the step -------------------------------------------------------------------------
+    def run(self, leaves: Sequence[HostLeaf], kernel: Kernel) -> None:
+        """Update ``leaves`` (all with params on one device) with ``kernel``; errors re-raise.
+
+        Returns once every kernel ran and every copy out was issued; the caller's stream is
+        ordered after the copies out, so work queued next sees the new params.
+        """
+        if not leaves:
+            return
+        device = leaves[0].param.device
+        self.reserve(device)
+        ring, out_events, t = self._rings[device], self._out_events[device], self._transports[device]
+        half = self.chunk_bytes
+        chunks = self._chunks(leaves)
+        in_events: list = [None] * len(chunks)
+
+        def view(slot: int, which: int, seg: _Segment, dtype: torch.dtype) -> torch.Tensor:
+            base = (2 * slot + which) * half + seg.offset
+            n = seg.stop - seg.start
+            return ring[base: base + n * dtype.itemsize].view(dtype)
+
+        def issue_in(k: int) -> None:
+            for seg in chunks[k]:
+                leaf = leaves[seg.leaf]
+                t.copy_in(view(k % self.slots, 0, seg, leaf.grad.dtype), leaf.grad[seg.start:seg.stop])
+            in_events[k] = t.mark_in()
+
+        t.begin()
+        ahead = self.slots - 1
+        for k in range(min(ahead, len(chunks))):
+            issue_in(k)
+        pool = self._workers()
+        try:
+            for k, chunk in enumerate(chunks):
+                if k + ahead < len(chunks):
+                    issue_in(k + ahead)
+                slot = k % self.slots
+                t.wait_host(in_events[k])
+                t.wait_host(out_events[slot])
+                futures = []
+                for seg, a, b in self._pieces(chunk):
+                    leaf = leaves[seg.leaf]
+                    g = view(slot, 0, seg, leaf.grad.dtype)[a - seg.start: b - seg.start]
+                    o = view(slot, 1, seg, leaf.param.dtype)[a - seg.start: b - seg.start] \
+                        if leaf.write_param else None
+                    futures.append((leaf.path, pool.submit(
+                        kernel, g, tuple(s[a:b] for s in leaf.state), o, leaf.hyper)))
+                cf.wait([f for _, f in futures])  # all pieces end before any error surfaces
+                for path, fut in futures:
+                    if fut.exception() is not None:
+                        e = fut.exception()
+                        raise RuntimeError(f"host optimizer step failed on leaf {path!r}: "
+                                           f"{type(e).__name__}: {e}") from e
+                for seg in chunk:
+                    leaf = leaves[seg.leaf]
+                    if leaf.write_param:
+                        t.copy_out(leaf.param[seg.start:seg.stop],
+                                   view(slot, 1, seg, leaf.param.dtype))
+                out_events[slot] = t.mark_out()
+        finally:
+            for k in range(len(chunks)):  # never return while a copy in still reads the grads
+                t.wait_host(in_events[k])
+            t.end()

@@ -1,0 +1,90 @@
+"""Copies between a param's device and host memory, on side streams ordered by events.
+
+``CudaTransport`` copies grads device→host on one stream and params host→device on another;
+the caller's (compute) stream is ordered against them with events only — no device-wide sync.
+``LocalTransport`` plays the device side with CPU tensors: the same calls, synchronous copies,
+so the pipeline's logic runs (and is tested) on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["Transport", "CudaTransport", "LocalTransport", "transport_for"]
+
+
+class Transport:
+    """Interface; ``Event`` objects are opaque (``None`` for the local transport)."""
+
+    def begin(self) -> None:
+        """Order the copies to come after the work already queued on the caller's stream."""
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Device→host copy of ``src`` into the staging view ``dst``."""
+        dst.copy_(src)
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host→device copy of the staging view ``src`` into ``dst``."""
+        dst.copy_(src)
+
+    def mark_in(self) -> Optional[object]:
+        """An event completing when the copies in issued so far are done."""
+        return None
+
+    def mark_out(self) -> Optional[object]:
+        return None
+
+    def wait_host(self, event: Optional[object]) -> None:
+        """Block this thread (without the GIL) until ``event`` completes."""
+
+    def end(self) -> None:
+        """Make the caller's stream wait for every copy out issued so far."""
+
+
+class LocalTransport(Transport):
+    """Params on the CPU: synchronous copies, no events."""
+
+
+class CudaTransport(Transport):
+    """Params on a CUDA device: a D2H and an H2D stream, ordered by CUDA events."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    def begin(self) -> None:
+        ready = torch.cuda.current_stream(self.device).record_event()
+        self.d2h.wait_event(ready)
+        self.h2d.wait_event(ready)  # params are written after the caller's pending reads of them
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+
+    def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.h2d):
+            dst.copy_(src, non_blocking=True)
+
+    def mark_in(self) -> torch.cuda.Event:
+        return self.d2h.record_event()
+
+    def mark_out(self) -> torch.cuda.Event:
+        return self.h2d.record_event()
+
+    def wait_host(self, event: Optional[torch.cuda.Event]) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def end(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+
+
+def transport_for(device: torch.device) -> Transport:
+    if device.type == "cuda":
+        return CudaTransport(device)
+    if device.type == "cpu":
+        return LocalTransport()
+    raise ValueError(f"host-resident state needs params on 'cpu' or 'cuda', got {device}")

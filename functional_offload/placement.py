@@ -1,0 +1,208 @@
+"""Placement policies: which leaves' optimizer state lives in host memory.
+
+A policy is decided once, at ``init`` (and again when a checkpoint is loaded into a state built
+with another policy). Decisions are pure functions of leaf metadata — path, shape, dtype, device,
+number of elements, state bytes — so they can be planned on ``meta`` tensors, without a GPU.
+
+Leaves whose params already live on the host keep their state there, whatever the policy; the
+policy decides among the other ("device") leaves.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from functional_offload.tree import check_tensor_leaves, leaves_with_paths
+from functional_offload.typing import Params
+
+__all__ = [
+    "LeafInfo",
+    "Plan",
+    "Placement",
+    "offload_fraction",
+    "on_host",
+    "on_device",
+    "device_budget",
+    "predicate",
+    "select",
+]
+
+
+class LeafInfo(NamedTuple):
+    """What a policy may look at for one leaf."""
+
+    path: str  # dotted path in the params tree
+    tensor: torch.Tensor  # the param (may be a meta tensor)
+    state_bytes: int  # bytes of optimizer state this leaf needs (masters + moments)
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+
+class Plan(NamedTuple):
+    """Where each leaf's state lives, in params flatten order."""
+
+    paths: tuple[str, ...]
+    on_host: tuple[bool, ...]  # True: state in host memory
+    numels: tuple[int, ...]
+    state_bytes: tuple[int, ...]
+    already_on_host: tuple[bool, ...]  # params that were on the host before any decision
+
+    @property
+    def fraction(self) -> float:
+        """Offloaded elements over the elements of the device leaves (0.0 when there are none).
+
+        With :func:`offload_fraction` this can exceed the requested fraction: whole leaves move.
+        """
+        dev = [n for n, a in zip(self.numels, self.already_on_host) if not a]
+        off = [n for n, h, a in zip(self.numels, self.on_host, self.already_on_host) if h and not a]
+        return sum(off) / sum(dev) if sum(dev) else 0.0
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b for b, h in zip(self.state_bytes, self.on_host) if h)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(b for b, h in zip(self.state_bytes, self.on_host) if not h)
+
+    def summary(self) -> str:
+        """A table: path, elements, state bytes, where the state lives; then the totals."""
+        w = max([len(p) for p in self.paths] + [4])
+        rows = [f"{'leaf':<{w}}  {'elements':>12}  {'state bytes':>12}  where"]
+        for p, n, b, h in zip(self.paths, self.numels, self.state_bytes, self.on_host):
+            rows.append(f"{p:<{w}}  {n:>12,}  {b:>12,}  {'host' if h else 'device'}")
+        rows.append(f"offloaded fraction {self.fraction:.4f}; state bytes on host "
+                    f"{self.host_bytes:,}, on device {self.device_bytes:,}")
+        return "\n".join(rows)
+
+
+Decide = Callable[[Sequence[LeafInfo]], Sequence[bool]]
+
+
+class Placement:
+    """A placement policy: ``decide(leaves) -> [on_host, ...]`` over the device leaves.
+
+    Build one with the functions of this module; call :meth:`plan` to see its decisions.
+    """
+
+    def __init__(self, decide: Decide, name: str):
+        self._decide = decide
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Placement({self.name})"
+
+    def decide(self, leaves: Sequence[LeafInfo]) -> list[bool]:
+        out = [bool(x) for x in self._decide(leaves)]
+        if len(out) != len(leaves):
+            raise ValueError(f"placement {self.name} returned {len(out)} decisions for "
+                             f"{len(leaves)} leaves")
+        return out
+
+    def plan(self, params: Params, state_bytes: Sequence[int] | None = None) -> Plan:
+        """Decide for every leaf of ``params``.
+
+        Args:
+          params: a pytree of tensors (``meta`` tensors work).
+          state_bytes: per-leaf optimizer-state bytes (the optimizers pass theirs); defaults to
+            each param's own size in bytes.
+        """
+        paths, leaves, _ = leaves_with_paths(params)
+        check_tensor_leaves(leaves, paths, "params")
+        if state_bytes is None:
+            state_bytes = [t.numel() * t.element_size() for t in leaves]
+        infos = [LeafInfo(p, t, int(b)) for p, t, b in zip(paths, leaves, state_bytes)]
+        already = [t.device.type == "cpu" for t in leaves]
+        device_leaves = [i for i, a in zip(infos, already) if not a]
+        decided = iter(self.decide(device_leaves))
+        on_host = tuple(True if a else next(decided) for a in already)
+        return Plan(tuple(paths), on_host, tuple(t.numel() for t in leaves),
+                    tuple(int(b) for b in state_bytes), tuple(already))
+
+
+def _check_fraction(f: Any) -> float:
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or math.isnan(f) or not 0 <= f <= 1:
+        raise ValueError(f"offload fraction must be a number in [0, 1], got {f!r}; e.g. 0.5 "
+                         "offloads about half of the elements, 1.0 all of them")
+    return float(f)
+
+
+def offload_fraction(fraction: float) -> Placement:
+    """Megatron's ``--optimizer-offload-fraction``: offload leaves greedily in flatten order.
+
+    With ``N`` the number of elements in the device leaves, ``threshold = fraction · N``; walking
+    the leaves in order, a leaf is offloaded while the elements offloaded so far are below the
+    threshold. Whole leaves move, so the real fraction (:attr:`Plan.fraction`) can overshoot.
+    """
+    f = _check_fraction(fraction)
+
+    def decide(leaves: Sequence[LeafInfo]) -> list[bool]:
+        threshold = f * sum(leaf.numel for leaf in leaves)
+        out, running = [], 0
+        for leaf in leaves:
+            host = running < threshold
+            running += leaf.numel if host else 0
+            out.append(host)
+        return out
+
+    return Placement(decide, f"offload_fraction({f})")
+
+
+def on_host() -> Placement:
+    """All state in host memory (``offload_fraction(1.0)``)."""
+    return Placement(lambda leaves: [True] * len(leaves), "on_host()")
+
+
+def on_device() -> Placement:
+    """All state next to its param (nothing offloaded)."""
+    return Placement(lambda leaves: [False] * len(leaves), "on_device()")
+
+
+def device_budget(max_bytes: int) -> Placement:
+    """Keep state on the device, leaf by leaf in flatten order, while it fits in ``max_bytes``.
+
+    The first leaf that does not fit and every leaf after it go to the host, so the device part
+    is a prefix of the leaves (as with the fraction policy, whose host part is a prefix).
+    """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise ValueError(f"device_budget takes a byte count >= 0, got {max_bytes!r}")
+
+    def decide(leaves: Sequence[LeafInfo]) -> list[bool]:
+        out, used, full = [], 0, False
+        for leaf in leaves:
+            full = full or used + leaf.state_bytes > max_bytes
+            used += 0 if full else leaf.state_bytes
+            out.append(full)
+        return out
+
+    return Placement(decide, f"device_budget({max_bytes})")
+
+
+def predicate(fn: Callable[[str, torch.Tensor], bool]) -> Placement:
+    """Offload the leaves for which ``fn(path, param)`` is true."""
+    return Placement(lambda leaves: [fn(leaf.path, leaf.tensor) for leaf in leaves],
+                     f"predicate({getattr(fn, '__name__', 'fn')})")
+
+
+def select(fn: Callable[[str, torch.Tensor], bool], if_true: Placement,
+           if_false: Placement) -> Placement:
+    """Combine policies: ``if_true`` decides among the leaves where ``fn(path, param)`` holds,
+    ``if_false`` among the others (each sees only its own leaves, in order).
+
+    Example — small leaves stay on the GPU, half of the rest is offloaded::
+
+        select(lambda path, p: p.numel() < 65536, on_device(), offload_fraction(0.5))
+    """
+
+    def decide(leaves: Sequence[LeafInfo]) -> list[bool]:
+        picks = [bool(fn(leaf.path, leaf.tensor)) for leaf in leaves]
+        a = iter(if_true.decide([x for x, p in zip(leaves, picks) if p]))
+        b = iter(if_false.decide([x for x, p in zip(leaves, picks) if not p]))
+        return [next(a) if p else next(b) for p in picks]
+
+    return Placement(decide, f"select({if_true.name}, {if_false.name})")

@@ -1,0 +1,65 @@
+"""Gradient clipping by global norm, on the device, without a host sync."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import optree
+import torch
+
+from functional_offload.base import EmptyState, GradientTransformation
+from functional_offload.typing import Params, Updates
+
+__all__ = ["global_norm", "clip_by_global_norm"]
+
+
+def global_norm(updates: Updates) -> torch.Tensor:
+    r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \lVert g_i \rVert^2}`, as a
+    0-dim tensor on the first leaf's device (``None`` leaves are skipped)."""
+    leaves = [g for g in optree.tree_leaves(updates) if g is not None]
+    if not leaves:
+        return torch.zeros(())
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in leaves:
+        groups[(g.device, g.dtype)].append(g)
+    device = leaves[0].device
+    norms = [n.to(device) for gs in groups.values() for n in torch._foreach_norm(gs, 2.0)]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    r"""Scale all gradients by one factor so that their global norm is at most ``max_norm``.
+
+    As ``torch.nn.utils.clip_grad_norm_``, with :math:`N` the :func:`global_norm`:
+
+    .. math:: g_i \leftarrow g_i \cdot \min\!\left(1, \frac{c}{N + 10^{-6}}\right)
+
+    The factor stays a device tensor (no host sync); new tensors are returned, the input
+    gradients are not modified.
+
+    Example::
+
+        >>> import torch, functional_offload as fo
+        >>> clip = fo.clip_by_global_norm(1.0)
+        >>> g, _ = clip.update({"w": torch.tensor([3.0, 4.0])}, clip.init(None))
+        >>> g["w"]
+        tensor([0.6000, 0.8000])
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise ValueError(f"clip_by_global_norm needs max_norm > 0, got {max_norm!r}")
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: Updates, state: EmptyState) -> tuple[Updates, EmptyState]:
+        leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+        present = [g for g in leaves if g is not None]
+        if not present:
+            return updates, state
+        coef = torch.clamp(max_norm / (global_norm(present) + 1e-6), max=1.0)
+        scaled = iter(torch._foreach_mul(present, coef.to(present[0].device)))
+        out: list[Any] = [None if g is None else next(scaled) for g in leaves]
+        return optree.tree_unflatten(spec, out), state
+
+    return GradientTransformation(init, update)

@@ -1,0 +1,38 @@
+import pytest
+import torch
+
+from functional_offload.kernels import cpu
+
+HAS_NATIVE = cpu.native() is not None
+KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_params(seed: int = 0, dtype=torch.float32, device="cpu"):
+    """A small two-layer tree with a 3-D leaf; values drawn in fp32, then cast."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"layer1": {"weight": (16, 8), "bias": (16,)},
+              "layer2": {"weight": (4, 16), "bias": (4,)}, "scale": (3, 5, 7)}
+    import optree
+    return optree.tree_map(lambda s: torch.randn(s, generator=g).to(device, dtype), shapes,
+                           is_leaf=lambda x: isinstance(x, tuple))
+
+
+def grad_seq(params, steps: int, seed: int = 1):
+    import optree
+    g = torch.Generator().manual_seed(seed)
+    return [optree.tree_map(lambda p: torch.randn(p.shape, generator=g).to(p.device, p.dtype), params)
+            for _ in range(steps)]
+
+
+def clone(tree):
+    import optree
+    return optree.tree_map(lambda t: t.detach().clone(), tree)

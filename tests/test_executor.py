@@ -1,0 +1,116 @@
+"""The host pipeline's logic (chunking, ring reuse, ordering, threads, errors) on the CPU.
+
+With params on the CPU the transport's copies are synchronous, but every other part — chunks
+crossing leaves, ring slots reused many times, pieces spread over worker threads, errors from a
+worker — is the code that runs against a GPU.
+"""
+
+import optree
+import pytest
+import torch
+
+import functional_offload as fo
+from functional_offload.executor import HostExecutor, HostLeaf, physical_cores
+from conftest import KERNELS, clone, grad_seq, make_params
+
+
+def run(params, grads, **ex):
+    opt = fo.adamw(1e-2, weight_decay=0.1, executor=HostExecutor(**ex), cpu_kernel="torch")
+    p = clone(params)
+    s = opt.init(p)
+    for g in grads:
+        p, s = opt.update(g, s)
+    return p, s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunking_does_not_change_results(dtype):
+    params = make_params(dtype=dtype)
+    grads = grad_seq(params, 4)
+    whole, _ = run(params, grads, chunk_bytes=1 << 20, slots=2, threads=1)
+    # 4 KiB chunks: every leaf splits, chunks cross leaves, the 2..3 slots are reused many times
+    for slots, threads in [(2, 1), (3, 4), (5, 3)]:
+        chunked, _ = run(params, grads, chunk_bytes=4096, slots=slots, threads=threads)
+        for a, b in zip(optree.tree_leaves(whole), optree.tree_leaves(chunked)):
+            assert torch.equal(a, b)
+
+
+def test_chunk_plan_covers_every_element_once():
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=3)
+    sizes = [1000, 3000, 17, 5000, 64]
+    leaves = [HostLeaf(str(i), torch.zeros(n), torch.zeros(n), (), False, None) for i, n in enumerate(sizes)]
+    chunks = ex._chunks(leaves)
+    seen = {i: [] for i in range(len(sizes))}
+    for chunk in chunks:
+        end = 0
+        for seg in chunk:
+            assert seg.offset % 64 == 0 and seg.offset >= end
+            end = seg.offset + (seg.stop - seg.start) * 4
+            assert end <= 4096
+            seen[seg.leaf].append((seg.start, seg.stop))
+        pieces = ex._pieces(chunk)
+        assert sum(b - a for _, a, b in pieces) == sum(s.stop - s.start for s in chunk)
+    for i, n in enumerate(sizes):
+        spans = sorted(seen[i])
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_worker_error_surfaces_at_caller():
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    n = 5000
+    calls = []
+
+    def kernel(g, st, out, h):
+        calls.append(g.numel())
+        if len(calls) == 3:
+            raise FloatingPointError("boom")
+        st[0].add_(g)
+
+    leaf = HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n),), False, None)
+    with pytest.raises(RuntimeError, match="host optimizer step failed on leaf 'w'.*boom") as e:
+        ex.run([leaf], kernel)
+    assert isinstance(e.value.__cause__, FloatingPointError)
+    ex.close()
+
+
+def test_write_param_path_copies_values_back():
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    n = 3000
+    value = torch.arange(n, dtype=torch.float32)
+    param = torch.zeros(n, dtype=torch.bfloat16)
+
+    def kernel(g, st, out, h):
+        st[0].add_(g.float())
+        out.copy_(st[0])
+
+    ex.run([HostLeaf("p", torch.ones(n, dtype=torch.bfloat16), param, (value,), True, None)], kernel)
+    assert torch.equal(param, (torch.arange(n) + 1).to(torch.bfloat16))
+    assert ex.pinned_bytes == 0 and ex.staging_bytes == 2 * 2 * 4096
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sgd_host_kernels_agree(kernel):
+    params = make_params(dtype=torch.bfloat16)
+    grads = grad_seq(params, 5)
+    outs = []
+    for k in ("torch", kernel):
+        opt = fo.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, cpu_kernel=k,
+                     executor=HostExecutor(chunk_bytes=4096, threads=2))
+        p = clone(params)
+        s = opt.init(p)
+        for g in grads:
+            p, s = opt.update(g, s)
+        outs.append(s.master)
+    for a, b in zip(optree.tree_leaves(outs[0]), optree.tree_leaves(outs[1])):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_executor_arguments():
+    assert physical_cores() >= 1
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        HostExecutor(chunk_bytes=10)
+    with pytest.raises(ValueError, match="threads"):
+        HostExecutor(threads=0)
+    with pytest.raises(ValueError, match="cpu_kernel"):
+        fo.adamw(1e-3, cpu_kernel="fast")

@@ -1,0 +1,251 @@
+"""Every optimizer against torch.optim (the oracle), on both host kernels."""
+
+import math
+
+import optree
+import pytest
+import torch
+
+import functional_offload as fo
+from conftest import KERNELS, clone, grad_seq, make_params
+
+STEPS = 20
+RTOL = 1e-6
+
+
+def torch_run(cls, kwargs, params, grads, lr_lambda=None, clip=None):
+    ps = optree.tree_map(lambda t: t.detach().clone().requires_grad_(), params)
+    leaves = optree.tree_leaves(ps)
+    opt = cls(leaves, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda else None
+    for g in grads:
+        for p, gi in zip(leaves, optree.tree_leaves(g)):
+            p.grad = gi.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(leaves, clip)
+        opt.step()
+        if sched:
+            sched.step()
+    return optree.tree_map(lambda t: t.detach(), ps)
+
+
+def ours_run(opt, params, grads):
+    params = clone(params)
+    state = opt.init(params)
+    for g in grads:
+        params, state = opt.update(g, state)
+    return params, state
+
+
+def assert_close(a, b, rtol=RTOL):
+    for x, y in zip(optree.tree_leaves(a), optree.tree_leaves(b)):
+        rel = ((x.double() - y.double()).abs().max() / y.double().abs().max()).item()
+        assert rel <= rtol, rel
+
+
+CASES = {
+    "adamw": (fo.adamw, torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)),
+    "adamw-nowd": (fo.adamw, torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.0)),
+    "adam": (fo.adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.999), eps=1e-6)),
+    "adam-l2": (fo.adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05)),
+    "sgd": (fo.sgd, torch.optim.SGD, dict(lr=0.05)),
+    "sgd-momentum-wd": (fo.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    "sgd-nesterov": (fo.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_torch_optim(case, kernel):
+    ours, theirs, kw = CASES[case]
+    params = make_params()
+    grads = grad_seq(params, STEPS)
+    got, state = ours_run(ours(**kw, cpu_kernel=kernel), params, grads)
+    want = torch_run(theirs, kw, params, grads)
+    assert_close(got, want)
+    assert int(state.count) == STEPS
+    if kernel == "torch":  # same ops in the same order: bit-identical
+        for x, y in zip(optree.tree_leaves(got), optree.tree_leaves(want)):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", ["adamw", "adam-l2", "sgd-momentum-wd"])
+def test_schedule_matches_lambdalr(case, kernel):
+    ours, theirs, kw = CASES[case]
+    f = fo.schedules.warmup_cosine(1.0, 5, STEPS, init=0.1, end=0.05)
+    base = kw["lr"]
+    params = make_params(3)
+    grads = grad_seq(params, STEPS, seed=4)
+    got, _ = ours_run(ours(**{**kw, "lr": lambda n: base * f(n)}, cpu_kernel=kernel), params, grads)
+    want = torch_run(theirs, kw, params, grads, lr_lambda=f)
+    assert_close(got, want)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_clip_chain_matches_clip_grad_norm(kernel):
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    params = make_params(5)
+    grads = grad_seq(params, STEPS, seed=6)
+    grads = [optree.tree_map(lambda g: g * (0.01 if i % 2 else 10.0), gs) for i, gs in enumerate(grads)]
+    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(**kw, cpu_kernel=kernel))
+    got, _ = ours_run(opt, params, grads)
+    want = torch_run(torch.optim.AdamW, kw, params, grads, clip=1.0)
+    assert_close(got, want)
+
+
+def test_clip_does_not_modify_input_and_matches_torch_norm():
+    g = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([12.0]), "c": None}
+    clip = fo.clip_by_global_norm(1.0)
+    out, _ = clip.update(g, clip.init(None))
+    assert torch.equal(g["a"], torch.tensor([3.0, 4.0])) and out["c"] is None
+    assert torch.allclose(fo.global_norm(g), torch.tensor(13.0))
+    assert torch.allclose(out["b"], torch.tensor([12.0 / (13.0 + 1e-6)]))
+    small, _ = fo.clip_by_global_norm(100.0).update(g, ())
+    assert torch.equal(small["a"], g["a"])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_low_precision_master_follows_fp32_reference(low, kernel):
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    params32 = make_params(7)
+    params_lo = optree.tree_map(lambda t: t.to(low), params32)
+    exact32 = optree.tree_map(lambda t: t.float(), params_lo)  # representable start values
+    grads_lo = grad_seq(params_lo, STEPS, seed=8)
+    grads32 = [optree.tree_map(lambda t: t.float(), g) for g in grads_lo]
+    got, state = ours_run(fo.adamw(**kw, cpu_kernel=kernel), params_lo, grads_lo)
+    want = torch_run(torch.optim.AdamW, kw, exact32, grads32)
+    assert_close(state.master, want)
+    for p, m in zip(optree.tree_leaves(got), optree.tree_leaves(state.master)):
+        assert p.dtype == low and m.dtype == torch.float32
+        assert torch.equal(p, m.to(low))
+    for mu in optree.tree_leaves(state.mu):
+        assert mu.dtype == torch.float32
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bf16_moments_stored_in_bf16(kernel):
+    params = make_params(9)
+    opt = fo.adamw(1e-2, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16, cpu_kernel=kernel)
+    got, state = ours_run(opt, params, grad_seq(params, 5))
+    want = torch_run(torch.optim.AdamW, dict(lr=1e-2), params, grad_seq(params, 5))
+    assert all(m.dtype == torch.bfloat16 for m in optree.tree_leaves((state.mu, state.nu)))
+    assert_close(got, want, rtol=1e-2)
+
+
+def test_fp32_params_update_in_place_without_master():
+    params = make_params()
+    ids = [id(t) for t in optree.tree_leaves(params)]
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    assert optree.tree_leaves(state.master) == []
+    new, state = opt.update(grad_seq(params, 1)[0], state)
+    assert [id(t) for t in optree.tree_leaves(new)] == ids
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_none_grad_leaves_param_and_state_unchanged(kernel):
+    params = make_params()
+    opt = fo.adamw(1e-2, weight_decay=0.1, cpu_kernel=kernel)
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    before_p = clone(params["layer2"])
+    before_mu, before_nu = clone(state.mu["layer2"]), clone(state.nu["layer2"])
+    g = grad_seq(params, 1, seed=3)[0]
+    g["layer2"] = {"weight": None, "bias": None}
+    old_l1 = params["layer1"]["weight"].clone()
+    params, state = opt.update(g, state)
+    for a, b in zip(optree.tree_leaves((params["layer2"], state.mu["layer2"], state.nu["layer2"])),
+                    optree.tree_leaves((before_p, before_mu, before_nu))):
+        assert torch.equal(a, b)
+    assert not torch.equal(params["layer1"]["weight"], old_l1)
+    assert int(state.count) == 2
+
+
+def test_donation_consumed_state_raises():
+    params = make_params()
+    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2))
+    s0 = opt.init(params)
+    g = grad_seq(params, 1)[0]
+    params, s1 = opt.update(g, s0)
+    with pytest.raises(RuntimeError, match="consumed"):
+        opt.update(g, s0)
+    with pytest.raises(RuntimeError, match="consumed"):
+        fo.state_dict(s0)
+    params, s2 = opt.update(g, s1)  # the returned state works
+    assert int(s2[1].count) == 2
+    assert s2[1].mu["scale"] is s0[1].mu["scale"]  # buffers reused in place
+
+
+def test_weight_decay_mask_skips_biases():
+    params = make_params()
+    mask = lambda p: optree.tree_map(lambda t: t.ndim > 1, p)  # noqa: E731
+    opt = fo.adamw(lr=1e-2, weight_decay=0.5, weight_decay_mask=mask, cpu_kernel="torch")
+    got, _ = ours_run(opt, params, grad_seq(params, 3))
+    decayed = torch_run(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.5), params, grad_seq(params, 3))
+    plain = torch_run(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.0), params, grad_seq(params, 3))
+    assert torch.equal(got["layer1"]["bias"], plain["layer1"]["bias"])
+    assert torch.equal(got["layer1"]["weight"], decayed["layer1"]["weight"])
+
+
+def test_apply_if_finite_skips_whole_step():
+    params = make_params()
+    opt = fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2)))
+    state = opt.init(params)
+    gs = grad_seq(params, 3)
+    params, state = opt.update(gs[0], state)
+    snap_p, snap_s = clone(params), clone(fo.state_dict(state))
+    for bad in (float("nan"), float("inf")):
+        g = clone(gs[1])
+        g["layer1"]["weight"][0, 0] = bad
+        params, state = opt.update(g, state)
+        for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(snap_p)):
+            assert torch.equal(a, b)
+        for k, v in fo.state_dict(state).items():
+            if "notfinite" not in k:
+                assert torch.equal(v, snap_s[k]), k
+    assert int(state.notfinite_count) == 2 and int(state.total_notfinite) == 2
+    params, state = opt.update(gs[1], state)
+    assert int(state.notfinite_count) == 0 and int(state.total_notfinite) == 2
+    assert int(state.inner_state[1].count) == 2
+
+
+def test_scale_and_masked():
+    g = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    t = fo.masked(fo.scale(3.0), {"w": True, "b": False})
+    out, _ = t.update(g, t.init(g))
+    assert torch.equal(out["w"], torch.full((2, 2), 3.0)) and torch.equal(out["b"], torch.ones(2))
+
+
+def test_chain_types_and_schedules():
+    assert isinstance(fo.chain(fo.scale(1.0), fo.sgd(0.1)), fo.Optimizer)
+    assert isinstance(fo.chain(fo.scale(1.0), fo.clip_by_global_norm(1.0)), fo.GradientTransformation)
+    with pytest.raises(TypeError, match="last element"):
+        fo.chain(fo.sgd(0.1), fo.scale(1.0))
+    s = fo.schedules
+    assert s.constant(0.3)(100) == 0.3
+    assert s.linear_warmup(1.0, 4)(0) == 0.0 and s.linear_warmup(1.0, 4)(2) == 0.5
+    assert s.linear_warmup(1.0, 4)(9) == 1.0
+    assert math.isclose(s.cosine_decay(2.0, 10, alpha=0.1)(10), 0.2)
+    assert math.isclose(s.cosine_decay(2.0, 10)(5), 1.0)
+    w = s.warmup_cosine(1.0, 2, 12, end=0.1)
+    assert w(2) == 1.0 and math.isclose(w(7), 0.55) and math.isclose(w(50), 0.1)
+
+
+def test_functional_call_training_loop_converges():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(256, 4)
+    y = x.sum(1, keepdim=True).sin()
+
+    def loss_fn(p):
+        return torch.nn.functional.mse_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(3e-2, weight_decay=0.0))
+    state = opt.init(params)
+    first = loss_fn(params).item()
+    for _ in range(150):
+        params, state = opt.update(torch.func.grad(loss_fn)(params), state)
+    assert loss_fn(params).item() < 0.1 * first
