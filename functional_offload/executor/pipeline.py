@@ -5,12 +5,12 @@ grads. Chunk ``k`` takes ring slot ``k mod S``, which holds its grads (copied in
 params (copied out). While the worker threads run the kernel on chunk ``k``, the grads of chunks
 ``k+1 … k+S-1`` are copying in and the params of chunk ``k-1`` are copying out:
 
-    D2H stream:  [g k+1][g k+2]…            (issued S-1 chunks ahead)
+    D2H stream:  [g k+1][g k+2]…            (up to S chunks in flight)
     CPU workers:        [kernel k  ]         (chunk split across threads, GIL released)
     H2D stream:                     [p k]    (issued as soon as chunk k is done)
 
-A slot's grad half is rewritten only after the kernel that read it finished (program order); its
-output half only after the H2D that read it completed (its event). Only the ring is pinned, once;
+A slot's grad half is refilled (chunk k+S) only once every piece of chunk k has run; its output
+half only after the copy out that read it completed (its event, waited on by the host). Only the ring is pinned, once;
 state (masters, moments) stays in ordinary host memory, touched by the CPU alone.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import os
+import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
@@ -162,62 +163,84 @@ class HostExecutor:
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel) -> None:
         """Update ``leaves`` (all with params on one device) with ``kernel``; errors re-raise.
 
-        Returns once every kernel ran and every copy out was issued; the caller's stream is
-        ordered after the copies out, so work queued next sees the new params.
+        Every piece of every chunk is queued to the workers at once (first in, first out), so
+        threads never idle at a per-chunk barrier. A piece waits for its chunk's grads to have
+        landed; the thread finishing a chunk's last piece issues that chunk's copy out and the
+        copy in of the chunk that takes its slot next. Returns once every kernel ran and every
+        copy out was issued; the caller's stream is then ordered after the copies out, so work
+        queued next sees the new params.
         """
         if not leaves:
             return
         device = leaves[0].param.device
         self.reserve(device)
-        ring, out_events, t = self._rings[device], self._out_events[device], self._transports[device]
-        half = self.chunk_bytes
+        ring, slot_events, t = self._rings[device], self._out_events[device], self._transports[device]
+        S, half = self.slots, self.chunk_bytes
         chunks = self._chunks(leaves)
+        pieces = [self._pieces(c) for c in chunks]
         in_events: list = [None] * len(chunks)
+        out_events: list = [None] * len(chunks)
+        before = list(slot_events)  # copies out of the previous step, per slot
+        issued = [threading.Event() for _ in chunks]  # chunk k's copy in was issued
+        remaining = [len(p) for p in pieces]
+        lock = threading.Lock()
+        failures: list[tuple[str, BaseException]] = []
 
-        def view(slot: int, which: int, seg: _Segment, dtype: torch.dtype) -> torch.Tensor:
-            base = (2 * slot + which) * half + seg.offset
-            n = seg.stop - seg.start
-            return ring[base: base + n * dtype.itemsize].view(dtype)
+        def view(k: int, which: int, seg: _Segment, dtype: torch.dtype) -> torch.Tensor:
+            base = (2 * (k % S) + which) * half + seg.offset
+            return ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
 
         def issue_in(k: int) -> None:
             for seg in chunks[k]:
                 leaf = leaves[seg.leaf]
-                t.copy_in(view(k % self.slots, 0, seg, leaf.grad.dtype), leaf.grad[seg.start:seg.stop])
+                t.copy_in(view(k, 0, seg, leaf.grad.dtype), leaf.grad[seg.start:seg.stop])
             in_events[k] = t.mark_in()
+            issued[k].set()
+
+        def finish(k: int) -> None:  # under `lock`, by the thread ending chunk k
+            for seg in chunks[k]:
+                leaf = leaves[seg.leaf]
+                if leaf.write_param:
+                    t.copy_out(leaf.param[seg.start:seg.stop], view(k, 1, seg, leaf.param.dtype))
+            out_events[k] = slot_events[k % S] = t.mark_out()
+            if k + S < len(chunks):
+                issue_in(k + S)
+
+        def work(k: int, seg: _Segment, a: int, b: int) -> None:
+            issued[k].wait()
+            if failures:
+                return
+            try:
+                t.wait_host(in_events[k])  # grads landed
+                t.wait_host(out_events[k - S] if k >= S else before[k % S])  # slot's out half free
+                leaf = leaves[seg.leaf]
+                lo, hi = a - seg.start, b - seg.start
+                out = view(k, 1, seg, leaf.param.dtype)[lo:hi] if leaf.write_param else None
+                kernel(view(k, 0, seg, leaf.grad.dtype)[lo:hi], tuple(x[a:b] for x in leaf.state),
+                       out, leaf.hyper)
+            except BaseException as e:  # surfaced by the caller; wake every waiting piece
+                with lock:
+                    failures.append((leaves[seg.leaf].path, e))
+                for ev in issued:
+                    ev.set()
+                return
+            with lock:
+                remaining[k] -= 1
+                if remaining[k] == 0 and not failures:
+                    finish(k)
 
         t.begin()
-        ahead = self.slots - 1
-        for k in range(min(ahead, len(chunks))):
-            issue_in(k)
-        pool = self._workers()
         try:
-            for k, chunk in enumerate(chunks):
-                if k + ahead < len(chunks):
-                    issue_in(k + ahead)
-                slot = k % self.slots
-                t.wait_host(in_events[k])
-                t.wait_host(out_events[slot])
-                futures = []
-                for seg, a, b in self._pieces(chunk):
-                    leaf = leaves[seg.leaf]
-                    g = view(slot, 0, seg, leaf.grad.dtype)[a - seg.start: b - seg.start]
-                    o = view(slot, 1, seg, leaf.param.dtype)[a - seg.start: b - seg.start] \
-                        if leaf.write_param else None
-                    futures.append((leaf.path, pool.submit(
-                        kernel, g, tuple(s[a:b] for s in leaf.state), o, leaf.hyper)))
-                cf.wait([f for _, f in futures])  # all pieces end before any error surfaces
-                for path, fut in futures:
-                    if fut.exception() is not None:
-                        e = fut.exception()
-                        raise RuntimeError(f"host optimizer step failed on leaf {path!r}: "
-                                           f"{type(e).__name__}: {e}") from e
-                for seg in chunk:
-                    leaf = leaves[seg.leaf]
-                    if leaf.write_param:
-                        t.copy_out(leaf.param[seg.start:seg.stop],
-                                   view(slot, 1, seg, leaf.param.dtype))
-                out_events[slot] = t.mark_out()
+            for k in range(min(S, len(chunks))):
+                issue_in(k)
+            pool = self._workers()
+            futures = [pool.submit(work, k, *piece) for k, ps in enumerate(pieces) for piece in ps]
+            cf.wait(futures)
+            if failures:
+                path, e = failures[0]
+                raise RuntimeError(f"host optimizer step failed on leaf {path!r}: "
+                                   f"{type(e).__name__}: {e}") from e
         finally:
-            for k in range(len(chunks)):  # never return while a copy in still reads the grads
-                t.wait_host(in_events[k])
+            for ev in in_events:  # never return while a copy in still reads the grads
+                t.wait_host(ev)
             t.end()

@@ -20,7 +20,8 @@ from functional_offload.kernels.reference import AdamHyper, SGDHyper
 __all__ = ["native", "adam_", "sgd_"]
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "cpu_optim.cpp")
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off",
+          "-fopenmp-simd"]
 
 
 @functools.lru_cache(maxsize=None)
