@@ -72,10 +72,10 @@ def main() -> None:
         for c in range(0, n, slot.numel()):
             m_ = min(slot.numel(), n - c)
             step = -(-m_ // threads)
-            futs += [pool.submit(cpu.adam_, mod, p[c + a:c + a + step], g[c + a:c + a + step],
-                                 m[c + a:c + a + step], v[c + a:c + a + step],
-                                 slot[a:a + step][: max(0, min(step, m_ - a))], h)
-                     for a in range(0, m_, step)]
+            for a in range(0, m_, step):
+                e = min(a + step, m_)
+                futs.append(pool.submit(cpu.adam_, mod, p[c + a:c + e], g[c + a:c + e],
+                                        m[c + a:c + e], v[c + a:c + e], slot[a:e], h))
         for f in futs:
             f.result()
     rows["ours (bf16 p out to a 32 MiB slot)"] = n / timed(ours_slot, args.reps) / 1e9
