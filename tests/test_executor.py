@@ -114,3 +114,31 @@ def test_executor_arguments():
         HostExecutor(threads=0)
     with pytest.raises(ValueError, match="cpu_kernel"):
         fo.adamw(1e-3, cpu_kernel="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_params_requiring_grad(dtype):
+    """Params of an nn.Module require grad; the workers' writes to them must still work."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32).to(dtype)
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, executor=HostExecutor(chunk_bytes=4096, threads=3))
+    state = opt.init(params)
+    model(torch.randn(8, 64, dtype=dtype)).square().mean().backward()
+    before = params["weight"].detach().clone()
+    new, state = opt.update({k: p.grad for k, p in params.items()}, state)
+    assert new["weight"] is params["weight"] and new["weight"].requires_grad
+    assert not torch.equal(new["weight"], before)
+
+
+def test_error_in_copy_out_does_not_hang():
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    n = 5000
+    leaf = HostLeaf("w", torch.ones(n), torch.zeros(n, dtype=torch.float64), (torch.zeros(n),), True, None)
+
+    def kernel(g, st, out, h):
+        st[0].add_(g)
+
+    with pytest.raises(RuntimeError, match="leaf 'w'"):
+        ex.run([leaf], kernel)  # the float64 param cannot take the float32 staging view
+    ex.close()

@@ -206,6 +206,7 @@ class HostExecutor:
             if k + S < len(chunks):
                 issue_in(k + S)
 
+        @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach here
         def work(k: int, seg: _Segment, a: int, b: int) -> None:
             issued[k].wait()
             if failures:
@@ -227,7 +228,12 @@ class HostExecutor:
             with lock:
                 remaining[k] -= 1
                 if remaining[k] == 0 and not failures:
-                    finish(k)
+                    try:
+                        finish(k)
+                    except BaseException as e:
+                        failures.append((leaves[seg.leaf].path, e))
+                        for ev in issued:
+                            ev.set()
 
         t.begin()
         try:

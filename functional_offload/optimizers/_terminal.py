@@ -207,7 +207,7 @@ class Terminal:
                     continue  # no gradient: neither the param nor its state changes
                 h = hyper if d else hyper0
                 if leaf.on_host:
-                    host.append(HostLeaf(leaf.path, g.reshape(-1), leaf.param.view(-1),
+                    host.append(HostLeaf(leaf.path, g.detach().reshape(-1), leaf.param.detach().view(-1),
                                          (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
                                          leaf.has_master, h))
                 else:
