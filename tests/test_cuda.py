@@ -111,7 +111,7 @@ def test_bf16_model_fp32_masters_partial_fraction():
     assert devices == {"cpu", "cuda"}
     for k, p in got.items():
         assert p.dtype == torch.bfloat16 and torch.equal(p, state.master[k].to(p.device, torch.bfloat16))
-    close({k: v.float() for k, v in state.master.items()}, want, atol=5e-2, rtol=5e-2)
+    close({k: v.float().to(DEV) for k, v in state.master.items()}, want, atol=5e-2, rtol=5e-2)
 
 
 def test_gpu_checkpoint_round_trip_and_replacement(tmp_path):
