@@ -51,7 +51,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     x = torch.randn(args.tokens, args.d, device="cuda", dtype=torch.bfloat16)
     info: dict = {"system": system}
     name, _, frac = system.partition(":")
-    pinned = None
+    pinned = timeline = None
     if name == "fwdbwd":
         def step():
             loss_fn(ps, x).backward()
@@ -69,7 +69,11 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         import functional_offload as fo
         from functional_offload.executor import HostExecutor
 
-        ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None)
+        from functional_offload.executor import Timeline
+
+        timeline = Timeline() if args.timeline else None
+        ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None,
+                          timeline=timeline)
         opt = fo.adamw(placement=fo.placement.offload_fraction(float(frac)), executor=ex, **HYPER)
         tree = {str(i): p for i, p in enumerate(ps)}
         state = opt.init(tree)
@@ -114,7 +118,9 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times = []
-    for _ in range(args.steps):
+    for i in range(args.steps):
+        if timeline is not None and i == args.steps - 1:
+            timeline.clear()  # keep the last step only
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()
@@ -123,6 +129,10 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                 peak_extra_gib=(torch.cuda.max_memory_allocated() - model_bytes) / 2**30,
                 params=sum(p.numel() for p in ps), pinned_bytes=pinned() if pinned else None)
+    if timeline is not None:
+        stem = os.path.join(args.timeline, "timeline_" + system.replace(":", "-"))
+        timeline.to_chrome(stem + ".json")
+        timeline.plot(stem + ".png", title=f"{system}, {args.tokens} tokens: one update (last step)")
     return info
 
 
@@ -140,6 +150,7 @@ def main() -> None:
                     help="CPU-kernel throughput (G elem/s) for the floor column; see cpu_kernel.py")
     ap.add_argument("--systems", default="fwdbwd,gpu,ours:0,ours:0.25,ours:0.5,ours:0.75,ours:1,"
                                          "hdo:0.5,hdo:1,torchao")
+    ap.add_argument("--timeline", default="", help="folder for a Chrome trace and PNG per ours:F system")
     ap.add_argument("--one", help="run one system in this process and print its JSON")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -148,7 +159,8 @@ def main() -> None:
         return
     rows = []
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-              for k in ("d", "ffn", "blocks", "tokens", "warmup", "steps", "chunk_mb", "threads")]
+              for k in ("d", "ffn", "blocks", "tokens", "warmup", "steps", "chunk_mb", "threads",
+                        "timeline")]
     for system in args.systems.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--one", system, *common]
         proc = subprocess.run(cmd, capture_output=True, text=True)

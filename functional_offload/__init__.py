@@ -7,12 +7,14 @@
     params, state = opt.update(grads, state)
 """
 
-from functional_offload import placement
+from functional_offload import compat, placement
 from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
                                      chain, params_of)
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from functional_offload.executor import HostExecutor
+from functional_offload.compat import TorchOptimizer
 from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.report import PlacementReport, placement_report
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
                                            clip_by_global_norm, global_norm, masked, scale,
                                            schedules)
@@ -24,6 +26,7 @@ __all__ = [
     "adam", "adamw", "sgd", "AdamState", "SGDState",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
-    "placement", "HostExecutor",
+    "placement", "HostExecutor", "placement_report", "PlacementReport",
+    "compat", "TorchOptimizer",
     "save", "load", "state_dict", "load_state_dict", "CheckpointError",
 ]

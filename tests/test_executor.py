@@ -142,3 +142,34 @@ def test_error_in_copy_out_does_not_hang():
     with pytest.raises(RuntimeError, match="leaf 'w'"):
         ex.run([leaf], kernel)  # the float64 param cannot take the float32 staging view
     ex.close()
+
+
+def test_timeline_records_every_chunk_and_exports(tmp_path):
+    import json
+
+    from functional_offload.executor import Timeline
+    tl = Timeline()
+    ex = HostExecutor(chunk_bytes=4096, slots=3, threads=2, timeline=tl)
+    params = make_params(dtype=torch.bfloat16)  # bf16: params are written back (H2D lane)
+    opt = fo.adamw(1e-2, executor=ex)
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    events = tl.events()
+    chunks = len(ex._chunks([HostLeaf("", g.reshape(-1), g.reshape(-1), (), True, None)
+                             for g in optree.tree_leaves(grad_seq(params, 1)[0])]))
+    names = {e["lane"]: set() for e in events}
+    for e in events:
+        names[e["lane"]].add(e["name"])
+        assert e["dur_us"] >= 0 and e["start_us"] >= 0
+    assert names["D2H"] == {f"grads c{k}" for k in range(chunks)}
+    assert names["H2D"] == {f"params c{k}" for k in range(chunks)}
+    kernels = set().union(*(v for k, v in names.items() if k.startswith("fo-host")))
+    assert kernels == {f"kernel c{k}" for k in range(chunks)}
+    tl.to_chrome(tmp_path / "t.json")
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in trace) == len(events)
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == set(names)
+    tl.plot(tmp_path / "t.png", title="cpu")
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    tl.clear()
+    assert tl.events() == []

@@ -20,10 +20,12 @@ import concurrent.futures as cf
 import math
 import os
 import threading
+import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from functional_offload.executor.timeline import Timeline
 from functional_offload.executor.transport import transport_for
 
 __all__ = ["HostLeaf", "HostExecutor", "physical_cores", "Kernel"]
@@ -86,9 +88,11 @@ class HostExecutor:
       chunk_bytes: grad bytes per chunk (and per ring-slot half); MBs to tens of MBs.
       slots: ring slots; ``slots - 1`` chunks of grads copy in ahead of the kernel.
       threads: worker threads for the kernel (default: physical cores).
+      timeline: a :class:`Timeline` to record per-chunk spans into (off by default).
     """
 
-    def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None):
+    def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
+                 timeline: Optional[Timeline] = None):
         if chunk_bytes < 4096 or slots < 2:
             raise ValueError(f"executor needs chunk_bytes >= 4096 and slots >= 2, got "
                              f"chunk_bytes={chunk_bytes}, slots={slots}")
@@ -97,6 +101,7 @@ class HostExecutor:
         self.chunk_bytes = int(chunk_bytes)
         self.slots = int(slots)
         self.threads = threads or physical_cores()
+        self.timeline = timeline
         self._rings: dict[torch.device, torch.Tensor] = {}
         self._out_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Any] = {}
@@ -190,18 +195,26 @@ class HostExecutor:
             base = (2 * (k % S) + which) * half + seg.offset
             return ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
 
+        tl = self.timeline
+
         def issue_in(k: int) -> None:
+            s0 = tl.stamp(device, t.stream_in) if tl else None
             for seg in chunks[k]:
                 leaf = leaves[seg.leaf]
                 t.copy_in(view(k, 0, seg, leaf.grad.dtype), leaf.grad[seg.start:seg.stop])
+            if tl:
+                tl.span("D2H", f"grads c{k}", s0, tl.stamp(device, t.stream_in))
             in_events[k] = t.mark_in()
             issued[k].set()
 
         def finish(k: int) -> None:  # under `lock`, by the thread ending chunk k
+            s0 = tl.stamp(device, t.stream_out) if tl else None
             for seg in chunks[k]:
                 leaf = leaves[seg.leaf]
                 if leaf.write_param:
                     t.copy_out(leaf.param[seg.start:seg.stop], view(k, 1, seg, leaf.param.dtype))
+            if tl:
+                tl.span("H2D", f"params c{k}", s0, tl.stamp(device, t.stream_out))
             out_events[k] = slot_events[k % S] = t.mark_out()
             if k + S < len(chunks):
                 issue_in(k + S)
@@ -217,8 +230,11 @@ class HostExecutor:
                 leaf = leaves[seg.leaf]
                 lo, hi = a - seg.start, b - seg.start
                 out = view(k, 1, seg, leaf.param.dtype)[lo:hi] if leaf.write_param else None
+                s0 = time.perf_counter_ns()
                 kernel(view(k, 0, seg, leaf.grad.dtype)[lo:hi], tuple(x[a:b] for x in leaf.state),
                        out, leaf.hyper)
+                if tl:
+                    tl.span(threading.current_thread().name, f"kernel c{k}", s0, time.perf_counter_ns())
             except BaseException as e:  # surfaced by the caller; wake every waiting piece
                 with lock:
                     failures.append((leaves[seg.leaf].path, e))

@@ -18,6 +18,9 @@ __all__ = ["Transport", "CudaTransport", "LocalTransport", "transport_for"]
 class Transport:
     """Interface; ``Event`` objects are opaque (``None`` for the local transport)."""
 
+    stream_in: Optional[object] = None  # the streams the copies run on (None: synchronous)
+    stream_out: Optional[object] = None
+
     def begin(self) -> None:
         """Order the copies to come after the work already queued on the caller's stream."""
 
@@ -52,8 +55,8 @@ class CudaTransport(Transport):
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
+        self.d2h = self.stream_in = torch.cuda.Stream(device)
+        self.h2d = self.stream_out = torch.cuda.Stream(device)
 
     def begin(self) -> None:
         ready = torch.cuda.current_stream(self.device).record_event()

@@ -23,16 +23,25 @@ from functional_offload.placement import Placement, on_host
 from functional_offload.tree import check_tensor_leaves, flatten_like, leaves_with_paths
 from functional_offload.typing import Params, ScalarOrSchedule
 
-__all__ = ["Terminal", "check_lr", "check_beta", "check_nonneg", "LOW_PRECISION"]
+__all__ = ["Terminal", "check_scalar_or_schedule", "at_step", "check_beta", "check_nonneg", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MaskOrFn = Any  # a pytree of bools mirroring params, or a callable params -> such a tree
 
 
-def check_lr(lr: ScalarOrSchedule) -> ScalarOrSchedule:
-    if not callable(lr):
-        check_nonneg("lr", lr)
-    return lr
+def check_scalar_or_schedule(name: str, x: ScalarOrSchedule) -> ScalarOrSchedule:
+    """A float >= 0, or a callable of the step (checked when called, at each update)."""
+    if not callable(x):
+        check_nonneg(name, x)
+    return x
+
+
+def at_step(name: str, x: ScalarOrSchedule, n: int) -> float:
+    """The value of a scalar or schedule for step count ``n``; raises if it is not >= 0."""
+    v = float(x(n)) if callable(x) else float(x)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"the {name} schedule returned {v} at step {n}; it must be finite and >= 0")
+    return v
 
 
 def check_nonneg(name: str, x: Any) -> float:
@@ -72,13 +81,15 @@ class Terminal:
       state_cls: NamedTuple with fields ``count``, the moment fields, ``master``, ``params``.
       moments: ``(field name, dtype or None)`` per moment (None: fp32 for low-precision
         params, the param dtype otherwise).
-      hyper: ``(lr_at_step, step) -> hyper NamedTuple`` with a ``weight_decay`` field.
+      lr, weight_decay: floats or schedules of the step count.
+      hyper: ``(lr, weight_decay, step) -> hyper NamedTuple`` (with a ``weight_decay`` field).
       device_math: ``(values, grads, [moment lists], hyper)`` for device-resident groups.
       host_math: ``(value, grad, moments, out, hyper, native_module_or_None)`` on 1-D pieces.
     """
 
     def __init__(self, name: str, state_cls: type, moments: Sequence[tuple[str, Optional[torch.dtype]]],
-                 lr: ScalarOrSchedule, hyper: Callable[[float, int], Any],
+                 lr: ScalarOrSchedule, weight_decay: ScalarOrSchedule,
+                 hyper: Callable[[float, float, int], Any],
                  device_math: Callable[..., None], host_math: Callable[..., None], *,
                  placement: Optional[Placement], master_dtype: torch.dtype,
                  weight_decay_mask: MaskOrFn, executor: Optional[HostExecutor], cpu_kernel: str):
@@ -92,7 +103,8 @@ class Terminal:
         self.name = name
         self.state_cls = state_cls
         self.moments = [(f, _check_dtype(f"{f}_dtype", d)) for f, d in moments]
-        self.lr = check_lr(lr)
+        self.lr = check_scalar_or_schedule("lr", lr)
+        self.weight_decay = check_scalar_or_schedule("weight_decay", weight_decay)
         self.hyper = hyper
         self.device_math = device_math
         self.host_math = host_math
@@ -194,10 +206,8 @@ class Terminal:
         paths, leaves = self._leaves(state)
         gs = self._check_grads(grads, params, leaves)
         decay = self._decay_flags(params)
-        lr = float(self.lr(n)) if callable(self.lr) else float(self.lr)
-        if not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"the lr schedule returned {lr} at step {n}; it must be finite and >= 0")
-        hyper = self.hyper(lr, n + 1)
+        hyper = self.hyper(at_step("lr", self.lr, n), at_step("weight_decay", self.weight_decay, n),
+                           n + 1)
         hyper0 = hyper._replace(weight_decay=0.0)
         with torch.no_grad():
             groups: dict[tuple, list[tuple[_Leaf, torch.Tensor]]] = {}
@@ -214,7 +224,9 @@ class Terminal:
                     key = (leaf.value.device, leaf.value.dtype,
                            tuple(m.dtype for m in leaf.moments), h)
                     groups.setdefault(key, []).append((leaf, g))
+            tl = self.executor.timeline
             for key, items in groups.items():  # device-resident: queued first, runs concurrently
+                s0 = tl.stamp(key[0]) if tl else None
                 values = [lf.value for lf, _ in items]
                 self.device_math(values, [g for _, g in items],
                                  [[lf.moments[j] for lf, _ in items] for j in range(len(self.moments))],
@@ -222,6 +234,8 @@ class Terminal:
                 written = [(lf.param, lf.value) for lf, _ in items if lf.has_master]
                 if written:
                     torch._foreach_copy_([p for p, _ in written], [v for _, v in written])
+                if tl:
+                    tl.span("GPU update", f"{len(items)} leaves", s0, tl.stamp(key[0]))
             self.executor.run(host, self._host_kernel(host))
         new_count = torch.tensor(n + 1, dtype=torch.int64)
         state.count.fill_(-1)  # donation: the old state is consumed

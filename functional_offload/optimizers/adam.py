@@ -40,7 +40,7 @@ def _host_math(value: torch.Tensor, g: torch.Tensor, moments: tuple, out: Option
 
 
 def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, float],
-          eps: float, weight_decay: float, placement: Optional[Placement],
+          eps: float, weight_decay: ScalarOrSchedule, placement: Optional[Placement],
           master_dtype: torch.dtype, mu_dtype: Optional[torch.dtype],
           nu_dtype: Optional[torch.dtype], weight_decay_mask: Any,
           executor: Optional[HostExecutor], cpu_kernel: str) -> Optimizer:
@@ -48,10 +48,9 @@ def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, 
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     b1, b2 = check_beta("betas[0]", betas[0]), check_beta("betas[1]", betas[1])
     eps = check_nonneg("eps", eps)
-    wd = check_nonneg("weight_decay", weight_decay)
     t = Terminal(
-        name, AdamState, [("mu", mu_dtype), ("nu", nu_dtype)], lr,
-        lambda lr_t, step: AdamHyper(lr_t, b1, b2, eps, wd, step, decoupled),
+        name, AdamState, [("mu", mu_dtype), ("nu", nu_dtype)], lr, weight_decay,
+        lambda lr_t, wd_t, step: AdamHyper(lr_t, b1, b2, eps, wd_t, step, decoupled),
         lambda values, grads, moms, h: gpu.adam_(values, grads, moms[0], moms[1], h),
         _host_math, placement=placement, master_dtype=master_dtype,
         weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel)
@@ -59,7 +58,7 @@ def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, 
 
 
 def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: float = 1e-2, *,
+          eps: float = 1e-8, weight_decay: ScalarOrSchedule = 1e-2, *,
           placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
           mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
           weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
@@ -84,7 +83,8 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
       lr: learning rate, or a schedule: a callable of the number of updates already applied.
       betas: :math:`(\beta_1, \beta_2)`, each in [0, 1).
       eps: :math:`\epsilon`, added outside the square root, as torch does.
-      weight_decay: :math:`\lambda`, decoupled (multiplies the param by :math:`1-\eta_t\lambda`).
+      weight_decay: :math:`\lambda`, decoupled (multiplies the param by :math:`1-\eta_t\lambda`);
+        a float or a schedule, like ``lr``.
       placement: where each leaf's state lives (default :func:`placement.on_host`).
       master_dtype: dtype of the masters of low-precision params (fp32).
       mu_dtype, nu_dtype: moment dtypes (default fp32 for low-precision params, else the
@@ -117,7 +117,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-         eps: float = 1e-8, weight_decay: float = 0.0, *,
+         eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0, *,
          placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
          mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
          weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,

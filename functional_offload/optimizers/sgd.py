@@ -38,7 +38,7 @@ def _host_math(value: torch.Tensor, g: torch.Tensor, moments: tuple, out: Option
 
 
 def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
-        weight_decay: float = 0.0, *, placement: Optional[Placement] = None,
+        weight_decay: ScalarOrSchedule = 0.0, *, placement: Optional[Placement] = None,
         master_dtype: torch.dtype = torch.float32, momentum_dtype: Optional[torch.dtype] = None,
         weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
         cpu_kernel: str = "auto") -> Optimizer:
@@ -60,7 +60,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
       lr: learning rate, or a schedule of the number of updates already applied.
       momentum: :math:`\mu \ge 0`.
       nesterov: Nesterov momentum (needs ``momentum > 0``).
-      weight_decay: :math:`\lambda`, coupled as L2.
+      weight_decay: :math:`\lambda`, coupled as L2; a float or a schedule.
       placement, master_dtype, weight_decay_mask, executor, cpu_kernel: as in :func:`adamw`.
       momentum_dtype: dtype of the buffers (default fp32 for low-precision params).
 
@@ -76,12 +76,11 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         tensor([-0.5000, -0.5000])
     """
     mom = check_nonneg("momentum", momentum)
-    wd = check_nonneg("weight_decay", weight_decay)
     if nesterov and mom == 0:
         raise ValueError("nesterov=True needs momentum > 0 (as in torch.optim.SGD)")
     t = Terminal(
-        "sgd", SGDState, [("momentum", momentum_dtype)] if mom else [], lr,
-        lambda lr_t, step: SGDHyper(lr_t, mom, wd, bool(nesterov)),
+        "sgd", SGDState, [("momentum", momentum_dtype)] if mom else [], lr, weight_decay,
+        lambda lr_t, wd_t, step: SGDHyper(lr_t, mom, wd_t, bool(nesterov)),
         lambda values, grads, moms, h: gpu.sgd_(values, grads, moms[0] if moms else [], h),
         _host_math, placement=placement, master_dtype=master_dtype,
         weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel)

@@ -1,0 +1,160 @@
+"""The torch.optim adapter, the Megatron option mapping and the placement report."""
+
+import json
+
+import optree
+import pytest
+import torch
+
+import functional_offload as fo
+from functional_offload.compat import optimizer_from_megatron
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def train(model, opt, steps, sched=None, clip=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=g)
+        model(x).square().mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched:
+            sched.step()
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+SCHEDS = {
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda n: 1 / (1 + n)),
+    "cosine": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7, eta_min=1e-4),
+}
+
+
+@pytest.mark.parametrize("sched", ["none", *SCHEDS])
+def test_adapter_matches_torch_optim_with_schedulers(sched):
+    kw = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
+    a, b = make_model(), make_model()
+    ours = fo.TorchOptimizer(a.named_parameters(), fo.adamw, cpu_kernel="torch", **kw)
+    ref = torch.optim.AdamW(b.parameters(), **kw)
+    got = train(a, ours, 12, SCHEDS[sched](ours) if sched != "none" else None)
+    want = train(b, ref, 12, SCHEDS[sched](ref) if sched != "none" else None)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+
+
+def test_adapter_matches_functional_api_and_clip():
+    a = make_model()
+    params = {k: v.detach().clone() for k, v in a.named_parameters()}
+    ours = fo.TorchOptimizer(a.named_parameters(), fo.sgd, lr=0.1, momentum=0.9, max_grad_norm=0.5)
+    got = train(a, ours, 6)
+    fopt = fo.chain(fo.clip_by_global_norm(0.5), fo.sgd(0.1, momentum=0.9))
+    b = make_model()
+    state = fopt.init(params)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x = torch.randn(32, 8, generator=gen)
+        ps = {k: v.detach().requires_grad_() for k, v in params.items()}  # shares storage
+        loss = torch.func.functional_call(b, ps, (x,)).square().mean()
+        grads = dict(zip(ps, torch.autograd.grad(loss, list(ps.values()))))
+        params, state = fopt.update(grads, state)
+    for k in got:
+        assert torch.allclose(got[k], params[k], rtol=1e-6, atol=1e-7), k
+
+
+def test_param_groups_have_their_own_hyperparameters():
+    a, b = make_model(), make_model()
+    groups = lambda m: [{"params": [m[0].weight, m[2].weight], "weight_decay": 0.5},  # noqa: E731
+                        {"params": [m[0].bias, m[2].bias], "lr": 1e-3, "weight_decay": 0.0}]
+    ours = fo.TorchOptimizer(groups(a), fo.adamw, lr=1e-2, cpu_kernel="torch")
+    ref = torch.optim.AdamW(groups(b), lr=1e-2)
+    got, want = train(a, ours, 5), train(b, ref, 5)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_adapter_state_dict_round_trip_resume_bit_exact(tmp_path):
+    straight = make_model()
+    o = fo.TorchOptimizer(straight.named_parameters(), fo.adamw, lr=1e-2)
+    s = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)
+    train(straight, o, 4, s, seed=1)
+    want = train(straight, o, 4, s, seed=2)
+
+    m = make_model()
+    o = fo.TorchOptimizer(m.named_parameters(), fo.adamw, lr=1e-2)
+    s = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10)
+    train(m, o, 4, s, seed=1)
+    torch.save({"opt": o.state_dict(), "sched": s.state_dict(), "model": m.state_dict()}, tmp_path / "ck.pt")
+    ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+    m2 = make_model(seed=5)
+    m2.load_state_dict(ck["model"])
+    o2 = fo.TorchOptimizer(m2.named_parameters(), fo.adamw, lr=1e-2)
+    s2 = torch.optim.lr_scheduler.CosineAnnealingLR(o2, T_max=10)
+    o2.load_state_dict(ck["opt"])
+    s2.load_state_dict(ck["sched"])
+    got = train(m2, o2, 4, s2, seed=2)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_adapter_rejects_unknown_options_and_mismatched_state():
+    with pytest.raises(TypeError, match="momentum"):
+        fo.TorchOptimizer(make_model().parameters(), fo.adamw, momentum=0.9)
+    a = fo.TorchOptimizer(make_model().named_parameters(), fo.adamw)
+    b = fo.TorchOptimizer(list(make_model().parameters()), fo.adamw)
+    with pytest.raises(ValueError, match="names"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_megatron_options_map_to_the_same_optimizer():
+    params = {k: v.detach() for k, v in make_model().named_parameters()}
+    grads = [optree.tree_map(lambda p: torch.randn_like(p) * 3, params) for _ in range(5)]
+    outs = []
+    for opt in (optimizer_from_megatron(lr=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95,
+                                        adam_eps=1e-6, clip_grad=1.0, optimizer_cpu_offload=True,
+                                        optimizer_offload_fraction=0.5),
+                fo.chain(fo.clip_by_global_norm(1.0),
+                         fo.adamw(1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1))):
+        p = optree.tree_map(torch.clone, params)
+        s = opt.init(p)
+        for g in grads:
+            p, s = opt.update(g, s)
+        outs.append(p)
+    for k in outs[0]:
+        assert torch.equal(outs[0][k], outs[1][k])
+    sgd = optimizer_from_megatron(optimizer="sgd", lr=0.1, clip_grad=0.0, sgd_momentum=0.5)
+    assert isinstance(sgd.init(params), fo.SGDState)
+    adam = optimizer_from_megatron(lr=0.1, decoupled_weight_decay=False, exp_avg_dtype="bf16")
+    st = adam.init(params)[1]
+    assert st.mu["0.weight"].dtype == torch.bfloat16 and st.nu["0.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.5), r"\[0, 1\]"),
+    (dict(optimizer_offload_fraction=-0.1), r"\[0, 1\]"),
+    (dict(optimizer_cpu_offload=True, decoupled_weight_decay=False), "decoupled_weight_decay"),
+    (dict(optimizer="lamb"), "'adam' and 'sgd'"),
+    (dict(exp_avg_dtype="fp8"), "exp_avg_dtype"),
+    (dict(main_params_dtype="fp16"), "main_params_dtype"),
+])
+def test_megatron_option_errors(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        optimizer_from_megatron(lr=1e-3, **kwargs)
+
+
+def test_placement_report_table_and_json(tmp_path):
+    params = {"w": torch.zeros(4, 4, dtype=torch.bfloat16), "b": torch.zeros(4)}
+    state = fo.adamw(1e-3).init(params)
+    rep = fo.placement_report(state)
+    paths = [r["path"] for r in rep.rows]
+    assert paths == ["count", "mu.b", "mu.w", "nu.b", "nu.w", "master.w"]
+    assert rep.host_bytes == 8 + 16 + 64 + 16 + 64 + 64 and rep.device_bytes == 0
+    assert "master.w" in str(rep) and "float32" in str(rep)
+    data = json.loads(rep.to_json(tmp_path / "r.json"))
+    assert data["host_bytes"] == rep.host_bytes
+    assert json.loads((tmp_path / "r.json").read_text())["leaves"][5]["shape"] == [4, 4]
