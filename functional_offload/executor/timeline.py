@@ -75,8 +75,14 @@ class Timeline:
                 for lane, name, a, b in sorted(spans, key=lambda s: s[2])]
 
     def lanes(self, events: list[dict[str, Any]]) -> list[str]:
+        """Lanes in display order: GPU update, D2H, workers (numerically), H2D."""
         order = {"GPU update": 0, "D2H": 1, "H2D": 3}
-        return sorted({e["lane"] for e in events}, key=lambda lane: (order.get(lane, 2), lane))
+
+        def key(lane: str) -> tuple:
+            head, _, num = lane.rpartition("_")
+            return (order.get(lane, 2), head, int(num) if num.isdigit() else -1, lane)
+
+        return sorted({e["lane"] for e in events}, key=key)
 
     def to_chrome(self, path: Union[str, os.PathLike]) -> None:
         """Write Chrome-trace JSON (open it in Perfetto or chrome://tracing)."""
