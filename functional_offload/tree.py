@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-__all__ = ["leaves_with_paths", "flatten_like", "tree_paths"]
+__all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves"]
 
 
 def _entry_name(entry: Any) -> str:
@@ -17,18 +17,13 @@ def _entry_name(entry: Any) -> str:
     return str(entry)
 
 
-def tree_paths(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
-    """Dotted paths of the leaves of ``tree`` in flatten order (``None`` is not a leaf)."""
-    accessors, _, _ = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf)
-    return [".".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors]
-
-
 def leaves_with_paths(
     tree: Any, is_leaf: Callable[[Any], bool] | None = None
 ) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
-    """``(paths, leaves, treespec)`` of ``tree``; paths are dotted, e.g. ``"mu.layer.weight"``."""
-    leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
-    return tree_paths(tree, is_leaf=is_leaf), leaves, spec
+    """``(paths, leaves, treespec)`` of ``tree`` in flatten order (``None`` is not a leaf);
+    paths are dotted, e.g. ``"mu.layer.weight"``."""
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf)
+    return [".".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec
 
 
 def flatten_like(tree: Any, reference: Any, what: str) -> list[Any]:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Union
 
-import torch
-
 __all__ = ["Params", "Updates", "OptState", "Schedule", "ScalarOrSchedule", "Path"]
 
 Params = Any
@@ -19,4 +17,3 @@ Schedule = Callable[[int], float]
 ScalarOrSchedule = Union[float, Schedule]
 Path = str
 """A leaf's dotted path in its tree, e.g. ``"layers.0.weight"``."""
-Tensor = torch.Tensor

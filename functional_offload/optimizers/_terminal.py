@@ -158,12 +158,12 @@ class Terminal:
         )
 
     # ---- update ---------------------------------------------------------------------------
-    def _leaves(self, state: Any) -> tuple[list[str], list[_Leaf]]:
+    def _leaves(self, state: Any) -> list[_Leaf]:
         params = state.params.tree
         paths, ps, _ = leaves_with_paths(params)
         masters = flatten_like(state.master, params, "state.master")
         moms = [flatten_like(getattr(state, f), params, f"state.{f}") for f, _ in self.moments]
-        return paths, [_Leaf(paths[i], ps[i], masters[i] if masters[i] is not None else ps[i],
+        return [_Leaf(paths[i], ps[i], masters[i] if masters[i] is not None else ps[i],
                              tuple(m[i] for m in moms), masters[i] is not None)
                        for i in range(len(ps))]
 
@@ -203,7 +203,7 @@ class Terminal:
                                "(its buffers were reused in place); use the state that update "
                                "returned")
         params = state.params.tree
-        paths, leaves = self._leaves(state)
+        leaves = self._leaves(state)
         gs = self._check_grads(grads, params, leaves)
         decay = self._decay_flags(params)
         hyper = self.hyper(at_step("lr", self.lr, n), at_step("weight_decay", self.weight_decay, n),
