@@ -10,7 +10,8 @@ do not leak between systems); the driver prints a table and writes JSON.
 Systems: ``gpu`` (torch fused AdamW on bf16 params, no master), ``fwdbwd`` (no optimizer: the
 forward+backward time subtracted to get optimizer overhead), ``ours:F`` (fo.adamw with
 offload_fraction F), ``hdo:F`` (Megatron's HybridDeviceOptimizer, overlap on, fp32 update),
-``torchao`` (CPUOffloadOptimizer, fused AdamW, bf16 states). Missing peers are reported as such.
+``delayed:F`` (ours with the delayed parameter update), ``torchao`` (CPUOffloadOptimizer, fused
+AdamW, bf16 states). Missing peers are reported as such.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
             loss_fn(ps, x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    elif name == "ours":
+    elif name in ("ours", "delayed"):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import functional_offload as fo
         from functional_offload.executor import HostExecutor
@@ -74,7 +75,8 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         timeline = Timeline() if args.timeline else None
         ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None,
                           timeline=timeline)
-        opt = fo.adamw(placement=fo.placement.offload_fraction(float(frac)), executor=ex, **HYPER)
+        opt = fo.adamw(placement=fo.placement.offload_fraction(float(frac)), executor=ex,
+                       delayed=name == "delayed", **HYPER)
         tree = {str(i): p for i, p in enumerate(ps)}
         state = opt.init(tree)
         holder = [state]

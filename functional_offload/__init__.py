@@ -9,7 +9,7 @@
 
 from functional_offload import compat, placement
 from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
-                                     chain, params_of)
+                                     chain, flush, params_of)
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from functional_offload.executor import HostExecutor
 from functional_offload.compat import TorchOptimizer
@@ -22,7 +22,7 @@ from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
 __version__ = "0.1.0"
 
 __all__ = [
-    "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "chain", "params_of",
+    "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "chain", "params_of", "flush",
     "adam", "adamw", "sgd", "AdamState", "SGDState",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Union
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
 
 import optree
 
@@ -18,6 +18,7 @@ __all__ = [
     "ParamRefs",
     "chain",
     "params_of",
+    "flush",
 ]
 
 
@@ -62,13 +63,30 @@ class EmptyState(NamedTuple):
 
 
 class ParamRefs(NamedTuple):
-    """Live references to the params a terminal optimizer updates in place.
+    """The live side of a terminal optimizer's state: the params it updates in place, and
+    (with ``delayed=True``) the host staging of the new params and the step still in flight.
 
     Part of the state tree so that the state is self-contained, but not saved by checkpoints:
     the params are the model's, saved with the model.
     """
 
     tree: Params
+    staging: Any = None  # delayed mode: host buffers the new params land in (None leaves else)
+    pending: Optional[Callable[[], None]] = None  # delayed mode: finishes the in-flight step
+
+
+def flush(state: OptState) -> OptState:
+    """Finish any update still in flight in ``state`` (delayed mode) and apply it to the params.
+
+    The host step started by the last ``update`` is waited for, its params are copied to the
+    device, and the caller's stream is ordered after the copies. A no-op for states with nothing
+    in flight; :func:`~functional_offload.save` and :func:`~functional_offload.state_dict` call
+    it. Returns ``state``.
+    """
+    for node in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, ParamRefs)):
+        if isinstance(node, ParamRefs) and node.pending is not None:
+            node.pending()
+    return state
 
 
 AnyTransformation = Union[GradientTransformation, Optimizer]

@@ -21,7 +21,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from functional_offload.base import ParamRefs
+from functional_offload.base import ParamRefs, flush
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
 
@@ -55,9 +55,12 @@ def _check_live(paths: list[str], leaves: list[torch.Tensor], what: str) -> None
 def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     """Flat ``{dotted path: tensor}`` of the state (the params references excluded).
 
+    A delayed update still in flight is finished first (:func:`~functional_offload.flush`).
+
     The tensors are the state's own (not copies); ``torch.save`` of the result loads with
     ``weights_only=True``.
     """
+    flush(state)  # a delayed update still in flight lands first
     paths, leaves, _ = _state_leaves(state)
     _check_live(paths, leaves, "state_dict")
     if len(set(paths)) != len(paths):

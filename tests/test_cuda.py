@@ -156,3 +156,41 @@ def test_cpu_and_gpu_kernels_agree():
             params, s = opt.update(gr, s)
         outs.append(params["w"])
     assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["adamw", "sgd"])
+def test_delayed_update_matches_hand_written_delayed_loop(case):
+    mk, cls, kw = CASES[case]
+    data = batches(8, seed=11)
+    torch.manual_seed(0)
+    ref = ConvNet().to(DEV)
+    ropt = cls(ref.parameters(), **kw)
+    prev = None
+    for x, y in data + [None]:  # the trailing None is the final flush
+        cur = None
+        if x is not None:
+            torch.nn.functional.cross_entropy(ref(x), y).backward()
+            cur = [p.grad.clone() for p in ref.parameters()]
+            ropt.zero_grad(set_to_none=True)
+        if prev is not None:
+            for p, g in zip(ref.parameters(), prev):
+                p.grad = g
+            ropt.step()
+            ropt.zero_grad(set_to_none=True)
+        prev = cur
+    want = {k: v.detach() for k, v in ref.named_parameters()}
+
+    torch.manual_seed(0)
+    model = ConvNet().to(DEV)
+    params = dict(model.named_parameters())
+    opt = mk(**kw, placement=fo.placement.on_host(), delayed=True,
+             executor=HostExecutor(chunk_bytes=64 << 10, threads=4))
+    state = opt.init(params)
+    for x, y in data:  # no synchronization between steps
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+        for p in params.values():
+            p.grad = None
+    fo.flush(state)
+    torch.cuda.synchronize()
+    close({k: v.detach() for k, v in params.items()}, want)

@@ -131,16 +131,23 @@ def test_module_params_requiring_grad(dtype):
     assert not torch.equal(new["weight"], before)
 
 
-def test_error_in_copy_out_does_not_hang():
+def test_error_in_a_copy_does_not_hang():
     ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
     n = 5000
-    leaf = HostLeaf("w", torch.ones(n), torch.zeros(n, dtype=torch.float64), (torch.zeros(n),), True, None)
+    leaf = HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n),), False, None)
+    ex.reserve(torch.device("cpu"))
+    transport = ex._transports[torch.device("cpu")]
+    calls = []
 
-    def kernel(g, st, out, h):
-        st[0].add_(g)
+    def failing_copy(dst, src):  # the third copy in (issued by a worker, after chunk 0) fails
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("DMA failed")
+        dst.copy_(src)
 
-    with pytest.raises(RuntimeError, match="leaf 'w'"):
-        ex.run([leaf], kernel)  # the float64 param cannot take the float32 staging view
+    transport.copy_in = failing_copy
+    with pytest.raises(RuntimeError, match="leaf 'w'.*DMA failed"):
+        ex.run([leaf], lambda g, st, out, h: st[0].add_(g))
     ex.close()
 
 

@@ -37,8 +37,8 @@ class HostLeaf(NamedTuple):
     """One host-resident leaf, flattened to 1-D views."""
 
     path: str
-    grad: torch.Tensor  # on the param's device, 1-D
-    param: torch.Tensor  # the model param, 1-D (on its device)
+    grad: torch.Tensor  # 1-D, on the device the copies come from (a GPU, or the CPU)
+    param: torch.Tensor  # 1-D: where the new param goes (the param itself, or host staging)
     state: tuple[torch.Tensor, ...]  # host tensors, 1-D: (value, moments...) — value is fp32
     write_param: bool  # the param is a separate (device or low-precision) tensor to write back
     hyper: Any  # per-leaf scalars handed to the kernel
@@ -165,8 +165,55 @@ class HostExecutor:
         return [(s, a, min(s.stop, a + step)) for s in chunk for a in range(s.start, s.stop, step)]
 
     # ---- the step -------------------------------------------------------------------------
-    def run(self, leaves: Sequence[HostLeaf], kernel: Kernel) -> None:
-        """Update ``leaves`` (all with params on one device) with ``kernel``; errors re-raise.
+    def start(self, leaves: Sequence[HostLeaf], kernel: Kernel,
+              targets: Sequence[torch.Tensor]) -> Callable[[], None]:
+        """Run :meth:`run` in the background, with each leaf's ``param`` a host staging buffer.
+
+        Returns ``finish()``: it waits for the host step, re-raises its error, then copies each
+        staged param into its ``targets`` tensor (on the H2D stream, after the work queued so
+        far on the caller's stream) and orders the caller's stream after those copies. Calling
+        it again does nothing. This is the delayed parameter update: the copies land only when
+        ``finish`` is called, after the work the caller queued meanwhile.
+        """
+        if not leaves:
+            return lambda: None
+        device = leaves[0].grad.device
+        self.reserve(device)
+        ready = self._transports[device].ready()  # grads are complete here, on the caller's stream
+        failure: list[BaseException] = []
+
+        def body() -> None:
+            try:
+                self.run(leaves, kernel, ready)
+            except BaseException as e:
+                failure.append(e)
+
+        driver = threading.Thread(target=body, name="fo-delayed", daemon=True)
+        driver.start()
+        done: list[bool] = []
+
+        def finish() -> None:
+            if done:
+                return
+            driver.join()
+            done.append(True)
+            if failure:
+                raise failure[0]
+            t = self._transports[device]
+            t.begin()
+            for leaf, target in zip(leaves, targets):
+                if leaf.write_param:
+                    t.copy_out(target, leaf.param)
+            t.end()
+
+        return finish
+
+    def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, ready: Optional[Any] = None) -> None:
+        """Update ``leaves`` (all with grads on one device) with ``kernel``; errors re-raise.
+
+        A param in host memory is written by the kernel directly; one on a GPU through the
+        ring's output half and the H2D stream. ``ready`` (from ``Transport.ready``) orders the
+        grad copies; by default, after the work queued on the calling thread's stream.
 
         Every piece of every chunk is queued to the workers at once (first in, first out), so
         threads never idle at a per-chunk barrier. A piece waits for its chunk's grads to have
@@ -177,7 +224,7 @@ class HostExecutor:
         """
         if not leaves:
             return
-        device = leaves[0].param.device
+        device = leaves[0].grad.device
         self.reserve(device)
         ring, slot_events, t = self._rings[device], self._out_events[device], self._transports[device]
         S, half = self.slots, self.chunk_bytes
@@ -211,7 +258,7 @@ class HostExecutor:
             s0 = tl.stamp(device, t.stream_out) if tl else None
             for seg in chunks[k]:
                 leaf = leaves[seg.leaf]
-                if leaf.write_param:
+                if leaf.write_param and leaf.param.device.type != "cpu":
                     t.copy_out(leaf.param[seg.start:seg.stop], view(k, 1, seg, leaf.param.dtype))
             if tl:
                 tl.span("H2D", f"params c{k}", s0, tl.stamp(device, t.stream_out))
@@ -229,7 +276,9 @@ class HostExecutor:
                 t.wait_host(out_events[k - S] if k >= S else before[k % S])  # slot's out half free
                 leaf = leaves[seg.leaf]
                 lo, hi = a - seg.start, b - seg.start
-                out = view(k, 1, seg, leaf.param.dtype)[lo:hi] if leaf.write_param else None
+                out = None if not leaf.write_param else (
+                    leaf.param[a:b] if leaf.param.device.type == "cpu"  # host memory: in place
+                    else view(k, 1, seg, leaf.param.dtype)[lo:hi])
                 s0 = time.perf_counter_ns()
                 kernel(view(k, 0, seg, leaf.grad.dtype)[lo:hi], tuple(x[a:b] for x in leaf.state),
                        out, leaf.hyper)
@@ -251,7 +300,7 @@ class HostExecutor:
                         for ev in issued:
                             ev.set()
 
-        t.begin()
+        t.begin(ready)
         try:
             for k in range(min(S, len(chunks))):
                 issue_in(k)

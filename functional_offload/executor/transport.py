@@ -21,8 +21,13 @@ class Transport:
     stream_in: Optional[object] = None  # the streams the copies run on (None: synchronous)
     stream_out: Optional[object] = None
 
-    def begin(self) -> None:
-        """Order the copies to come after the work already queued on the caller's stream."""
+    def ready(self) -> Optional[object]:
+        """An event marking the work queued so far on the calling thread's stream."""
+        return None
+
+    def begin(self, ready: Optional[object] = None) -> None:
+        """Order the copies after ``ready`` (default: the work queued so far on this thread's
+        stream)."""
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Device→host copy of ``src`` into the staging view ``dst``."""
@@ -58,8 +63,11 @@ class CudaTransport(Transport):
         self.d2h = self.stream_in = torch.cuda.Stream(device)
         self.h2d = self.stream_out = torch.cuda.Stream(device)
 
-    def begin(self) -> None:
-        ready = torch.cuda.current_stream(self.device).record_event()
+    def ready(self) -> torch.cuda.Event:
+        return torch.cuda.current_stream(self.device).record_event()
+
+    def begin(self, ready: Optional[torch.cuda.Event] = None) -> None:
+        ready = ready if ready is not None else self.ready()
         self.d2h.wait_event(ready)
         self.h2d.wait_event(ready)  # params are written after the caller's pending reads of them
 

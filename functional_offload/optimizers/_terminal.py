@@ -92,7 +92,8 @@ class Terminal:
                  hyper: Callable[[float, float, int], Any],
                  device_math: Callable[..., None], host_math: Callable[..., None], *,
                  placement: Optional[Placement], master_dtype: torch.dtype,
-                 weight_decay_mask: MaskOrFn, executor: Optional[HostExecutor], cpu_kernel: str):
+                 weight_decay_mask: MaskOrFn, executor: Optional[HostExecutor], cpu_kernel: str,
+                 delayed: bool = False):
         if placement is not None and not isinstance(placement, Placement):
             raise TypeError(f"placement must be a functional_offload.placement.Placement, got "
                             f"{type(placement).__name__} (e.g. placement.offload_fraction(0.5))")
@@ -113,6 +114,7 @@ class Terminal:
         self.weight_decay_mask = weight_decay_mask
         self.executor = executor or HostExecutor()
         self.cpu_kernel = cpu_kernel
+        self.delayed = bool(delayed)
 
     # ---- init -----------------------------------------------------------------------------
     def _moment_dtype(self, dt: Optional[torch.dtype], p: torch.Tensor) -> torch.dtype:
@@ -134,6 +136,7 @@ class Terminal:
         plan = self.placement.plan(params, state_bytes)
         masters, moments = [], [[] for _ in self.moments]
         with torch.no_grad():
+            staging = self._staging(leaves, plan.on_host)
             for path, p, host in zip(paths, leaves, plan.on_host):
                 where = torch.device("cpu") if host else p.device
                 if host and p.device.type != "cpu":
@@ -142,7 +145,8 @@ class Terminal:
                                          "needs contiguous params (call .contiguous() on it, or "
                                          "keep it on the device with a placement.select)")
                     self.executor.reserve(p.device)
-                need_master = p.dtype in LOW_PRECISION or where != p.device
+                # delayed: the new param waits in host staging, so the value must be separate
+                need_master = p.dtype in LOW_PRECISION or where != p.device or (host and self.delayed)
                 masters.append(p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
                                if need_master else None)
                 for lst, (_, d) in zip(moments, self.moments):
@@ -154,8 +158,26 @@ class Terminal:
         return self.state_cls(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters),
-            params=ParamRefs(params),
+            params=ParamRefs(params, unflat(staging) if self.delayed else None),
         )
+
+    def _staging(self, leaves: list[torch.Tensor], on_host: Sequence[bool]) -> list[Optional[torch.Tensor]]:
+        """Delayed mode: one host buffer per param dtype (pinned for GPU params), cut into a
+        1-D view per host-resident leaf; the new params wait there until the next update."""
+        out: list[Optional[torch.Tensor]] = [None] * len(leaves)
+        if not self.delayed:
+            return out
+        groups: dict[tuple, list[int]] = {}
+        for i, (p, host) in enumerate(zip(leaves, on_host)):
+            if host:
+                groups.setdefault((p.dtype, p.device.type == "cuda"), []).append(i)
+        for (dtype, pin), idx in groups.items():
+            arena = torch.empty(sum(leaves[i].numel() for i in idx), dtype=dtype, pin_memory=pin)
+            offset = 0
+            for i in idx:
+                out[i] = arena[offset: offset + leaves[i].numel()]
+                offset += leaves[i].numel()
+        return out
 
     # ---- update ---------------------------------------------------------------------------
     def _leaves(self, state: Any) -> list[_Leaf]:
@@ -202,9 +224,13 @@ class Terminal:
             raise RuntimeError(f"this {self.state_cls.__name__} was consumed by an earlier update "
                                "(its buffers were reused in place); use the state that update "
                                "returned")
-        params = state.params.tree
+        refs = state.params
+        if refs.pending is not None:
+            refs.pending()  # delayed: the previous step's params land now, after this backward
+        params = refs.tree
         leaves = self._leaves(state)
         gs = self._check_grads(grads, params, leaves)
+        staged = flatten_like(refs.staging, params, "staging") if self.delayed else [None] * len(leaves)
         decay = self._decay_flags(params)
         hyper = self.hyper(at_step("lr", self.lr, n), at_step("weight_decay", self.weight_decay, n),
                            n + 1)
@@ -212,12 +238,17 @@ class Terminal:
         with torch.no_grad():
             groups: dict[tuple, list[tuple[_Leaf, torch.Tensor]]] = {}
             host: list[HostLeaf] = []
-            for leaf, g, d in zip(leaves, gs, decay):
+            targets: list[torch.Tensor] = []  # delayed: where the staged params land later
+            for leaf, g, d, st in zip(leaves, gs, decay, staged):
                 if g is None:
                     continue  # no gradient: neither the param nor its state changes
                 h = hyper if d else hyper0
                 if leaf.on_host:
-                    host.append(HostLeaf(leaf.path, g.detach().reshape(-1), leaf.param.detach().view(-1),
+                    out = leaf.param.detach().view(-1)
+                    if st is not None:
+                        targets.append(out)
+                        out = st
+                    host.append(HostLeaf(leaf.path, g.detach().reshape(-1), out,
                                          (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
                                          leaf.has_master, h))
                 else:
@@ -236,10 +267,13 @@ class Terminal:
                     torch._foreach_copy_([p for p, _ in written], [v for _, v in written])
                 if tl:
                     tl.span("GPU update", f"{len(items)} leaves", s0, tl.stamp(key[0]))
-            self.executor.run(host, self._host_kernel(host))
+            if self.delayed:
+                refs = refs._replace(pending=self.executor.start(host, self._host_kernel(host), targets))
+            else:
+                self.executor.run(host, self._host_kernel(host))
         new_count = torch.tensor(n + 1, dtype=torch.int64)
         state.count.fill_(-1)  # donation: the old state is consumed
-        return params, state._replace(count=new_count)
+        return params, state._replace(count=new_count, params=refs)
 
     def _host_kernel(self, host: list[HostLeaf]) -> Callable[..., None]:
         mod = None

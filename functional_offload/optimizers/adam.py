@@ -43,7 +43,7 @@ def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, 
           eps: float, weight_decay: ScalarOrSchedule, placement: Optional[Placement],
           master_dtype: torch.dtype, mu_dtype: Optional[torch.dtype],
           nu_dtype: Optional[torch.dtype], weight_decay_mask: Any,
-          executor: Optional[HostExecutor], cpu_kernel: str) -> Optimizer:
+          executor: Optional[HostExecutor], cpu_kernel: str, delayed: bool) -> Optimizer:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     b1, b2 = check_beta("betas[0]", betas[0]), check_beta("betas[1]", betas[1])
@@ -53,7 +53,8 @@ def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, 
         lambda lr_t, wd_t, step: AdamHyper(lr_t, b1, b2, eps, wd_t, step, decoupled),
         lambda values, grads, moms, h: gpu.adam_(values, grads, moms[0], moms[1], h),
         _host_math, placement=placement, master_dtype=master_dtype,
-        weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel)
+        weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
+        delayed=delayed)
     return Optimizer(t.init, t.update)
 
 
@@ -62,7 +63,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
           placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
           mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
           weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
-          cpu_kernel: str = "auto") -> Optimizer:
+          cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
     r"""AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     With :math:`t` the step (1 for the first update), :math:`\eta_t` the learning rate
@@ -95,6 +96,12 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
         leaves (chunk size, ring slots, threads); one is made by default.
       cpu_kernel: ``"auto"`` (the native one-pass kernel for host-resident state of GPU
         params, when it builds; torch ops for CPU params), ``"native"`` or ``"torch"``.
+      delayed: ZeRO-Offload's delayed parameter update for the host-resident leaves:
+        ``update`` starts their host step in the background and returns at once; the new
+        params land at the *next* ``update`` (or :func:`~functional_offload.flush`), so the
+        gradient applied was computed at the params of one step earlier:
+        :math:`\theta_{t+1} = \theta_t - \eta\,\Delta(\nabla L(\theta_{t-1}))`. The first
+        update leaves these params unchanged. Device-resident leaves update at once.
 
     Returns:
       An :class:`~functional_offload.Optimizer` whose state is an :class:`AdamState`.
@@ -113,7 +120,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
     step count for its bias correction, where ``torch.optim`` keeps one count per param.
     """
     return _adam(True, "adamw", lr, betas, eps, weight_decay, placement, master_dtype,
-                 mu_dtype, nu_dtype, weight_decay_mask, executor, cpu_kernel)
+                 mu_dtype, nu_dtype, weight_decay_mask, executor, cpu_kernel, delayed)
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -121,7 +128,7 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
          placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
          mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
          weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
-         cpu_kernel: str = "auto") -> Optimizer:
+         cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
     r"""Adam (Kingma & Ba) with weight decay coupled as L2, as ``torch.optim.Adam``.
 
     The same as :func:`adamw` except for the weight decay, which is added to the gradient:
@@ -145,4 +152,4 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
         tensor([-0.1000, -0.1000])
     """
     return _adam(False, "adam", lr, betas, eps, weight_decay, placement, master_dtype,
-                 mu_dtype, nu_dtype, weight_decay_mask, executor, cpu_kernel)
+                 mu_dtype, nu_dtype, weight_decay_mask, executor, cpu_kernel, delayed)

@@ -41,7 +41,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         weight_decay: ScalarOrSchedule = 0.0, *, placement: Optional[Placement] = None,
         master_dtype: torch.dtype = torch.float32, momentum_dtype: Optional[torch.dtype] = None,
         weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
-        cpu_kernel: str = "auto") -> Optimizer:
+        cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
     r"""Stochastic gradient descent, as ``torch.optim.SGD`` (no dampening).
 
     With :math:`\mu` the momentum, :math:`\lambda` the weight decay and :math:`b_0 = 0`:
@@ -61,7 +61,8 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
       momentum: :math:`\mu \ge 0`.
       nesterov: Nesterov momentum (needs ``momentum > 0``).
       weight_decay: :math:`\lambda`, coupled as L2; a float or a schedule.
-      placement, master_dtype, weight_decay_mask, executor, cpu_kernel: as in :func:`adamw`.
+      placement, master_dtype, weight_decay_mask, executor, cpu_kernel, delayed: as in
+        :func:`adamw` (delayed plain SGD: :math:`\theta_{t+1} = \theta_t - \eta\nabla L(\theta_{t-1})`).
       momentum_dtype: dtype of the buffers (default fp32 for low-precision params).
 
     Returns:
@@ -83,5 +84,6 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         lambda lr_t, wd_t, step: SGDHyper(lr_t, mom, wd_t, bool(nesterov)),
         lambda values, grads, moms, h: gpu.sgd_(values, grads, moms[0] if moms else [], h),
         _host_math, placement=placement, master_dtype=master_dtype,
-        weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel)
+        weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
+        delayed=delayed)
     return Optimizer(t.init, t.update)
