@@ -10,7 +10,8 @@ do not leak between systems); the driver prints a table and writes JSON.
 Systems: ``gpu`` (torch fused AdamW on bf16 params, no master), ``fwdbwd`` (no optimizer: the
 forward+backward time subtracted to get optimizer overhead), ``ours:F`` (fo.adamw with
 offload_fraction F), ``hdo:F`` (Megatron's HybridDeviceOptimizer, overlap on, fp32 update),
-``delayed:F`` (ours with the delayed parameter update), ``torchao`` (CPUOffloadOptimizer, fused
+``delayed:F`` (ours with the delayed parameter update), ``delayed16:F`` (the same with bf16
+moments; fp32 masters kept), ``torchao`` (CPUOffloadOptimizer, fused
 AdamW, bf16 states). Missing peers are reported as such.
 """
 
@@ -65,7 +66,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
             loss_fn(ps, x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    elif name in ("ours", "delayed"):
+    elif name in ("ours", "delayed", "delayed16"):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import functional_offload as fo
         from functional_offload.executor import HostExecutor
@@ -75,8 +76,9 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         timeline = Timeline() if args.timeline else None
         ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None,
                           timeline=timeline)
+        low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if name == "delayed16" else {}
         opt = fo.adamw(placement=fo.placement.offload_fraction(float(frac)), executor=ex,
-                       delayed=name == "delayed", **HYPER)
+                       delayed=name != "ours", **low, **HYPER)
         tree = {str(i): p for i, p in enumerate(ps)}
         state = opt.init(tree)
         holder = [state]
