@@ -104,6 +104,7 @@ class HostExecutor:
         self.timeline = timeline
         self._rings: dict[torch.device, torch.Tensor] = {}
         self._out_events: dict[torch.device, list] = {}
+        self._staged_out: dict[torch.device, Any] = {}  # delayed: last copy out of host staging
         self._transports: dict[torch.device, Any] = {}
         self._pool: Optional[cf.ThreadPoolExecutor] = None
 
@@ -204,6 +205,7 @@ class HostExecutor:
             for leaf, target in zip(leaves, targets):
                 if leaf.write_param:
                     t.copy_out(target, leaf.param)
+            self._staged_out[device] = t.mark_out()  # the next step rewrites the staging after it
             t.end()
 
         return finish
@@ -232,6 +234,7 @@ class HostExecutor:
         pieces = [self._pieces(c) for c in chunks]
         in_events: list = [None] * len(chunks)
         out_events: list = [None] * len(chunks)
+        staged_free = self._staged_out.get(device)  # host params may still be copying out
         before = list(slot_events)  # copies out of the previous step, per slot
         issued = [threading.Event() for _ in chunks]  # chunk k's copy in was issued
         remaining = [len(p) for p in pieces]
@@ -279,6 +282,8 @@ class HostExecutor:
                 out = None if not leaf.write_param else (
                     leaf.param[a:b] if leaf.param.device.type == "cpu"  # host memory: in place
                     else view(k, 1, seg, leaf.param.dtype)[lo:hi])
+                if out is not None and leaf.param.device.type == "cpu":
+                    t.wait_host(staged_free)
                 s0 = time.perf_counter_ns()
                 kernel(view(k, 0, seg, leaf.grad.dtype)[lo:hi], tuple(x[a:b] for x in leaf.state),
                        out, leaf.hyper)

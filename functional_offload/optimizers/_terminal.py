@@ -280,7 +280,7 @@ class Terminal:
         # "auto" builds the native kernel for offloaded GPU params, where it is the step's floor;
         # CPU-only training keeps the torch kernel and skips the one-time build.
         wanted = self.cpu_kernel == "native" or (
-            self.cpu_kernel == "auto" and any(leaf.param.device.type != "cpu" for leaf in host))
+            self.cpu_kernel == "auto" and any(leaf.grad.device.type != "cpu" for leaf in host))
         if host and wanted:
             mod = cpu_kernels.native()
             if mod is None and self.cpu_kernel == "native":
