@@ -1,5 +1,7 @@
 """Delayed parameter update: p_{t+1} = p_t - lr * grad L(p_{t-1}), flushed on demand."""
 
+import threading
+
 import optree
 import pytest
 import torch
@@ -106,3 +108,51 @@ def test_background_error_surfaces_at_next_call(monkeypatch):
     params, state = opt.update(grad_seq(params, 1)[0], state)  # returns at once
     with pytest.raises(RuntimeError, match="kernel exploded"):
         fo.flush(state)
+
+
+def test_staged_params_are_not_rewritten_before_their_copy_out_ran():
+    """The GPU race of the delayed mode, played on the CPU: a copy out that stays queued (as on
+    an H2D stream) must run before the next step's kernel rewrites the host staging."""
+    from functional_offload.executor import HostLeaf
+    from functional_offload.executor.transport import LocalTransport
+
+    class QueuedCopies(LocalTransport):
+        def __init__(self):
+            self.queue, self.log, self.lock = [], [], threading.Lock()
+
+        issued = done = 0
+
+        def copy_out(self, dst, src):  # deferred, like cudaMemcpyAsync on a busy stream
+            self.queue.append((dst, src))
+            self.issued += 1
+
+        def mark_out(self):
+            return ("out", self.issued)
+
+        def wait_host(self, event):  # the host waits for the queued copies up to `event`
+            if event is None:
+                return
+            with self.lock:  # worker threads wait too
+                while self.done < event[1]:
+                    dst, src = self.queue[self.done]
+                    dst.copy_(src)
+                    self.log.append(src.clone())
+                    self.done += 1
+
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    cpu = torch.device("cpu")
+    ex.reserve(cpu)
+    t = ex._transports[cpu] = QueuedCopies()
+    n = 3000
+    value, staging, target = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+
+    def kernel(g, st, out, h):
+        st[0].add_(g)
+        out.copy_(st[0])
+
+    leaf = HostLeaf("w", torch.ones(n), staging, (value,), True, None)
+    ex.start([leaf], kernel, [target])()  # step 0 runs; its copy out stays queued
+    ex.start([leaf], kernel, [target])()  # step 1 must let that copy run before rewriting
+    t.wait_host(("out", t.issued))
+    assert [x[0].item() for x in t.log] == [1.0, 2.0]  # step 0's params were copied before step 1 wrote
+    assert torch.equal(target, torch.full((n,), 2.0))
