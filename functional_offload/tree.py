@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import optree
@@ -22,8 +23,14 @@ def leaves_with_paths(
 ) -> tuple[list[str], list[Any], optree.PyTreeSpec]:
     """``(paths, leaves, treespec)`` of ``tree`` in flatten order (``None`` is not a leaf);
     paths are dotted, e.g. ``"mu.layer.weight"``."""
-    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, is_leaf=is_leaf)
-    return [".".join(_entry_name(e) for e in acc) or "<root>" for acc in accessors], leaves, spec
+    leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
+    return list(_paths(spec)), leaves, spec
+
+
+@functools.lru_cache(maxsize=256)
+def _paths(spec: optree.PyTreeSpec) -> tuple[str, ...]:
+    """Dotted paths of a structure's leaves (cached: an update sees the same structure)."""
+    return tuple(".".join(_entry_name(e) for e in acc) or "<root>" for acc in spec.accessors())
 
 
 def flatten_like(tree: Any, reference: Any, what: str) -> list[Any]:
