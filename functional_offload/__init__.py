@@ -7,7 +7,8 @@
     params, state = opt.update(grads, state)
 """
 
-from functional_offload import compat, placement
+from functional_offload import activations, compat, placement
+from functional_offload.activations import ActivationOffload
 from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
                                      chain, flush, params_of)
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
@@ -27,6 +28,6 @@ __all__ = [
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
     "placement", "HostExecutor", "placement_report", "PlacementReport",
-    "compat", "TorchOptimizer",
+    "compat", "TorchOptimizer", "activations", "ActivationOffload",
     "save", "load", "state_dict", "load_state_dict", "CheckpointError",
 ]
