@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--inflight-groups", type=float, default=2.0,
+                    help="max bytes in flight to the host, in groups' worth of activations")
     ap.add_argument("--pcie-gbs", type=float, default=54.5, help="pinned D2H GB/s (DESIGN §3)")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -57,8 +59,10 @@ def main() -> None:
 
     modes = {"none": lambda: plain(params, x),
              "save_on_cpu": lambda: plain(params, x, torch.autograd.graph.save_on_cpu(pin_memory=True))}
-    offs = {"ours-all": ActivationOffload(n, n - 1, min_bytes=1 << 20),
-            "ours-half": ActivationOffload(n, n // 2, min_bytes=1 << 20)}
+    per_group = args.tokens * (d + 2 * 4 * d) * 2  # bf16: x, pre-gelu, gelu output
+    bound = dict(min_bytes=1 << 20, max_inflight_bytes=args.inflight_groups * per_group)
+    offs = {"ours-all": ActivationOffload(n, n - 1, **bound),
+            "ours-half": ActivationOffload(n, n // 2, **bound)}
     for name, off in offs.items():
         vg = off.value_and_grad(lambda p, x, off=off: forward(p, x, off))
         modes[name] = lambda vg=vg: vg(params, x)
