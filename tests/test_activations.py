@@ -138,3 +138,16 @@ def test_errors_name_the_fix():
     with pytest.raises(RuntimeError, match="value_and_grad"):
         torch.func.grad(loss_fn)(make_params(), torch.randn(4, D))
     assert fo.ActivationOffload is ActivationOffload
+
+
+def test_bounded_inflight_and_host_cap_keep_grads_identical():
+    params, x = make_params(), torch.randn(64, D)
+    want_loss, want = reference_grads(params, x)
+    for kw in (dict(max_inflight_bytes=1), dict(host_cap_bytes=64 * 4 * D * 4), dict(prefetch=3)):
+        off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True, **kw)
+        loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
+        assert torch.equal(loss, want_loss)
+        for a, b in zip(optree.tree_leaves(grads), optree.tree_leaves(want)):
+            assert torch.equal(a, b)
+        if "host_cap_bytes" in kw:
+            assert off.pinned_bytes <= kw["host_cap_bytes"]
