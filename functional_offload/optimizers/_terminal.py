@@ -186,8 +186,8 @@ class Terminal:
         masters = flatten_like(state.master, params, "state.master")
         moms = [flatten_like(getattr(state, f), params, f"state.{f}") for f, _ in self.moments]
         return [_Leaf(paths[i], ps[i], masters[i] if masters[i] is not None else ps[i],
-                             tuple(m[i] for m in moms), masters[i] is not None)
-                       for i in range(len(ps))]
+                      tuple(m[i] for m in moms), masters[i] is not None)
+                for i in range(len(ps))]
 
     def _check_grads(self, grads: Any, params: Params, leaves: list[_Leaf]) -> list[Optional[torch.Tensor]]:
         gs = flatten_like(grads, params, "grads")
