@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import optree
 import torch
 
-__all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves"]
+__all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "local"]
 
 
 def _entry_name(entry: Any) -> str:
@@ -56,3 +56,22 @@ def check_tensor_leaves(leaves: Sequence[Any], paths: Sequence[str], what: str) 
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{what} leaf {path!r} is a {type(leaf).__name__}, expected a torch.Tensor")
+
+
+@functools.lru_cache(maxsize=1)
+def _dtensor_type() -> Any:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def local(t: Any) -> Any:
+    """The local shard of a DTensor (a plain tensor sharing its storage); anything else as is.
+
+    Under FSDP2 a param is a DTensor and each rank updates its own shard: optimizer state,
+    placement and the executor all work on these local tensors.
+    """
+    dt = _dtensor_type()
+    return t.to_local() if dt is not None and isinstance(t, dt) else t

@@ -20,7 +20,7 @@ from functional_offload.base import ParamRefs
 from functional_offload.executor import HostExecutor, HostLeaf
 from functional_offload.kernels import cpu as cpu_kernels
 from functional_offload.placement import Placement, on_host
-from functional_offload.tree import check_tensor_leaves, flatten_like, leaves_with_paths
+from functional_offload.tree import check_tensor_leaves, flatten_like, leaves_with_paths, local
 from functional_offload.typing import Params, ScalarOrSchedule
 
 __all__ = ["Terminal", "check_scalar_or_schedule", "at_step", "check_beta", "check_nonneg", "LOW_PRECISION"]
@@ -126,6 +126,7 @@ class Terminal:
     def init(self, params: Params) -> Any:
         paths, leaves, spec = leaves_with_paths(params)
         check_tensor_leaves(leaves, paths, "params")
+        leaves = [local(p) for p in leaves]  # DTensor params: state for this rank's shard
         for path, p in zip(paths, leaves):
             if not p.dtype.is_floating_point:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; only floating params can "
@@ -133,7 +134,7 @@ class Terminal:
         state_bytes = [p.numel() * (sum(self._moment_dtype(d, p).itemsize for _, d in self.moments)
                                     + (self._value_dtype(p).itemsize if p.dtype in LOW_PRECISION else 0))
                        for p in leaves]
-        plan = self.placement.plan(params, state_bytes)
+        plan = self.placement.plan(optree.tree_unflatten(spec, leaves), state_bytes)
         masters, moments = [], [[] for _ in self.moments]
         with torch.no_grad():
             staging = self._staging(leaves, plan.on_host)
@@ -183,6 +184,7 @@ class Terminal:
     def _leaves(self, state: Any) -> list[_Leaf]:
         params = state.params.tree
         paths, ps, _ = leaves_with_paths(params)
+        ps = [local(p) for p in ps]
         masters = flatten_like(state.master, params, "state.master")
         moms = [flatten_like(getattr(state, f), params, f"state.{f}") for f, _ in self.moments]
         return [_Leaf(paths[i], ps[i], masters[i] if masters[i] is not None else ps[i],
@@ -190,7 +192,7 @@ class Terminal:
                 for i in range(len(ps))]
 
     def _check_grads(self, grads: Any, params: Params, leaves: list[_Leaf]) -> list[Optional[torch.Tensor]]:
-        gs = flatten_like(grads, params, "grads")
+        gs = [local(g) for g in flatten_like(grads, params, "grads")]
         for leaf, g in zip(leaves, gs):
             if g is None:
                 continue
