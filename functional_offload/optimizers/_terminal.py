@@ -217,7 +217,8 @@ class Terminal:
         tree = mask(params) if callable(mask) else mask
         return [bool(m) for m in flatten_like(tree, params, "weight_decay_mask")]
 
-    def update(self, grads: Any, state: Any) -> tuple[Params, Any]:
+    def _begin(self, state: Any) -> int:
+        """Check ``state`` can be updated, land a delayed step still in flight; the count."""
         if not isinstance(state, self.state_cls):
             raise TypeError(f"{self.name}.update expects the {self.state_cls.__name__} from its "
                             f"init, got {type(state).__name__}")
@@ -226,17 +227,34 @@ class Terminal:
             raise RuntimeError(f"this {self.state_cls.__name__} was consumed by an earlier update "
                                "(its buffers were reused in place); use the state that update "
                                "returned")
+        if state.params.pending is not None:
+            state.params.pending()  # delayed: the previous step's params land now
+        return n
+
+    def _hypers(self, n: int) -> tuple[Any, Any]:
+        hyper = self.hyper(at_step("lr", self.lr, n), at_step("weight_decay", self.weight_decay, n),
+                           n + 1)
+        return hyper, hyper._replace(weight_decay=0.0)
+
+    @staticmethod
+    def _host_leaf(leaf: _Leaf, g: torch.Tensor, out: torch.Tensor, h: Any) -> HostLeaf:
+        return HostLeaf(leaf.path, g.detach().reshape(-1), out,
+                        (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)), leaf.has_master, h)
+
+    def update(self, grads: Any, state: Any) -> tuple[Params, Any]:
+        n = self._begin(state)
         refs = state.params
-        if refs.pending is not None:
-            refs.pending()  # delayed: the previous step's params land now, after this backward
         params = refs.tree
         leaves = self._leaves(state)
         gs = self._check_grads(grads, params, leaves)
-        staged = flatten_like(refs.staging, params, "staging") if self.delayed else [None] * len(leaves)
-        decay = self._decay_flags(params)
-        hyper = self.hyper(at_step("lr", self.lr, n), at_step("weight_decay", self.weight_decay, n),
-                           n + 1)
-        hyper0 = hyper._replace(weight_decay=0.0)
+        return params, self._apply(state, leaves, gs, self._decay_flags(params), *self._hypers(n))
+
+    def _apply(self, state: Any, leaves: list[_Leaf], gs: list, decay: list[bool], hyper: Any,
+               hyper0: Any) -> Any:
+        """Update the leaves with a grad (device-resident first, then the host part); return the
+        new state and consume the old one."""
+        refs = state.params
+        staged = flatten_like(refs.staging, refs.tree, "staging") if self.delayed else [None] * len(leaves)
         with torch.no_grad():
             groups: dict[tuple, list[tuple[_Leaf, torch.Tensor]]] = {}
             host: list[HostLeaf] = []
@@ -250,9 +268,7 @@ class Terminal:
                     if st is not None:
                         targets.append(out)
                         out = st
-                    host.append(HostLeaf(leaf.path, g.detach().reshape(-1), out,
-                                         (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
-                                         leaf.has_master, h))
+                    host.append(self._host_leaf(leaf, g, out, h))
                 else:
                     key = (leaf.value.device, leaf.value.dtype,
                            tuple(m.dtype for m in leaf.moments), h)
@@ -273,9 +289,9 @@ class Terminal:
                 refs = refs._replace(pending=self.executor.start(host, self._host_kernel(host), targets))
             else:
                 self.executor.run(host, self._host_kernel(host))
-        new_count = torch.tensor(n + 1, dtype=torch.int64)
+        new_count = torch.tensor(int(state.count) + 1, dtype=torch.int64)
         state.count.fill_(-1)  # donation: the old state is consumed
-        return params, state._replace(count=new_count, params=refs)
+        return state._replace(count=new_count, params=refs)
 
     def _host_kernel(self, host: list[HostLeaf]) -> Callable[..., None]:
         mod = None
