@@ -14,7 +14,7 @@ from functional_offload.base import (EmptyState, GradientTransformation, Optimiz
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from functional_offload.executor import HostExecutor
 from functional_offload.compat import TorchOptimizer
-from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.optimizers import AdamState, GradStream, SGDState, adam, adamw, sgd, stream
 from functional_offload.report import PlacementReport, placement_report
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
                                            clip_by_global_norm, global_norm, masked, scale,
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "chain", "params_of", "flush",
-    "adam", "adamw", "sgd", "AdamState", "SGDState",
+    "adam", "adamw", "sgd", "AdamState", "SGDState", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
     "placement", "HostExecutor", "placement_report", "PlacementReport",

@@ -166,6 +166,16 @@ class HostExecutor:
         return [(s, a, min(s.stop, a + step)) for s in chunk for a in range(s.start, s.stop, step)]
 
     # ---- the step -------------------------------------------------------------------------
+    def ready(self, device: torch.device) -> Any:
+        """An event marking the work queued so far on this thread's stream (None on the CPU)."""
+        self.reserve(device)
+        return self._transports[device].ready()
+
+    def order_after_copies(self, device: torch.device) -> None:
+        """Make this thread's stream wait for every param copy issued for ``device``."""
+        if device in self._transports:
+            self._transports[device].end()
+
     def start(self, leaves: Sequence[HostLeaf], kernel: Kernel,
               targets: Sequence[torch.Tensor]) -> Callable[[], None]:
         """Run :meth:`run` in the background, with each leaf's ``param`` a host staging buffer.
@@ -179,8 +189,7 @@ class HostExecutor:
         if not leaves:
             return lambda: None
         device = leaves[0].grad.device
-        self.reserve(device)
-        ready = self._transports[device].ready()  # grads are complete here, on the caller's stream
+        ready = self.ready(device)  # grads are complete here, on the caller's stream
         failure: list[BaseException] = []
 
         def body() -> None:
