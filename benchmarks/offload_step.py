@@ -11,7 +11,8 @@ Systems: ``gpu`` (torch fused AdamW on bf16 params, no master), ``fwdbwd`` (no o
 forward+backward time subtracted to get optimizer overhead), ``ours:F`` (fo.adamw with
 offload_fraction F), ``hdo:F`` (Megatron's HybridDeviceOptimizer, overlap on, fp32 update),
 ``delayed:F`` (ours with the delayed parameter update), ``delayed16:F`` (the same with bf16
-moments; fp32 masters kept), ``torchao`` (CPUOffloadOptimizer, fused
+moments; fp32 masters kept), ``stream:F`` / ``stream16:F`` (grad streaming during backward, fp32 /
+bf16 moments), ``torchao`` (CPUOffloadOptimizer, fused
 AdamW, bf16 states). Missing peers are reported as such.
 """
 
@@ -66,7 +67,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
             loss_fn(ps, x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    elif name in ("ours", "delayed", "delayed16"):
+    elif name in ("ours", "delayed", "delayed16", "stream", "stream16"):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import functional_offload as fo
         from functional_offload.executor import HostExecutor
@@ -76,17 +77,23 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         timeline = Timeline() if args.timeline else None
         ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None,
                           timeline=timeline)
-        low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if name == "delayed16" else {}
+        low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if name.endswith("16") else {}
         opt = fo.adamw(placement=fo.placement.offload_fraction(float(frac)), executor=ex,
-                       delayed=name != "ours", **low, **HYPER)
+                       delayed=name.startswith("delayed"), **low, **HYPER)
         tree = {str(i): p for i, p in enumerate(ps)}
         state = opt.init(tree)
         holder = [state]
         info["threads"] = ex.threads
 
         def step():
-            loss_fn(ps, x).backward()
-            _, holder[0] = opt.update({k: p.grad for k, p in tree.items()}, holder[0])
+            loss = loss_fn(ps, x)
+            if name.startswith("stream"):
+                with fo.stream(opt, holder[0]) as s:
+                    loss.backward()
+                _, holder[0] = s.finish()
+            else:
+                loss.backward()
+                _, holder[0] = opt.update({k: p.grad for k, p in tree.items()}, holder[0])
             for p in ps:
                 p.grad = None
         pinned = lambda: ex.pinned_bytes  # noqa: E731

@@ -194,3 +194,33 @@ def test_delayed_update_matches_hand_written_delayed_loop(case):
     fo.flush(state)
     torch.cuda.synchronize()
     close({k: v.detach() for k, v in params.items()}, want)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_streamed_update_equals_plain_on_gpu(fraction):
+    data = batches(6, seed=13)
+    outs = []
+    for streamed in (False, True):
+        torch.manual_seed(0)
+        model = ConvNet().to(DEV, torch.bfloat16)
+        params = dict(model.named_parameters())
+        opt = fo.adamw(1e-3, weight_decay=0.1, placement=fo.placement.offload_fraction(fraction),
+                       executor=HostExecutor(chunk_bytes=64 << 10, threads=4))
+        state = opt.init(params)
+        for x, y in data:  # back to back, no synchronization
+            loss = torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)), y)
+            if streamed:
+                with fo.stream(opt, state) as s:
+                    loss.backward()
+                params, state = s.finish()
+            else:
+                loss.backward()
+                params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+            for p in params.values():
+                p.grad = None
+        torch.cuda.synchronize()
+        outs.append(({k: v.detach().clone() for k, v in params.items()}, fo.state_dict(state)))
+    for k in outs[0][0]:
+        assert torch.equal(outs[0][0][k], outs[1][0][k]), k
+    for k in outs[0][1]:
+        assert torch.equal(outs[0][1][k].cpu(), outs[1][1][k].cpu()), k

@@ -194,7 +194,7 @@ class HostExecutor:
 
         def body() -> None:
             try:
-                self.run(leaves, kernel, ready)
+                self.run(leaves, kernel, ready, order_caller=False)
             except BaseException as e:
                 failure.append(e)
 
@@ -219,12 +219,15 @@ class HostExecutor:
 
         return finish
 
-    def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, ready: Optional[Any] = None) -> None:
+    def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, ready: Optional[Any] = None,
+            order_caller: bool = True) -> None:
         """Update ``leaves`` (all with grads on one device) with ``kernel``; errors re-raise.
 
         A param in host memory is written by the kernel directly; one on a GPU through the
         ring's output half and the H2D stream. ``ready`` (from ``Transport.ready``) orders the
-        grad copies; by default, after the work queued on the calling thread's stream.
+        grad copies; by default, after the work queued on the calling thread's stream. With
+        ``order_caller=False`` (a background thread) the stream is not ordered here: the owner
+        calls :meth:`order_after_copies` from its own thread.
 
         Every piece of every chunk is queued to the workers at once (first in, first out), so
         threads never idle at a per-chunk barrier. A piece waits for its chunk's grads to have
@@ -328,4 +331,5 @@ class HostExecutor:
         finally:
             for ev in in_events:  # never return while a copy in still reads the grads
                 t.wait_host(ev)
-            t.end()
+            if order_caller:
+                t.end()

@@ -394,7 +394,8 @@ class GradStream:
                 continue
             host_leaf, ready = item
             try:
-                self.terminal.executor.run([host_leaf], self.terminal._host_kernel([host_leaf]), ready)
+                self.terminal.executor.run([host_leaf], self.terminal._host_kernel([host_leaf]),
+                                           ready, order_caller=False)
             except BaseException as e:
                 self.errors.append(e)
 
