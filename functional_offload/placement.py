@@ -132,25 +132,30 @@ def _check_fraction(f: Any) -> float:
     return float(f)
 
 
-def offload_fraction(fraction: float) -> Placement:
+def offload_fraction(fraction: float, *, from_end: bool = False) -> Placement:
     """Megatron's ``--optimizer-offload-fraction``: offload leaves greedily in flatten order.
 
     With ``N`` the number of elements in the device leaves, ``threshold = fraction · N``; walking
     the leaves in order, a leaf is offloaded while the elements offloaded so far are below the
     threshold. Whole leaves move, so the real fraction (:attr:`Plan.fraction`) can overshoot.
+
+    ``from_end=True`` walks from the last leaf instead, keeping the first leaves' state on the
+    device. With grad streaming (:func:`functional_offload.stream`) this is the tail helper:
+    backward produces the first layers' grads last, so their host steps would be the wait
+    after backward; on the GPU they finish with the fused kernel at once.
     """
     f = _check_fraction(fraction)
 
     def decide(leaves: Sequence[LeafInfo]) -> list[bool]:
         threshold = f * sum(leaf.numel for leaf in leaves)
         out, running = [], 0
-        for leaf in leaves:
+        for leaf in (reversed(leaves) if from_end else leaves):
             host = running < threshold
             running += leaf.numel if host else 0
             out.append(host)
-        return out
+        return out[::-1] if from_end else out
 
-    return Placement(decide, f"offload_fraction({f})")
+    return Placement(decide, f"offload_fraction({f}{', from_end=True' if from_end else ''})")
 
 
 def on_host() -> Placement:

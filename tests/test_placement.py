@@ -77,3 +77,12 @@ def test_cpu_only_init_places_everything_on_host_and_updates():
 def test_placement_type_checked():
     with pytest.raises(TypeError, match="Placement"):
         fo.adamw(1e-2, placement=0.5)
+
+
+def test_offload_fraction_from_end_keeps_the_first_leaves_on_device():
+    tree = meta_tree(100, 300, 400, 200)  # flatten order l0..l3
+    plan = P.offload_fraction(0.5, from_end=True).plan(tree)
+    # from the end: totals before l3, l2 = 0, 200 < 500 -> host; then 600 >= 500
+    assert plan.on_host == (False, False, True, True) and plan.fraction == pytest.approx(0.6)
+    assert P.offload_fraction(1.0, from_end=True).plan(tree).on_host == (True,) * 4
+    assert P.offload_fraction(0.0, from_end=True).plan(tree).on_host == (False,) * 4
