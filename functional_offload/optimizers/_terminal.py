@@ -365,11 +365,12 @@ class GradStream:
         self.queue.put(None)  # no more leaves: the driver ends after the queued ones
 
     def _arrive(self, i: int, g: Optional[torch.Tensor]) -> None:
-        if g is None or i in self.streamed:
-            if i in self.streamed:
-                self.errors.append(RuntimeError(
-                    f"param {self.leaves[i].path!r} got a second gradient in one streamed step; "
-                    "stream only the last backward of an accumulation"))
+        if i in self.streamed:
+            self.errors.append(RuntimeError(
+                f"param {self.leaves[i].path!r} got a second gradient in one streamed step; "
+                "stream only the last backward of an accumulation"))
+            return
+        if g is None:
             return
         leaf = self.leaves[i]
         try:
