@@ -35,14 +35,14 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the state it is loaded into, or is truncated or corrupt."""
 
 
-def _state_leaves(state: OptState) -> tuple[list[str], list[Any], Any]:
-    paths, leaves, spec = leaves_with_paths(state, is_leaf=_is_refs)
+def _state_leaves(state: OptState) -> tuple[list[str], list[Any]]:
+    paths, leaves, _ = leaves_with_paths(state, is_leaf=_is_refs)
     keep = [(p, x) for p, x in zip(paths, leaves) if not _is_refs(x)]
     for p, x in keep:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"state leaf {p!r} is a {type(x).__name__}; a checkpointable state "
                             "holds tensors only")
-    return [p for p, _ in keep], [x for _, x in keep], spec
+    return [p for p, _ in keep], [x for _, x in keep]
 
 
 def _check_live(paths: list[str], leaves: list[torch.Tensor], what: str) -> None:
@@ -61,7 +61,7 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     ``weights_only=True``.
     """
     flush(state)  # a delayed update still in flight lands first
-    paths, leaves, _ = _state_leaves(state)
+    paths, leaves = _state_leaves(state)
     _check_live(paths, leaves, "state_dict")
     if len(set(paths)) != len(paths):
         raise ValueError("two state leaves share a dotted path; use keys without dots")
@@ -75,7 +75,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     :class:`CheckpointError` naming the leaf; nothing is copied then. Values land on ``like``'s
     devices, bit for bit.
     """
-    paths, leaves, _ = _state_leaves(like)
+    paths, leaves = _state_leaves(like)
     _check_live(paths, leaves, "load_state_dict")
     missing = [p for p in paths if p not in sd]
     unexpected = [k for k in sd if k not in set(paths)]

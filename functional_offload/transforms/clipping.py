@@ -11,21 +11,24 @@ import torch
 from functional_offload.base import EmptyState, GradientTransformation
 from functional_offload.typing import Params, Updates
 
-__all__ = ["global_norm", "clip_by_global_norm"]
+__all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
+
+
+def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
+    """The ``ord``-norm of each non-``None`` leaf (multi-tensor kernels, one launch per device
+    and dtype), each a 0-dim tensor on the first leaf's device; empty for no leaves."""
+    leaves = [g for g in optree.tree_leaves(updates) if g is not None]
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in leaves:
+        groups[(g.device, g.dtype)].append(g)
+    return [n.to(leaves[0].device) for gs in groups.values() for n in torch._foreach_norm(gs, ord)]
 
 
 def global_norm(updates: Updates) -> torch.Tensor:
     r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \lVert g_i \rVert^2}`, as a
     0-dim tensor on the first leaf's device (``None`` leaves are skipped)."""
-    leaves = [g for g in optree.tree_leaves(updates) if g is not None]
-    if not leaves:
-        return torch.zeros(())
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in leaves:
-        groups[(g.device, g.dtype)].append(g)
-    device = leaves[0].device
-    norms = [n.to(device) for gs in groups.values() for n in torch._foreach_norm(gs, 2.0)]
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    norms = leaf_norms(updates, 2.0)
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any, NamedTuple, Union
 
 import optree
 import torch
 
 from functional_offload.base import GradientTransformation, Optimizer, params_of
+from functional_offload.transforms.clipping import leaf_norms
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "all_finite"]
@@ -24,16 +24,9 @@ class ApplyIfFiniteState(NamedTuple):
 
 def all_finite(updates: Updates) -> torch.Tensor:
     """A 0-dim bool tensor (on the first leaf's device): every gradient element is finite."""
-    leaves = [g for g in optree.tree_leaves(updates) if g is not None]
-    if not leaves:
-        return torch.ones((), dtype=torch.bool)
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in leaves:
-        groups[(g.device, g.dtype)].append(g)
-    device = leaves[0].device
     # max |x| per tensor is inf or NaN exactly when the tensor holds an inf or a NaN.
-    maxes = [m.to(device) for gs in groups.values() for m in torch._foreach_norm(gs, float("inf"))]
-    return torch.isfinite(torch.stack(maxes)).all()
+    maxes = leaf_norms(updates, float("inf"))
+    return torch.isfinite(torch.stack(maxes)).all() if maxes else torch.ones((), dtype=torch.bool)
 
 
 AnyT = Union[Optimizer, GradientTransformation]
