@@ -12,7 +12,8 @@ forward+backward time subtracted to get optimizer overhead), ``ours:F`` (fo.adam
 offload_fraction F), ``hdo:F`` (Megatron's HybridDeviceOptimizer, overlap on, fp32 update),
 ``delayed:F`` (ours with the delayed parameter update), ``delayed16:F`` (the same with bf16
 moments; fp32 masters kept), ``stream:F`` / ``stream16:F`` (grad streaming during backward, fp32 /
-bf16 moments), ``torchao`` (CPUOffloadOptimizer, fused
+bf16 moments), ``streamtail:F`` (streaming with ``offload_fraction(F, from_end=True)``: the first
+layers, whose grads come last, keep their state on the GPU), ``torchao`` (CPUOffloadOptimizer, fused
 AdamW, bf16 states). Missing peers are reported as such.
 """
 
@@ -67,7 +68,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
             loss_fn(ps, x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    elif name in ("ours", "delayed", "delayed16", "stream", "stream16"):
+    elif name in ("ours", "delayed", "delayed16", "stream", "stream16", "streamtail"):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import functional_offload as fo
         from functional_offload.executor import HostExecutor
@@ -78,7 +79,8 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None,
                           timeline=timeline)
         low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if name.endswith("16") else {}
-        opt = fo.adamw(placement=fo.placement.offload_fraction(float(frac)), executor=ex,
+        where = fo.placement.offload_fraction(float(frac), from_end=name.endswith("tail"))
+        opt = fo.adamw(placement=where, executor=ex,
                        delayed=name.startswith("delayed"), **low, **HYPER)
         tree = {str(i): p for i, p in enumerate(ps)}
         state = opt.init(tree)
@@ -128,19 +130,36 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    # Per step: until the training stream's work is done (what a loop reading the loss waits
+    # for; background copies of a delayed step still running are not waited on). Over all steps:
+    # wall time with a device-wide sync at the end, so nothing is left out of the mean.
     times = []
+    stream = torch.cuda.current_stream()
+    start = time.perf_counter()
     for i in range(args.steps):
         if timeline is not None and i == args.steps - 1:
             timeline.clear()  # keep the last step only
         t0 = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        stream.synchronize()
         times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    info["mean_wall_s"] = (time.perf_counter() - start) / args.steps
+    if name == "fwdbwd":  # forward alone, for the streamed target fwd + max(bwd, floor)
+        fwd = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                loss_fn(ps, x)
+            torch.cuda.synchronize()
+            fwd.append(time.perf_counter() - t0)
+        info["fwd_s"] = statistics.median(fwd)
     info.update(step_s=statistics.median(times), step_min_s=min(times),
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                 peak_extra_gib=(torch.cuda.max_memory_allocated() - model_bytes) / 2**30,
                 params=sum(p.numel() for p in ps), pinned_bytes=pinned() if pinned else None)
     if timeline is not None:
+        os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + system.replace(":", "-"))
         timeline.to_chrome(stem + ".json")
         timeline.plot(stem + ".png", title=f"{system}, {args.tokens} tokens: one update (last step)")
@@ -180,20 +199,25 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     fb = next((r["step_s"] for r in rows if r["system"] == "fwdbwd" and "step_s" in r), None)
+    fwd = next((r["fwd_s"] for r in rows if "fwd_s" in r), None)
+    if fwd is not None:
+        print(f"\nforward {fwd:.3f} s, backward {fb - fwd:.3f} s (no-grad forward, from fwdbwd)")
     print(f"\nE2E d={args.d} ffn={args.ffn} blocks={args.blocks} tokens={args.tokens} "
-          f"(median of {args.steps} steps; overhead = step - fwd/bwd; floor = offloaded params / "
+          f"(step: median of {args.steps} steps; mean: wall / steps; overhead = step - fwd/bwd; "
+          f"floor = offloaded params / "
           f"{args.kernel_gelems} G elem/s)")
-    print(f"{'system':<10} {'step s':>8} {'overhead s':>11} {'ovh/floor':>10} {'peak GiB':>9} "
-          f"{'extra GiB':>10} {'pinned MiB':>11}")
+    print(f"{'system':<12} {'step s':>8} {'mean s':>7} {'overhead s':>11} {'ovh/floor':>10} "
+          f"{'peak GiB':>9} {'extra GiB':>10} {'pinned MiB':>11}")
     for r in rows:
         if "step_s" not in r:
-            print(f"{r['system']:<10} error: {r.get('error', '')[-200:]!r}")
+            print(f"{r['system']:<12} error: {r.get('error', '')[-200:]!r}")
             continue
         ovh = r["step_s"] - fb if fb is not None and r["system"] != "fwdbwd" else None
         name, _, frac = r["system"].partition(":")
         floor = float(frac) * r["params"] / (args.kernel_gelems * 1e9) if frac and float(frac) > 0 else None
         pin = f"{r['pinned_bytes'] / 2**20:.0f}" if r.get("pinned_bytes") is not None else "-"
-        print(f"{r['system']:<10} {r['step_s']:>8.3f} {ovh if ovh is not None else float('nan'):>11.3f} "
+        print(f"{r['system']:<12} {r['step_s']:>8.3f} {r['mean_wall_s']:>7.3f} "
+              f"{ovh if ovh is not None else float('nan'):>11.3f} "
               f"{(ovh / floor) if ovh is not None and floor else float('nan'):>10.2f} "
               f"{r['peak_gib']:>9.2f} {r['peak_extra_gib']:>10.2f} {pin:>11}")
     if args.out:

@@ -42,7 +42,7 @@ class _Stored:
     """One storage copied to the host (shared by every view of it saved in the forward)."""
 
     __slots__ = ("group", "host", "nbytes", "device", "src", "open", "offloaded", "device_copy",
-                 "reloaded")
+                 "reloaded", "unpacks_left")
 
     def __init__(self, group: int, host: torch.Tensor, nbytes: int, device: torch.device,
                  src: torch.Tensor):
@@ -55,6 +55,7 @@ class _Stored:
         self.offloaded: Any = None  # event: the copy to the host is done
         self.device_copy: Optional[torch.Tensor] = None  # uint8 storage back on the device
         self.reloaded: Any = None  # event: the copy back is done
+        self.unpacks_left = 0  # saved views not yet handed back to autograd in this backward
 
 
 class _Handle:
@@ -118,7 +119,9 @@ class ActivationOffload:
         self._records: list[_Stored] = []  # every copy of this forward
         self._live: dict[tuple, _Stored] = {}  # (device, storage ptr) -> copy, in the open group
         self._inflight: list[_Stored] = []
-        self._pool: dict[int, list[torch.Tensor]] = {}  # free pinned buffers by size
+        # free pinned buffers by size, each with the event of its last copy back (or None): a
+        # reused buffer is rewritten only after that copy read it
+        self._pool: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self._pooled_bytes = 0
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
         self._end_queued = False
@@ -202,14 +205,15 @@ class ActivationOffload:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
 
-    def _host_buffer(self, nbytes: int, pin: bool) -> Optional[torch.Tensor]:
+    def _host_buffer(self, nbytes: int, pin: bool) -> tuple[Optional[torch.Tensor], Any]:
+        """A pinned buffer and the event its previous reader set (None: free at once)."""
         free = self._pool.get(nbytes)
         if free:
             return free.pop()
         if self.host_cap_bytes is not None and self._pooled_bytes + nbytes > self.host_cap_bytes:
-            return None
+            return None, None
         self._pooled_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), None
 
     def _retire(self) -> None:
         """Drop the sources of closed groups whose copies completed (no waiting)."""
@@ -237,7 +241,7 @@ class ActivationOffload:
         stored = self._live.get(key)
         if stored is None:
             nbytes = storage.nbytes()
-            host = self._host_buffer(nbytes, pin=t.device.type == "cuda")
+            host, last_read = self._host_buffer(nbytes, pin=t.device.type == "cuda")
             if host is None:
                 return t  # over the host cap: keep it on the device
             src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
@@ -247,6 +251,8 @@ class ActivationOffload:
                 host.copy_(src)
             else:
                 offload_stream.wait_stream(torch.cuda.current_stream(t.device))
+                if last_read is not None:  # the last step's copy back of this buffer went first
+                    offload_stream.wait_event(last_read)
                 with torch.cuda.stream(offload_stream):
                     host.copy_(src, non_blocking=True)
                 stored.offloaded = offload_stream.record_event()
@@ -256,6 +262,7 @@ class ActivationOffload:
             self.stats["offloaded_bytes"] += nbytes
             self.stats["tensors"] += 1
             self._retire()
+        stored.unpacks_left += 1
         return _Handle(stored, t)
 
     def _reload(self, stored: _Stored) -> None:
@@ -265,21 +272,24 @@ class ActivationOffload:
         if reload_stream is None:
             stored.device_copy = stored.host.clone()
             return
+        # allocated from the reload stream's pool: a block the compute stream just freed may
+        # still be read by its queued kernels, which the reload stream is not ordered after
         with torch.cuda.stream(reload_stream):
             if stored.offloaded is not None:
                 reload_stream.wait_event(stored.offloaded)
             dev = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
             dev.copy_(stored.host, non_blocking=True)
-        dev.record_stream(torch.cuda.current_stream(stored.device))  # used on the compute stream
+        dev.record_stream(torch.cuda.current_stream(stored.device))  # freed after compute used it
         stored.device_copy = dev
         stored.reloaded = reload_stream.record_event()
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Handle):
             return x
-        if not self._end_queued:  # release everything once this backward ends
+        if not self._end_queued:  # backward started: release everything once it ends
             torch.autograd.Variable._execution_engine.queue_callback(self._release)
             self._end_queued = True
+            self._retire()  # the forward's last sources whose copies are done go now
         stored = x.stored
         self._reload(stored)
         for s in self._records:  # prefetch the next groups backward will reach
@@ -288,15 +298,19 @@ class ActivationOffload:
         if stored.reloaded is not None:
             torch.cuda.current_stream(stored.device).wait_event(stored.reloaded)
         typed = stored.device_copy.view(x.dtype)
-        return torch.as_strided(typed, x.size, x.stride, x.offset)
+        out = torch.as_strided(typed, x.size, x.stride, x.offset)
+        stored.unpacks_left -= 1
+        if stored.unpacks_left <= 0:  # the last view of it: autograd's reference is the only one
+            stored.device_copy = None
+        return out
 
     def _release(self) -> None:
         """Return the host buffers to the pool and forget this forward's copies."""
         for s in self._records:
             if s.offloaded is not None:
                 s.offloaded.synchronize()  # the buffer is reused: its copy must be done
-            s.src = None
-            self._pool.setdefault(s.nbytes, []).append(s.host)
+            s.src = s.device_copy = None
+            self._pool.setdefault(s.nbytes, []).append((s.host, s.reloaded))
         self._records.clear()
         self._live.clear()
         self._inflight.clear()

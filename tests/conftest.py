@@ -36,3 +36,12 @@ def grad_seq(params, steps: int, seed: int = 1):
 def clone(tree):
     import optree
     return optree.tree_map(lambda t: t.detach().clone(), tree)
+
+
+def per_block(fn):
+    """A host kernel from ``fn(grad, state, out, hyper)`` on each block the task claims."""
+    def kernel(work):
+        for p, a, b in work.claims():
+            fn(p.grad[a:b], tuple(x[a:b] for x in p.state), p.out[a:b] if p.out is not None else None,
+               p.hyper)
+    return kernel

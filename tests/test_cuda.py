@@ -166,7 +166,7 @@ def test_delayed_update_matches_hand_written_delayed_loop(case):
     ref = ConvNet().to(DEV)
     ropt = cls(ref.parameters(), **kw)
     prev = None
-    for x, y in data + [None]:  # the trailing None is the final flush
+    for x, y in data + [(None, None)]:  # the trailing (None, None) is the final flush
         cur = None
         if x is not None:
             torch.nn.functional.cross_entropy(ref(x), y).backward()

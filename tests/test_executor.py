@@ -11,7 +11,7 @@ import torch
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor, HostLeaf, physical_cores
-from conftest import KERNELS, clone, grad_seq, make_params
+from conftest import KERNELS, per_block, clone, grad_seq, make_params
 
 
 def run(params, grads, **ex):
@@ -48,12 +48,61 @@ def test_chunk_plan_covers_every_element_once():
             end = seg.offset + (seg.stop - seg.start) * 4
             assert end <= 4096
             seen[seg.leaf].append((seg.start, seg.stop))
-        pieces = ex._pieces(chunk)
-        assert sum(b - a for _, a, b in pieces) == sum(s.stop - s.start for s in chunk)
     for i, n in enumerate(sizes):
         spans = sorted(seen[i])
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def _work(sizes, block, seed=0):
+    from functional_offload.kernels.reference import AdamHyper
+    from functional_offload.kernels.work import Piece, Work
+    gen = torch.Generator().manual_seed(seed)
+    h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True)
+    pieces = [Piece(torch.randn(n, generator=gen).bfloat16(),
+                    (torch.randn(n, generator=gen), torch.randn(n, generator=gen),
+                     torch.rand(n, generator=gen)), torch.empty(n, dtype=torch.bfloat16), h)
+              for n in sizes]
+    return Work(pieces, block)
+
+
+def _claim_from_threads(kernel, work, threads=4):
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(threads) as pool:
+        for f in [pool.submit(kernel, work) for _ in range(threads)]:
+            f.result()
+
+
+def test_claimed_blocks_cover_every_element_once():
+    import threading
+    work = _work([1000, 37, 5000, 64], block=64)
+    seen, lock = [], threading.Lock()
+
+    def kernel(w):
+        for p, a, b in w.claims():
+            with lock:
+                seen.append((id(p), a, b))
+
+    _claim_from_threads(kernel, work)
+    for p in work.pieces:
+        spans = sorted((a, b) for i, a, b in seen if i == id(p))
+        assert spans[0][0] == 0 and spans[-1][1] == p.grad.numel()
+        assert all(x[1] == y[0] for x, y in zip(spans, spans[1:]))
+    assert len(seen) == sum(-(-p.grad.numel() // 64) for p in work.pieces)
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+def test_native_kernel_claims_blocks_like_one_pass():
+    from functional_offload.kernels import cpu
+    mod = cpu.native()
+    sizes = [1000, 37, 5000, 64]
+    whole, blocked = _work(sizes, block=1 << 20), _work(sizes, block=64)
+    cpu.adam_chunk(mod, whole)  # one thread, one block per piece
+    _claim_from_threads(lambda w: cpu.adam_chunk(mod, w), blocked)  # 4 threads, 64-element blocks
+    assert int(blocked.counter) >= sum(-(-n // 64) for n in sizes)
+    for a, b in zip(whole.pieces, blocked.pieces):
+        for x, y in zip((*a.state, a.out), (*b.state, b.out)):
+            assert torch.equal(x, y)
 
 
 def test_worker_error_surfaces_at_caller():
@@ -69,7 +118,7 @@ def test_worker_error_surfaces_at_caller():
 
     leaf = HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n),), False, None)
     with pytest.raises(RuntimeError, match="host optimizer step failed on leaf 'w'.*boom") as e:
-        ex.run([leaf], kernel)
+        ex.run([leaf], per_block(kernel))
     assert isinstance(e.value.__cause__, FloatingPointError)
     ex.close()
 
@@ -84,7 +133,7 @@ def test_write_param_path_copies_values_back():
         st[0].add_(g.float())
         out.copy_(st[0])
 
-    ex.run([HostLeaf("p", torch.ones(n, dtype=torch.bfloat16), param, (value,), True, None)], kernel)
+    ex.run([HostLeaf("p", torch.ones(n, dtype=torch.bfloat16), param, (value,), True, None)], per_block(kernel))
     assert torch.equal(param, (torch.arange(n) + 1).to(torch.bfloat16))
     assert ex.pinned_bytes == 0 and ex.staging_bytes == 2 * 2 * 4096
 
@@ -147,7 +196,7 @@ def test_error_in_a_copy_does_not_hang():
 
     transport.copy_in = failing_copy
     with pytest.raises(RuntimeError, match="leaf 'w'.*DMA failed"):
-        ex.run([leaf], lambda g, st, out, h: st[0].add_(g))
+        ex.run([leaf], per_block(lambda g, st, out, h: st[0].add_(g)))
     ex.close()
 
 
@@ -169,7 +218,7 @@ def test_timeline_records_every_chunk_and_exports(tmp_path):
         names[e["lane"]].add(e["name"])
         assert e["dur_us"] >= 0 and e["start_us"] >= 0
     assert names["D2H"] == {f"grads c{k}" for k in range(chunks)}
-    assert names["H2D"] == {f"params c{k}" for k in range(chunks)}
+    assert "H2D" not in names  # CPU params are written in place: nothing to copy back
     kernels = set().union(*(v for k, v in names.items() if k.startswith("fo-host")))
     assert kernels == {f"kernel c{k}" for k in range(chunks)}
     tl.to_chrome(tmp_path / "t.json")

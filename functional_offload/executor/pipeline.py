@@ -9,15 +9,22 @@ params (copied out). While the worker threads run the kernel on chunk ``k``, the
     CPU workers:        [kernel k  ]         (chunk split across threads, GIL released)
     H2D stream:                     [p k]    (issued as soon as chunk k is done)
 
-A slot's grad half is refilled (chunk k+S) only once every piece of chunk k has run; its output
-half only after the copy out that read it completed (its event, waited on by the host). Only the ring is pinned, once;
-state (masters, moments) stays in ordinary host memory, touched by the CPU alone.
+Inside a chunk, work is claimed, not assigned: ``threads`` tasks run the kernel on the same
+:class:`Work`, whose blocks (about ``1 / (4·threads)`` of the chunk each) they claim one at a
+time until none is left — in the native kernel, with an atomic counter and no GIL — so a thread
+that shares its core with someone else (the training loop waiting in ``synchronize``, autograd's
+thread) claims fewer blocks instead of holding the chunk back.
+A slot's grad half is refilled (chunk k+S) only once every block of chunk k has run; its output
+half only after the copy out that read it completed (its event, waited on by the host). Only the
+ring is pinned, once; state (masters, moments) stays in ordinary host memory, touched by the CPU
+alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import math
+import queue as queue_mod
 import os
 import threading
 import time
@@ -27,10 +34,13 @@ import torch
 
 from functional_offload.executor.timeline import Timeline
 from functional_offload.executor.transport import transport_for
+from functional_offload.kernels.work import Kernel, Piece, Work
 
-__all__ = ["HostLeaf", "HostExecutor", "physical_cores", "Kernel"]
+__all__ = ["HostLeaf", "HostExecutor", "physical_cores"]
 
 _ALIGN = 64  # bytes; segment offsets in a slot are aligned to this
+_MIN_BLOCK = 1 << 14  # elements: smaller blocks cost more to claim than they compute
+_BLOCKS_PER_THREAD = 4
 
 
 class HostLeaf(NamedTuple):
@@ -44,15 +54,15 @@ class HostLeaf(NamedTuple):
     hyper: Any  # per-leaf scalars handed to the kernel
 
 
-Kernel = Callable[[torch.Tensor, tuple, Optional[torch.Tensor], Any], None]
-"""``kernel(grad, state_slices, out_or_None, hyper)`` updates one contiguous piece in place."""
-
-
 class _Segment(NamedTuple):
     leaf: int
     start: int
     stop: int
     offset: int  # byte offset in the slot half
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
 
 
 def physical_cores() -> int:
@@ -104,7 +114,8 @@ class HostExecutor:
         self.timeline = timeline
         self._rings: dict[torch.device, torch.Tensor] = {}
         self._out_events: dict[torch.device, list] = {}
-        self._staged_out: dict[torch.device, Any] = {}  # delayed: last copy out of host staging
+        # delayed: per copy out of host staging, (first byte, end byte, event when it has run)
+        self._staged_out: dict[torch.device, list[tuple[int, int, Any]]] = {}
         self._transports: dict[torch.device, Any] = {}
         self._pool: Optional[cf.ThreadPoolExecutor] = None
 
@@ -160,10 +171,11 @@ class HostExecutor:
             chunks.append(cur)
         return chunks
 
-    def _pieces(self, chunk: Sequence[_Segment]) -> list[tuple[_Segment, int, int]]:
-        total = sum(s.stop - s.start for s in chunk)
-        step = max(_ALIGN, -(-math.ceil(total / self.threads) // _ALIGN) * _ALIGN)
-        return [(s, a, min(s.stop, a + step)) for s in chunk for a in range(s.start, s.stop, step)]
+    def _block_size(self, chunk: Sequence[_Segment]) -> int:
+        """Elements per claimed block: about ``1 / (4·threads)`` of the chunk."""
+        size = max(_MIN_BLOCK, math.ceil(sum(s.stop - s.start for s in chunk)
+                                         / (self.threads * _BLOCKS_PER_THREAD)))
+        return -(-size // _ALIGN) * _ALIGN
 
     # ---- the step -------------------------------------------------------------------------
     def ready(self, device: torch.device) -> Any:
@@ -180,59 +192,83 @@ class HostExecutor:
               targets: Sequence[torch.Tensor]) -> Callable[[], None]:
         """Run :meth:`run` in the background, with each leaf's ``param`` a host staging buffer.
 
-        Returns ``finish()``: it waits for the host step, re-raises its error, then copies each
-        staged param into its ``targets`` tensor (on the H2D stream, after the work queued so
-        far on the caller's stream) and orders the caller's stream after those copies. Calling
-        it again does nothing. This is the delayed parameter update: the copies land only when
-        ``finish`` is called, after the work the caller queued meanwhile.
+        Returns ``finish()``. It marks the work queued so far on the caller's stream, then copies
+        each chunk's staged params into its ``targets`` tensors (on the H2D stream, after that
+        mark) as soon as the chunk's kernel is done — so only the last chunk's copy is left
+        when the host step ends — re-raises the host step's error, and orders the caller's
+        stream after the copies. Calling it again does nothing. This is the delayed parameter
+        update: the new params land only when ``finish`` is called, after the work the caller
+        queued meanwhile.
         """
         if not leaves:
             return lambda: None
         device = leaves[0].grad.device
         ready = self.ready(device)  # grads are complete here, on the caller's stream
         failure: list[BaseException] = []
+        done_chunks: "queue_mod.Queue" = queue_mod.Queue()  # segments of finished chunks; None: end
 
         def body() -> None:
             try:
-                self.run(leaves, kernel, ready, order_caller=False)
+                self.run(leaves, kernel, ready, order_caller=False, chunk_done=done_chunks.put)
             except BaseException as e:
                 failure.append(e)
+            finally:
+                done_chunks.put(None)
 
         driver = threading.Thread(target=body, name="fo-delayed", daemon=True)
         driver.start()
-        done: list[bool] = []
+        finished: list[bool] = []
 
         def finish() -> None:
-            if done:
+            if finished:
                 return
+            finished.append(True)
+            t = self._transports[device]
+            tl = self.timeline
+            t.wait_out(t.ready())  # the caller's reads of the old params come first
+            copies = []  # the next step rewrites each staging range only after its copy ran
+            while (segments := done_chunks.get()) is not None:
+                s0 = tl.stamp(device, t.stream_out) if tl else None
+                ranges = []
+                for seg in segments:
+                    leaf = leaves[seg.leaf]
+                    if leaf.write_param:
+                        src = leaf.param[seg.start:seg.stop]
+                        t.copy_out(targets[seg.leaf][seg.start:seg.stop], src)
+                        ranges.append(_byte_range(src))
+                event = t.mark_out()
+                copies += [(a, b, event) for a, b in ranges]
+                if tl:
+                    tl.span("H2D", "staged params", s0, tl.stamp(device, t.stream_out))
             driver.join()
-            done.append(True)
+            self._staged_out[device] = copies
+            t.end()
             if failure:
                 raise failure[0]
-            t = self._transports[device]
-            t.begin()
-            for leaf, target in zip(leaves, targets):
-                if leaf.write_param:
-                    t.copy_out(target, leaf.param)
-            self._staged_out[device] = t.mark_out()  # the next step rewrites the staging after it
-            t.end()
 
         return finish
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, ready: Optional[Any] = None,
-            order_caller: bool = True) -> None:
+            order_caller: bool = True,
+            chunk_done: Optional[Callable[[list[_Segment]], None]] = None,
+            leaf_ready: Optional[Sequence[Any]] = None) -> None:
         """Update ``leaves`` (all with grads on one device) with ``kernel``; errors re-raise.
 
         A param in host memory is written by the kernel directly; one on a GPU through the
         ring's output half and the H2D stream. ``ready`` (from ``Transport.ready``) orders the
         grad copies; by default, after the work queued on the calling thread's stream. With
         ``order_caller=False`` (a background thread) the stream is not ordered here: the owner
-        calls :meth:`order_after_copies` from its own thread.
+        calls :meth:`order_after_copies` from its own thread. ``chunk_done(segments)`` is called
+        as each chunk's kernel completes (in chunk order is not promised). ``leaf_ready``: per
+        leaf, an event after which its grad is complete and its param no longer read (grad
+        streaming: each grad's own); it replaces ``ready``: a chunk's copies wait for the events
+        of the chunk's leaves only.
 
-        Every piece of every chunk is queued to the workers at once (first in, first out), so
-        threads never idle at a per-chunk barrier. A piece waits for its chunk's grads to have
-        landed; the thread finishing a chunk's last piece issues that chunk's copy out and the
-        copy in of the chunk that takes its slot next. Returns once every kernel ran and every
+        ``threads`` tasks per chunk, for every chunk, are queued to the workers at once (first
+        in, first out), so threads never idle at a per-chunk barrier. A task waits for its
+        chunk's grads to have landed, then runs the kernel, which claims the chunk's blocks one
+        by one; the task that leaves a chunk last issues that chunk's copy out and the copy in
+        of the chunk that takes its slot next. Returns once every kernel ran and every
         copy out was issued; the caller's stream is then ordered after the copies out, so work
         queued next sees the new params.
         """
@@ -243,13 +279,25 @@ class HostExecutor:
         ring, slot_events, t = self._rings[device], self._out_events[device], self._transports[device]
         S, half = self.slots, self.chunk_bytes
         chunks = self._chunks(leaves)
-        pieces = [self._pieces(c) for c in chunks]
+        works: list[Optional[Work]] = [None] * len(chunks)  # made when the chunk's grads are issued
+        frees: list[Any] = [None] * len(chunks)  # and the event its host params wait for
         in_events: list = [None] * len(chunks)
         out_events: list = [None] * len(chunks)
-        staged_free = self._staged_out.get(device)  # host params may still be copying out
+        staged = self._staged_out.get(device, [])  # host params may still be copying out
+
+        def staged_free(k: int) -> Any:
+            """The event after which chunk k's host params are no longer read by a copy out."""
+            mine = [_byte_range(leaves[seg.leaf].param[seg.start:seg.stop]) for seg in chunks[k]
+                    if leaves[seg.leaf].write_param and leaves[seg.leaf].param.device.type == "cpu"]
+            last = None  # events complete in the order recorded: the last overlapping one will do
+            for a, b, event in staged:
+                if any(a < hi and lo < b for lo, hi in mine):
+                    last = event
+            return last
+
         before = list(slot_events)  # copies out of the previous step, per slot
         issued = [threading.Event() for _ in chunks]  # chunk k's copy in was issued
-        remaining = [len(p) for p in pieces]
+        remaining = [self.threads] * len(chunks)
         lock = threading.Lock()
         failures: list[tuple[str, BaseException]] = []
 
@@ -260,6 +308,9 @@ class HostExecutor:
         tl = self.timeline
 
         def issue_in(k: int) -> None:
+            if leaf_ready is not None:
+                for i in dict.fromkeys(seg.leaf for seg in chunks[k]):
+                    t.wait_in(leaf_ready[i])
             s0 = tl.stamp(device, t.stream_in) if tl else None
             for seg in chunks[k]:
                 leaf = leaves[seg.leaf]
@@ -267,66 +318,76 @@ class HostExecutor:
             if tl:
                 tl.span("D2H", f"grads c{k}", s0, tl.stamp(device, t.stream_in))
             in_events[k] = t.mark_in()
+            pieces = []
+            for seg in chunks[k]:
+                leaf = leaves[seg.leaf]
+                out = None if not leaf.write_param else (
+                    leaf.param[seg.start:seg.stop] if leaf.param.device.type == "cpu"  # in place
+                    else view(k, 1, seg, leaf.param.dtype))
+                pieces.append(Piece(view(k, 0, seg, leaf.grad.dtype),
+                                    tuple(x[seg.start:seg.stop] for x in leaf.state), out, leaf.hyper))
+            works[k] = Work(pieces, self._block_size(chunks[k]))
+            frees[k] = staged_free(k) if staged else None
             issued[k].set()
 
         def finish(k: int) -> None:  # under `lock`, by the thread ending chunk k
-            s0 = tl.stamp(device, t.stream_out) if tl else None
-            for seg in chunks[k]:
-                leaf = leaves[seg.leaf]
-                if leaf.write_param and leaf.param.device.type != "cpu":
-                    t.copy_out(leaf.param[seg.start:seg.stop], view(k, 1, seg, leaf.param.dtype))
-            if tl:
-                tl.span("H2D", f"params c{k}", s0, tl.stamp(device, t.stream_out))
-            out_events[k] = slot_events[k % S] = t.mark_out()
+            out = [seg for seg in chunks[k]
+                   if leaves[seg.leaf].write_param and leaves[seg.leaf].param.device.type != "cpu"]
+            if out:
+                if leaf_ready is not None:
+                    for i in dict.fromkeys(seg.leaf for seg in out):
+                        t.wait_out(leaf_ready[i])
+                s0 = tl.stamp(device, t.stream_out) if tl else None
+                for seg in out:
+                    t.copy_out(leaves[seg.leaf].param[seg.start:seg.stop],
+                               view(k, 1, seg, leaves[seg.leaf].param.dtype))
+                if tl:
+                    tl.span("H2D", f"params c{k}", s0, tl.stamp(device, t.stream_out))
+                slot_events[k % S] = t.mark_out()
+            out_events[k] = slot_events[k % S]  # no copy out: the slot's out half is as it was
             if k + S < len(chunks):
                 issue_in(k + S)
+            if chunk_done is not None:
+                chunk_done(chunks[k])
+
+        def fail(k: int, e: BaseException) -> None:  # surfaced by the caller; wake every task
+            with lock:
+                failures.append((", ".join(dict.fromkeys(repr(leaves[s.leaf].path) for s in chunks[k])), e))
+            for ev in issued:
+                ev.set()
 
         @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach here
-        def work(k: int, seg: _Segment, a: int, b: int) -> None:
+        def work(k: int) -> None:
             issued[k].wait()
             if failures:
                 return
             try:
                 t.wait_host(in_events[k])  # grads landed
                 t.wait_host(out_events[k - S] if k >= S else before[k % S])  # slot's out half free
-                leaf = leaves[seg.leaf]
-                lo, hi = a - seg.start, b - seg.start
-                out = None if not leaf.write_param else (
-                    leaf.param[a:b] if leaf.param.device.type == "cpu"  # host memory: in place
-                    else view(k, 1, seg, leaf.param.dtype)[lo:hi])
-                if out is not None and leaf.param.device.type == "cpu":
-                    t.wait_host(staged_free)
+                t.wait_host(frees[k])  # a copy out may still read this chunk's host params
                 s0 = time.perf_counter_ns()
-                kernel(view(k, 0, seg, leaf.grad.dtype)[lo:hi], tuple(x[a:b] for x in leaf.state),
-                       out, leaf.hyper)
+                kernel(works[k])
                 if tl:
                     tl.span(threading.current_thread().name, f"kernel c{k}", s0, time.perf_counter_ns())
-            except BaseException as e:  # surfaced by the caller; wake every waiting piece
                 with lock:
-                    failures.append((leaves[seg.leaf].path, e))
-                for ev in issued:
-                    ev.set()
-                return
-            with lock:
-                remaining[k] -= 1
-                if remaining[k] == 0 and not failures:
-                    try:
+                    remaining[k] -= 1
+                    if remaining[k] == 0 and not failures:
+                        works[k] = None
                         finish(k)
-                    except BaseException as e:
-                        failures.append((leaves[seg.leaf].path, e))
-                        for ev in issued:
-                            ev.set()
+            except BaseException as e:
+                fail(k, e)
 
-        t.begin(ready)
+        if leaf_ready is None:
+            t.begin(ready)
         try:
             for k in range(min(S, len(chunks))):
                 issue_in(k)
             pool = self._workers()
-            futures = [pool.submit(work, k, *piece) for k, ps in enumerate(pieces) for piece in ps]
+            futures = [pool.submit(work, k) for k in range(len(chunks)) for _ in range(remaining[k])]
             cf.wait(futures)
             if failures:
-                path, e = failures[0]
-                raise RuntimeError(f"host optimizer step failed on leaf {path!r}: "
+                names, e = failures[0]
+                raise RuntimeError(f"host optimizer step failed on leaf {names}: "
                                    f"{type(e).__name__}: {e}") from e
         finally:
             for ev in in_events:  # never return while a copy in still reads the grads

@@ -29,6 +29,12 @@ class Transport:
         """Order the copies after ``ready`` (default: the work queued so far on this thread's
         stream)."""
 
+    def wait_in(self, ready: Optional[object]) -> None:
+        """Order the copies in issued from now on after ``ready``."""
+
+    def wait_out(self, ready: Optional[object]) -> None:
+        """Order the copies out issued from now on after ``ready``."""
+
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Device→host copy of ``src`` into the staging view ``dst``."""
         dst.copy_(src)
@@ -68,8 +74,14 @@ class CudaTransport(Transport):
 
     def begin(self, ready: Optional[torch.cuda.Event] = None) -> None:
         ready = ready if ready is not None else self.ready()
+        self.wait_in(ready)
+        self.wait_out(ready)  # params are written after the caller's pending reads of them
+
+    def wait_in(self, ready: Optional[torch.cuda.Event]) -> None:
         self.d2h.wait_event(ready)
-        self.h2d.wait_event(ready)  # params are written after the caller's pending reads of them
+
+    def wait_out(self, ready: Optional[torch.cuda.Event]) -> None:
+        self.h2d.wait_event(ready)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.d2h):

@@ -15,9 +15,10 @@ from typing import Optional
 
 import torch
 
-from functional_offload.kernels.reference import AdamHyper, SGDHyper
+from functional_offload.kernels.work import Work
+from functional_offload.kernels.reference import AdamHyper
 
-__all__ = ["native", "adam_", "sgd_"]
+__all__ = ["native", "adam_chunk", "sgd_chunk"]
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "cpu_optim.cpp")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off",
@@ -39,19 +40,46 @@ def native() -> Optional[ModuleType]:
         return None
 
 
-def adam_(mod: ModuleType, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-          out: Optional[torch.Tensor], h: AdamHyper) -> None:
-    """One Adam/AdamW step on contiguous 1-D slices; writes ``out`` (model dtype) if given."""
+def _common(work: Work, nmoments: int) -> tuple[list, list, list, list]:
+    values, grads, outs = [], [], []
+    moments: list[list[torch.Tensor]] = [[] for _ in range(nmoments)]
+    for p in work.pieces:
+        values.append(p.state[0])
+        grads.append(p.grad)
+        outs.append(p.out if p.out is not None else _EMPTY)
+        for lst, m in zip(moments, p.state[1:]):
+            lst.append(m)
+    return values, grads, moments, outs
+
+
+def adam_chunk(mod: ModuleType, work: Work) -> None:
+    """Adam/AdamW on the blocks of ``work`` this thread claims; ``piece.hyper`` is an
+    :class:`AdamHyper`, ``piece.state`` ``(value fp32, mu, nu)``."""
+    if work.prepared is None:  # once per chunk; tasks racing here build the same lists
+        values, grads, (mus, nus), outs = _common(work, 2)
+        scalars = torch.tensor([_adam_scalars(p.hyper) for p in work.pieces], dtype=torch.float64)
+        work.prepared = (values, grads, mus, nus, outs, scalars)
+    mod.adam_chunk(*work.prepared, work.counter, work.block)
+
+
+def sgd_chunk(mod: ModuleType, work: Work) -> None:
+    """SGD on the blocks of ``work`` this thread claims; ``piece.state`` is ``(value fp32,)`` or
+    ``(value fp32, momentum)``."""
+    if work.prepared is None:
+        values, grads, _, outs = _common(work, 0)
+        bufs = [p.state[1] if len(p.state) > 1 else _EMPTY for p in work.pieces]
+        scalars = torch.tensor([[-p.hyper.lr, p.hyper.momentum, p.hyper.weight_decay,
+                                 float(p.hyper.nesterov)] for p in work.pieces], dtype=torch.float64)
+        work.prepared = (values, grads, bufs, outs, scalars)
+    mod.sgd_chunk(*work.prepared, work.counter, work.block)
+
+
+def _adam_scalars(h: AdamHyper) -> list[float]:
+    """The kernel's scalars, computed in double exactly as torch.optim computes them."""
     wd = h.weight_decay
-    mod.adam_step(p, g, m, v, out,
-                  1 - h.lr * wd if h.decoupled else 1.0,
-                  0.0 if h.decoupled else wd,
-                  1 - h.beta1, h.beta2, 1 - h.beta2,
-                  (1 - h.beta2 ** h.step) ** 0.5, h.eps,
-                  -(h.lr / (1 - h.beta1 ** h.step)))
+    return [1 - h.lr * wd if h.decoupled else 1.0, 0.0 if h.decoupled else wd,
+            1 - h.beta1, h.beta2, 1 - h.beta2, (1 - h.beta2 ** h.step) ** 0.5, h.eps,
+            -(h.lr / (1 - h.beta1 ** h.step))]
 
 
-def sgd_(mod: ModuleType, p: torch.Tensor, g: torch.Tensor, buf: Optional[torch.Tensor],
-         out: Optional[torch.Tensor], h: SGDHyper) -> None:
-    """One SGD step on contiguous 1-D slices; ``buf`` is ``None`` without momentum."""
-    mod.sgd_step(p, g, buf, out, -h.lr, h.momentum, h.weight_decay, h.nesterov)
+_EMPTY = torch.empty(0)  # "no tensor" in the kernels' lists (no separate param, no momentum)

@@ -21,6 +21,7 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor, HostLeaf
 from functional_offload.kernels import cpu as cpu_kernels
+from functional_offload.kernels.work import Kernel, Work
 from functional_offload.placement import Placement, on_host
 from functional_offload.tree import check_tensor_leaves, flatten_like, leaves_with_paths, local
 from functional_offload.typing import Params, ScalarOrSchedule
@@ -86,13 +87,16 @@ class Terminal:
       lr, weight_decay: floats or schedules of the step count.
       hyper: ``(lr, weight_decay, step) -> hyper NamedTuple`` (with a ``weight_decay`` field).
       device_math: ``(values, grads, [moment lists], hyper)`` for device-resident groups.
-      host_math: ``(value, grad, moments, out, hyper, native_module_or_None)`` on 1-D pieces.
+      host_math: ``(value, grad, moments, out, hyper)`` on 1-D slices, in torch ops.
+      native_math: ``(native_module, work)``: the one-pass kernel on a chunk's
+        :class:`~functional_offload.kernels.work.Work`.
     """
 
     def __init__(self, name: str, state_cls: type, moments: Sequence[tuple[str, Optional[torch.dtype]]],
                  lr: ScalarOrSchedule, weight_decay: ScalarOrSchedule,
                  hyper: Callable[[float, float, int], Any],
-                 device_math: Callable[..., None], host_math: Callable[..., None], *,
+                 device_math: Callable[..., None], host_math: Callable[..., None],
+                 native_math: Callable[..., None], *,
                  placement: Optional[Placement], master_dtype: torch.dtype,
                  weight_decay_mask: MaskOrFn, executor: Optional[HostExecutor], cpu_kernel: str,
                  delayed: bool = False):
@@ -111,6 +115,7 @@ class Terminal:
         self.hyper = hyper
         self.device_math = device_math
         self.host_math = host_math
+        self.native_math = native_math
         self.placement = placement or on_host()
         self.master_dtype = master_dtype
         self.weight_decay_mask = weight_decay_mask
@@ -302,7 +307,7 @@ class Terminal:
                              "build the optimizer with one of them")
         return GradStream(self, state, self._begin(state))
 
-    def _host_kernel(self, host: list[HostLeaf]) -> Callable[..., None]:
+    def _host_kernel(self, host: list[HostLeaf]) -> Kernel:
         mod = None
         # "auto" builds the native kernel for offloaded GPU params, where it is the step's floor;
         # CPU-only training keeps the torch kernel and skips the one-time build.
@@ -315,10 +320,16 @@ class Terminal:
                                    "built here (needs a C++ compiler and ninja); use 'auto'")
         supported = (torch.float32, torch.bfloat16)
 
-        def kernel(g: torch.Tensor, st: tuple, out: Optional[torch.Tensor], h: Any) -> None:
-            native = (mod is not None and st[0].dtype == torch.float32
-                      and all(m.dtype in supported for m in st[1:]))
-            self.host_math(st[0], g, st[1:], out, h, mod if native else None)
+        def kernel(work: Work) -> None:
+            if mod is not None and all(p.state[0].dtype == torch.float32
+                                       and all(m.dtype in supported for m in p.state[1:])
+                                       for p in work.pieces):
+                self.native_math(mod, work)
+                return
+            for p, a, b in work.claims():
+                out = p.out[a:b] if p.out is not None else None
+                self.host_math(p.state[0][a:b], p.grad[a:b], tuple(m[a:b] for m in p.state[1:]),
+                               out, p.hyper)
 
         return kernel
 
@@ -387,18 +398,28 @@ class GradStream:
         self.queue.put((host_leaf, ready))
 
     def _drive(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if self.errors:
+        """Run the arrived leaves through the executor: all that arrived while the previous run
+        was busy go as one run, so the pipeline drains once per batch, not once per leaf."""
+        ex = self.terminal.executor
+        more = True
+        while more:
+            batch = [self.queue.get()]
+            while batch[-1] is not None and not self.queue.empty():
+                batch.append(self.queue.get())
+            more = batch[-1] is not None
+            batch = [item for item in batch if item is not None]
+            if not batch or self.errors:
                 continue
-            host_leaf, ready = item
-            try:
-                self.terminal.executor.run([host_leaf], self.terminal._host_kernel([host_leaf]),
-                                           ready, order_caller=False)
-            except BaseException as e:
-                self.errors.append(e)
+            by_device: dict[torch.device, list] = {}
+            for leaf, ready in batch:
+                by_device.setdefault(leaf.grad.device, []).append((leaf, ready))
+            for items in by_device.values():
+                leaves = [leaf for leaf, _ in items]
+                try:  # each leaf's copies wait for its own grad, not the whole batch's
+                    ex.run(leaves, self.terminal._host_kernel(leaves), order_caller=False,
+                           leaf_ready=[ready for _, ready in items])
+                except BaseException as e:
+                    self.errors.append(e)
 
     def finish(self) -> tuple[Params, Any]:
         """Wait for the streamed leaves, update the rest; return ``(params, new state)``."""

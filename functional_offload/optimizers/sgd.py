@@ -27,11 +27,8 @@ class SGDState(NamedTuple):
 
 
 def _host_math(value: torch.Tensor, g: torch.Tensor, moments: tuple, out: Optional[torch.Tensor],
-               h: SGDHyper, native: Any) -> None:
+               h: SGDHyper) -> None:
     buf = moments[0] if moments else None
-    if native is not None:
-        cpu.sgd_(native, value, g, buf, out, h)
-        return
     reference.sgd_([value], [g], [buf] if buf is not None else [], h)
     if out is not None:
         out.copy_(value)
@@ -83,7 +80,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         "sgd", SGDState, [("momentum", momentum_dtype)] if mom else [], lr, weight_decay,
         lambda lr_t, wd_t, step: SGDHyper(lr_t, mom, wd_t, bool(nesterov)),
         lambda values, grads, moms, h: gpu.sgd_(values, grads, moms[0] if moms else [], h),
-        _host_math, placement=placement, master_dtype=master_dtype,
+        _host_math, cpu.sgd_chunk, placement=placement, master_dtype=master_dtype,
         weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
         delayed=delayed)
     return Optimizer(t.init, t.update)
