@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import queue as queue_mod
 import os
+import queue as queue_mod
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -285,10 +285,9 @@ class HostExecutor:
         out_events: list = [None] * len(chunks)
         staged = self._staged_out.get(device, [])  # host params may still be copying out
 
-        def staged_free(k: int) -> Any:
-            """The event after which chunk k's host params are no longer read by a copy out."""
-            mine = [_byte_range(leaves[seg.leaf].param[seg.start:seg.stop]) for seg in chunks[k]
-                    if leaves[seg.leaf].write_param and leaves[seg.leaf].param.device.type == "cpu"]
+        def staged_free(pieces: list[Piece]) -> Any:
+            """The event after which these pieces' host params are no longer read by a copy out."""
+            mine = [_byte_range(p.out) for p in pieces if p.out is not None and p.out.device.type == "cpu"]
             last = None  # events complete in the order recorded: the last overlapping one will do
             for a, b, event in staged:
                 if any(a < hi and lo < b for lo, hi in mine):
@@ -327,7 +326,7 @@ class HostExecutor:
                 pieces.append(Piece(view(k, 0, seg, leaf.grad.dtype),
                                     tuple(x[seg.start:seg.stop] for x in leaf.state), out, leaf.hyper))
             works[k] = Work(pieces, self._block_size(chunks[k]))
-            frees[k] = staged_free(k) if staged else None
+            frees[k] = staged_free(pieces) if staged else None
             issued[k].set()
 
         def finish(k: int) -> None:  # under `lock`, by the thread ending chunk k

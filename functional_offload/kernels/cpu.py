@@ -15,8 +15,8 @@ from typing import Optional
 
 import torch
 
-from functional_offload.kernels.work import Work
 from functional_offload.kernels.reference import AdamHyper
+from functional_offload.kernels.work import Work
 
 __all__ = ["native", "adam_chunk", "sgd_chunk"]
 
@@ -40,23 +40,18 @@ def native() -> Optional[ModuleType]:
         return None
 
 
-def _common(work: Work, nmoments: int) -> tuple[list, list, list, list]:
-    values, grads, outs = [], [], []
-    moments: list[list[torch.Tensor]] = [[] for _ in range(nmoments)]
-    for p in work.pieces:
-        values.append(p.state[0])
-        grads.append(p.grad)
-        outs.append(p.out if p.out is not None else _EMPTY)
-        for lst, m in zip(moments, p.state[1:]):
-            lst.append(m)
-    return values, grads, moments, outs
+def _common(work: Work) -> tuple[list, list, list]:
+    """Per piece: the fp32 value, the grad, and the param out (``_EMPTY`` where none)."""
+    return ([p.state[0] for p in work.pieces], [p.grad for p in work.pieces],
+            [p.out if p.out is not None else _EMPTY for p in work.pieces])
 
 
 def adam_chunk(mod: ModuleType, work: Work) -> None:
     """Adam/AdamW on the blocks of ``work`` this thread claims; ``piece.hyper`` is an
     :class:`AdamHyper`, ``piece.state`` ``(value fp32, mu, nu)``."""
     if work.prepared is None:  # once per chunk; tasks racing here build the same lists
-        values, grads, (mus, nus), outs = _common(work, 2)
+        values, grads, outs = _common(work)
+        mus, nus = [p.state[1] for p in work.pieces], [p.state[2] for p in work.pieces]
         scalars = torch.tensor([_adam_scalars(p.hyper) for p in work.pieces], dtype=torch.float64)
         work.prepared = (values, grads, mus, nus, outs, scalars)
     mod.adam_chunk(*work.prepared, work.counter, work.block)
@@ -66,7 +61,7 @@ def sgd_chunk(mod: ModuleType, work: Work) -> None:
     """SGD on the blocks of ``work`` this thread claims; ``piece.state`` is ``(value fp32,)`` or
     ``(value fp32, momentum)``."""
     if work.prepared is None:
-        values, grads, _, outs = _common(work, 0)
+        values, grads, outs = _common(work)
         bufs = [p.state[1] if len(p.state) > 1 else _EMPTY for p in work.pieces]
         scalars = torch.tensor([[-p.hyper.lr, p.hyper.momentum, p.hyper.weight_decay,
                                  float(p.hyper.nesterov)] for p in work.pieces], dtype=torch.float64)
