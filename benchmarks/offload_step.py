@@ -13,8 +13,12 @@ offload_fraction F), ``hdo:F`` (Megatron's HybridDeviceOptimizer, overlap on, fp
 ``delayed:F`` (ours with the delayed parameter update), ``delayed16:F`` (the same with bf16
 moments; fp32 masters kept), ``stream:F`` / ``stream16:F`` (grad streaming during backward, fp32 /
 bf16 moments), ``streamtail:F`` (streaming with ``offload_fraction(F, from_end=True)``: the first
-layers, whose grads come last, keep their state on the GPU), ``torchao`` (CPUOffloadOptimizer, fused
-AdamW, bf16 states). Missing peers are reported as such.
+layers, whose grads come last, keep their state on the GPU), ``clip:F`` / ``streamclip:F``
+(``apply_if_finite(chain(clip_by_global_norm(1.0), adamw))``, through ``update`` / through
+``fo.stream``, which runs that update after backward), ``torchao`` (CPUOffloadOptimizer,
+fused AdamW, bf16 states). A ``@spin`` suffix (e.g. ``stream:1@spin``) makes our workers wait on
+default CUDA events, which spin, instead of blocking-sync ones (an A/B of that choice). Missing
+peers are reported as such.
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     model_bytes = sum(p.numel() * p.element_size() for p in ps)
     x = torch.randn(args.tokens, args.d, device="cuda", dtype=torch.bfloat16)
     info: dict = {"system": system}
-    name, _, frac = system.partition(":")
+    system_name, _, variant = system.partition("@")
+    spin = variant == "spin"
+    name, _, frac = system_name.partition(":")
     pinned = timeline = None
     if name == "fwdbwd":
         def step():
@@ -68,20 +74,27 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
             loss_fn(ps, x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    elif name in ("ours", "delayed", "delayed16", "stream", "stream16", "streamtail"):
+    elif name in ("ours", "delayed", "delayed16", "stream", "stream16", "streamtail", "clip",
+                  "streamclip"):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import functional_offload as fo
-        from functional_offload.executor import HostExecutor
+        from functional_offload.executor import HostExecutor, Timeline, physical_cores
+        from functional_offload.executor.transport import CudaTransport
 
-        from functional_offload.executor import Timeline
+        if spin:  # A/B: the workers wait on default (spinning) CUDA events
+            CudaTransport._record = staticmethod(lambda stream: stream.record_event())
 
         timeline = Timeline() if args.timeline else None
-        ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, threads=args.threads or None,
+        threads = args.threads or (  # as fo.adamw(delayed=True) picks by default
+            max(1, physical_cores() - 1) if name.startswith("delayed") else None)
+        ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, slots=args.slots, threads=threads,
                           timeline=timeline)
         low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if name.endswith("16") else {}
         where = fo.placement.offload_fraction(float(frac), from_end=name.endswith("tail"))
         opt = fo.adamw(placement=where, executor=ex,
                        delayed=name.startswith("delayed"), **low, **HYPER)
+        if name.endswith("clip"):  # what LLM loops run: the guard around clipping
+            opt = fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), opt))
         tree = {str(i): p for i, p in enumerate(ps)}
         state = opt.init(tree)
         holder = [state]
@@ -175,6 +188,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--chunk-mb", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--kernel-gelems", type=float, default=4.0,
                     help="CPU-kernel throughput (G elem/s) for the floor column; see cpu_kernel.py")
@@ -189,7 +203,7 @@ def main() -> None:
         return
     rows = []
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-              for k in ("d", "ffn", "blocks", "tokens", "warmup", "steps", "chunk_mb", "threads",
+              for k in ("d", "ffn", "blocks", "tokens", "warmup", "steps", "chunk_mb", "slots", "threads",
                         "timeline")]
     for system in args.systems.split(","):
         cmd = [sys.executable, os.path.abspath(__file__), "--one", system, *common]
@@ -213,7 +227,7 @@ def main() -> None:
             print(f"{r['system']:<12} error: {r.get('error', '')[-200:]!r}")
             continue
         ovh = r["step_s"] - fb if fb is not None and r["system"] != "fwdbwd" else None
-        name, _, frac = r["system"].partition(":")
+        name, _, frac = r["system"].partition("@")[0].partition(":")
         floor = float(frac) * r["params"] / (args.kernel_gelems * 1e9) if frac and float(frac) > 0 else None
         pin = f"{r['pinned_bytes'] / 2**20:.0f}" if r.get("pinned_bytes") is not None else "-"
         print(f"{r['system']:<12} {r['step_s']:>8.3f} {r['mean_wall_s']:>7.3f} "

@@ -14,8 +14,9 @@ from functional_offload.base import (EmptyState, GradientTransformation, Optimiz
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from functional_offload.executor import HostExecutor
 from functional_offload.compat import TorchOptimizer
-from functional_offload.optimizers import AdamState, GradStream, SGDState, adam, adamw, sgd, stream
+from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
 from functional_offload.report import PlacementReport, placement_report
+from functional_offload.streaming import GradStream, stream
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
                                            clip_by_global_norm, global_norm, masked, scale,
                                            schedules)

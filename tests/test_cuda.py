@@ -196,8 +196,11 @@ def test_delayed_update_matches_hand_written_delayed_loop(case):
     close({k: v.detach() for k, v in params.items()}, want)
 
 
+@pytest.mark.parametrize("guarded", [False, True])
 @pytest.mark.parametrize("fraction", [0.5, 1.0])
-def test_streamed_update_equals_plain_on_gpu(fraction):
+def test_streamed_update_equals_plain_on_gpu(fraction, guarded):
+    """Bare: the host leaves' steps run during backward. Guarded and clipped: the chain's update
+    runs after backward, and step 3 (a NaN loss) is skipped whole."""
     data = batches(6, seed=13)
     outs = []
     for streamed in (False, True):
@@ -206,9 +209,13 @@ def test_streamed_update_equals_plain_on_gpu(fraction):
         params = dict(model.named_parameters())
         opt = fo.adamw(1e-3, weight_decay=0.1, placement=fo.placement.offload_fraction(fraction),
                        executor=HostExecutor(chunk_bytes=64 << 10, threads=4))
+        if guarded:
+            opt = fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(0.5), opt))
         state = opt.init(params)
-        for x, y in data:  # back to back, no synchronization
+        for j, (x, y) in enumerate(data):  # back to back, no synchronization
             loss = torch.nn.functional.cross_entropy(model(x.to(torch.bfloat16)), y)
+            if guarded and j == 3:
+                loss = loss * float("nan")
             if streamed:
                 with fo.stream(opt, state) as s:
                     loss.backward()
@@ -219,8 +226,11 @@ def test_streamed_update_equals_plain_on_gpu(fraction):
             for p in params.values():
                 p.grad = None
         torch.cuda.synchronize()
+        if guarded:
+            assert int(state.total_notfinite) == 1 and int(state.inner_state[-1].count) == 5
         outs.append(({k: v.detach().clone() for k, v in params.items()}, fo.state_dict(state)))
     for k in outs[0][0]:
         assert torch.equal(outs[0][0][k], outs[1][0][k]), k
     for k in outs[0][1]:
         assert torch.equal(outs[0][1][k].cpu(), outs[1][1][k].cpu()), k
+

@@ -188,7 +188,7 @@ def test_error_in_a_copy_does_not_hang():
     transport = ex._transports[torch.device("cpu")]
     calls = []
 
-    def failing_copy(dst, src):  # the third copy in (issued by a worker, after chunk 0) fails
+    def failing_copy(dst, src):  # the third copy in (issued once chunk 0 is done) fails
         calls.append(1)
         if len(calls) == 3:
             raise OSError("DMA failed")
@@ -219,7 +219,7 @@ def test_timeline_records_every_chunk_and_exports(tmp_path):
         assert e["dur_us"] >= 0 and e["start_us"] >= 0
     assert names["D2H"] == {f"grads c{k}" for k in range(chunks)}
     assert "H2D" not in names  # CPU params are written in place: nothing to copy back
-    kernels = set().union(*(v for k, v in names.items() if k.startswith("fo-host")))
+    kernels = {n for k, v in names.items() if k.startswith("fo-host") for n in v if n.startswith("kernel")}
     assert kernels == {f"kernel c{k}" for k in range(chunks)}
     tl.to_chrome(tmp_path / "t.json")
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
@@ -229,3 +229,40 @@ def test_timeline_records_every_chunk_and_exports(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tl.clear()
     assert tl.events() == []
+
+
+def test_streamed_run_cuts_chunks_from_what_has_arrived():
+    """``run_stream``: one run fed leaf by leaf; a chunk never waits to be filled (the second
+    leaf is only sent once the first one's kernel ran), and every element is updated once."""
+    import queue
+    import threading
+
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    sizes = [300, 5000, 7, 2048]
+    leaves = [HostLeaf(str(i), torch.full((n,), float(i + 1)), torch.zeros(n), (torch.zeros(n),), False, None)
+              for i, n in enumerate(sizes)]
+    ran = {i: threading.Event() for i in range(len(sizes))}
+
+    def kernel(work):
+        for p, a, b in work.claims():
+            p.state[0][a:b].add_(p.grad[a:b])
+            ran[int(p.grad[a]) - 1].set()
+
+    arrivals: "queue.Queue" = queue.Queue()
+    late = []
+
+    def feed():
+        for i, leaf in enumerate(leaves):
+            arrivals.put((leaf, None))
+            if not ran[i].wait(5):
+                late.append(i)  # its chunk waited for a later leaf
+        arrivals.put(None)
+
+    feeder = threading.Thread(target=feed)
+    feeder.start()
+    ex.run_stream(arrivals, kernel)
+    feeder.join()
+    assert late == []
+    for i, leaf in enumerate(leaves):
+        assert torch.equal(leaf.state[0], torch.full((sizes[i],), float(i + 1)))
+    ex.close()

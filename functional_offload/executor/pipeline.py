@@ -1,8 +1,9 @@
 """The host-step pipeline: chunked D2H → CPU kernel → H2D through a pinned staging ring.
 
 The host leaves' elements are laid end to end and cut into chunks of at most ``chunk_bytes`` of
-grads. Chunk ``k`` takes ring slot ``k mod S``, which holds its grads (copied in) and its output
-params (copied out). While the worker threads run the kernel on chunk ``k``, the grads of chunks
+grads — for a list of leaves up front, or, with grad streaming, from the leaves that have
+arrived each time a slot frees. Chunk ``k`` takes ring slot ``k mod S``, which holds its grads
+(copied in) and its output params (copied out). While the worker threads run the kernel on chunk ``k``, the grads of chunks
 ``k+1 … k+S-1`` are copying in and the params of chunk ``k-1`` are copying out:
 
     D2H stream:  [g k+1][g k+2]…            (up to S chunks in flight)
@@ -28,7 +29,7 @@ import os
 import queue as queue_mod
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -150,26 +151,48 @@ class HostExecutor:
             self._pool = None
 
     # ---- planning -------------------------------------------------------------------------
-    def _chunks(self, leaves: Sequence[HostLeaf]) -> list[list[_Segment]]:
-        chunks: list[list[_Segment]] = []
-        cur: list[_Segment] = []
-        used = 0
-        for i, leaf in enumerate(leaves):
-            size = leaf.grad.element_size()
-            n, start = leaf.grad.numel(), 0
-            while start < n:
+    def _pack(self, arrivals: "queue_mod.Queue", leaves: list[HostLeaf],
+              ready: list[Any]) -> Iterator[list[_Segment]]:
+        """Cut leaves into chunks as they come from ``arrivals`` (``(leaf, ready event)`` items,
+        ``None`` at the end), appending each to ``leaves`` and its event to ``ready``. A chunk
+        takes what has arrived, up to ``chunk_bytes`` of grads; it waits for an arrival only
+        while it holds nothing, so a chunk never waits for leaves to fill it."""
+        pos: Optional[tuple[int, int]] = None  # (leaf, first element) of the leaf being cut
+        ended = False
+        while True:
+            cur: list[_Segment] = []
+            used = 0
+            while True:
+                if pos is None:
+                    if ended:
+                        break
+                    try:
+                        item = arrivals.get(block=not cur)
+                    except queue_mod.Empty:
+                        break
+                    if item is None:
+                        ended = True
+                        break
+                    leaves.append(item[0])
+                    ready.append(item[1])
+                    pos = (len(leaves) - 1, 0)
+                i, start = pos
+                n, size = leaves[i].grad.numel(), leaves[i].grad.element_size()
                 room = (self.chunk_bytes - used) // size
-                if room < min(n - start, _ALIGN):  # slot full: start the next chunk
-                    chunks.append(cur)
-                    cur, used = [], 0
-                    continue
+                if start < n and room < min(n - start, _ALIGN):  # slot full
+                    break
                 stop = min(n, start + room)
-                cur.append(_Segment(i, start, stop, used))
-                used += -(-(stop - start) * size // _ALIGN) * _ALIGN
-                start = stop
-        if cur:
-            chunks.append(cur)
-        return chunks
+                if stop > start:
+                    cur.append(_Segment(i, start, stop, used))
+                    used += -(-(stop - start) * size // _ALIGN) * _ALIGN
+                pos = None if stop == n else (i, stop)
+            if not cur:
+                return
+            yield cur
+
+    def _chunks(self, leaves: Sequence[HostLeaf]) -> list[list[_Segment]]:
+        """The chunks of a list of leaves (as :meth:`run` cuts them)."""
+        return list(self._pack(_arrived(leaves, None), [], []))
 
     def _block_size(self, chunk: Sequence[_Segment]) -> int:
         """Elements per claimed block: about ``1 / (4·threads)`` of the chunk."""
@@ -250,39 +273,57 @@ class HostExecutor:
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, ready: Optional[Any] = None,
             order_caller: bool = True,
-            chunk_done: Optional[Callable[[list[_Segment]], None]] = None,
-            leaf_ready: Optional[Sequence[Any]] = None) -> None:
+            chunk_done: Optional[Callable[[list[_Segment]], None]] = None) -> None:
         """Update ``leaves`` (all with grads on one device) with ``kernel``; errors re-raise.
 
         A param in host memory is written by the kernel directly; one on a GPU through the
-        ring's output half and the H2D stream. ``ready`` (from ``Transport.ready``) orders the
-        grad copies; by default, after the work queued on the calling thread's stream. With
-        ``order_caller=False`` (a background thread) the stream is not ordered here: the owner
-        calls :meth:`order_after_copies` from its own thread. ``chunk_done(segments)`` is called
-        as each chunk's kernel completes (in chunk order is not promised). ``leaf_ready``: per
-        leaf, an event after which its grad is complete and its param no longer read (grad
-        streaming: each grad's own); it replaces ``ready``: a chunk's copies wait for the events
-        of the chunk's leaves only.
+        ring's output half and the H2D stream. ``ready`` (from :meth:`ready`) orders the copies;
+        by default, after the work queued on the calling thread's stream. With
+        ``order_caller=False`` (a background thread) the caller's stream is not ordered here:
+        the owner calls :meth:`order_after_copies` from its own thread. ``chunk_done(segments)``
+        is called as each chunk's kernel completes (in chunk order is not promised).
 
-        ``threads`` tasks per chunk, for every chunk, are queued to the workers at once (first
-        in, first out), so threads never idle at a per-chunk barrier. A task waits for its
-        chunk's grads to have landed, then runs the kernel, which claims the chunk's blocks one
-        by one; the task that leaves a chunk last issues that chunk's copy out and the copy in
-        of the chunk that takes its slot next. Returns once every kernel ran and every
-        copy out was issued; the caller's stream is then ordered after the copies out, so work
-        queued next sees the new params.
+        Returns once every kernel ran and every copy out was issued; with ``order_caller``, the
+        caller's stream is then ordered after the copies out, so work queued next sees the new
+        params.
         """
-        if not leaves:
+        if leaves:
+            if ready is None:
+                ready = self.ready(leaves[0].grad.device)
+            self._pipeline(_arrived(leaves, ready), kernel, order_caller, chunk_done)
+
+    def run_stream(self, arrivals: "queue_mod.Queue", kernel: Kernel) -> None:
+        """:meth:`run` on leaves that arrive one by one, as ``(leaf, ready)`` items of
+        ``arrivals`` ended by ``None`` (grad streaming: ``ready`` marks that leaf's grad complete
+        on its stream). One run for them all: a chunk is cut from what has arrived whenever a
+        ring slot frees, so the pipeline does not drain between arrivals; each chunk's copies
+        wait for the events of its own leaves only. The caller's stream is not ordered (see
+        :meth:`order_after_copies`)."""
+        self._pipeline(arrivals, kernel, False, None)
+
+    @torch.no_grad()  # views of the params are cut here, on the caller's or a driver's thread
+    def _pipeline(self, arrivals: "queue_mod.Queue", kernel: Kernel, order_caller: bool,
+                  chunk_done: Optional[Callable[[list[_Segment]], None]]) -> None:
+        """The run: this thread cuts chunks and issues their copies in as ring slots free;
+        ``threads`` tasks per chunk, queued to the workers as it is issued, wait for its grads
+        to land and run the kernel, which claims the chunk's blocks one by one; the task that
+        leaves a chunk last issues its copy out and frees its slot."""
+        leaves: list[HostLeaf] = []
+        ready: list[Any] = []
+        packer = self._pack(arrivals, leaves, ready)
+        chunks: list[list[_Segment]] = []
+        first = next(packer, None)
+        if first is None:
             return
         device = leaves[0].grad.device
         self.reserve(device)
         ring, slot_events, t = self._rings[device], self._out_events[device], self._transports[device]
         S, half = self.slots, self.chunk_bytes
-        chunks = self._chunks(leaves)
-        works: list[Optional[Work]] = [None] * len(chunks)  # made when the chunk's grads are issued
-        frees: list[Any] = [None] * len(chunks)  # and the event its host params wait for
-        in_events: list = [None] * len(chunks)
-        out_events: list = [None] * len(chunks)
+        works: list[Optional[Work]] = []  # made when the chunk's grads are issued
+        frees: list[Any] = []  # and the event its host params wait for
+        in_events: list = []
+        out_events: list = []
+        kernel_done: list[threading.Event] = []  # the chunk's grad half may be refilled
         staged = self._staged_out.get(device, [])  # host params may still be copying out
 
         def staged_free(pieces: list[Piece]) -> Any:
@@ -295,8 +336,7 @@ class HostExecutor:
             return last
 
         before = list(slot_events)  # copies out of the previous step, per slot
-        issued = [threading.Event() for _ in chunks]  # chunk k's copy in was issued
-        remaining = [self.threads] * len(chunks)
+        remaining: list[int] = []
         lock = threading.Lock()
         failures: list[tuple[str, BaseException]] = []
 
@@ -306,36 +346,37 @@ class HostExecutor:
 
         tl = self.timeline
 
+        def leaf_events(segments: list[_Segment]) -> list[Any]:
+            return list(dict.fromkeys(ready[seg.leaf] for seg in segments))
+
         def issue_in(k: int) -> None:
-            if leaf_ready is not None:
-                for i in dict.fromkeys(seg.leaf for seg in chunks[k]):
-                    t.wait_in(leaf_ready[i])
+            for event in leaf_events(chunks[k]):
+                t.wait_in(event)
             s0 = tl.stamp(device, t.stream_in) if tl else None
-            for seg in chunks[k]:
-                leaf = leaves[seg.leaf]
-                t.copy_in(view(k, 0, seg, leaf.grad.dtype), leaf.grad[seg.start:seg.stop])
+            grads = [view(k, 0, seg, leaves[seg.leaf].grad.dtype) for seg in chunks[k]]
+            for seg, grad in zip(chunks[k], grads):
+                t.copy_in(grad, leaves[seg.leaf].grad[seg.start:seg.stop])
             if tl:
                 tl.span("D2H", f"grads c{k}", s0, tl.stamp(device, t.stream_in))
-            in_events[k] = t.mark_in()
+            in_events.append(t.mark_in())
             pieces = []
-            for seg in chunks[k]:
+            for seg, grad in zip(chunks[k], grads):
                 leaf = leaves[seg.leaf]
                 out = None if not leaf.write_param else (
                     leaf.param[seg.start:seg.stop] if leaf.param.device.type == "cpu"  # in place
                     else view(k, 1, seg, leaf.param.dtype))
-                pieces.append(Piece(view(k, 0, seg, leaf.grad.dtype),
-                                    tuple(x[seg.start:seg.stop] for x in leaf.state), out, leaf.hyper))
-            works[k] = Work(pieces, self._block_size(chunks[k]))
-            frees[k] = staged_free(pieces) if staged else None
-            issued[k].set()
+                pieces.append(Piece(grad, tuple(x[seg.start:seg.stop] for x in leaf.state), out,
+                                    leaf.hyper))
+            works.append(Work(pieces, self._block_size(chunks[k])))
+            frees.append(staged_free(pieces) if staged else None)
+            out_events.append(None)
 
         def finish(k: int) -> None:  # under `lock`, by the thread ending chunk k
             out = [seg for seg in chunks[k]
                    if leaves[seg.leaf].write_param and leaves[seg.leaf].param.device.type != "cpu"]
             if out:
-                if leaf_ready is not None:
-                    for i in dict.fromkeys(seg.leaf for seg in out):
-                        t.wait_out(leaf_ready[i])
+                for event in leaf_events(out):
+                    t.wait_out(event)
                 s0 = tl.stamp(device, t.stream_out) if tl else None
                 for seg in out:
                     t.copy_out(leaves[seg.leaf].param[seg.start:seg.stop],
@@ -344,30 +385,32 @@ class HostExecutor:
                     tl.span("H2D", f"params c{k}", s0, tl.stamp(device, t.stream_out))
                 slot_events[k % S] = t.mark_out()
             out_events[k] = slot_events[k % S]  # no copy out: the slot's out half is as it was
-            if k + S < len(chunks):
-                issue_in(k + S)
             if chunk_done is not None:
                 chunk_done(chunks[k])
+            kernel_done[k].set()  # after out_events[k]: the slot's next tasks wait on it
 
-        def fail(k: int, e: BaseException) -> None:  # surfaced by the caller; wake every task
+        def fail(k: int, e: BaseException) -> None:  # surfaced by the caller; wake the cutter
             with lock:
                 failures.append((", ".join(dict.fromkeys(repr(leaves[s.leaf].path) for s in chunks[k])), e))
-            for ev in issued:
+            for ev in kernel_done:
                 ev.set()
 
         @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach here
         def work(k: int) -> None:
-            issued[k].wait()
             if failures:
                 return
             try:
+                s0 = time.perf_counter_ns()
                 t.wait_host(in_events[k])  # grads landed
                 t.wait_host(out_events[k - S] if k >= S else before[k % S])  # slot's out half free
                 t.wait_host(frees[k])  # a copy out may still read this chunk's host params
-                s0 = time.perf_counter_ns()
+                s1 = time.perf_counter_ns()
                 kernel(works[k])
                 if tl:
-                    tl.span(threading.current_thread().name, f"kernel c{k}", s0, time.perf_counter_ns())
+                    name = threading.current_thread().name
+                    if s1 - s0 > 100_000:
+                        tl.span(name, f"wait c{k}", s0, s1)
+                    tl.span(name, f"kernel c{k}", s1, time.perf_counter_ns())
                 with lock:
                     remaining[k] -= 1
                     if remaining[k] == 0 and not failures:
@@ -376,20 +419,40 @@ class HostExecutor:
             except BaseException as e:
                 fail(k, e)
 
-        if leaf_ready is None:
-            t.begin(ready)
+        pool = self._workers()
+        futures = []
         try:
-            for k in range(min(S, len(chunks))):
-                issue_in(k)
-            pool = self._workers()
-            futures = [pool.submit(work, k) for k in range(len(chunks)) for _ in range(remaining[k])]
-            cf.wait(futures)
-            if failures:
-                names, e = failures[0]
-                raise RuntimeError(f"host optimizer step failed on leaf {names}: "
-                                   f"{type(e).__name__}: {e}") from e
+            chunk: Optional[list[_Segment]] = first
+            while chunk is not None:
+                k = len(chunks)
+                chunks.append(chunk)
+                kernel_done.append(threading.Event())
+                remaining.append(self.threads)
+                try:
+                    issue_in(k)
+                except BaseException as e:
+                    fail(k, e)
+                    break
+                futures += [pool.submit(work, k) for _ in range(self.threads)]
+                if k + 1 >= S:  # the next chunk takes slot (k+1) mod S: its last user must be done
+                    kernel_done[k + 1 - S].wait()
+                chunk = None if failures else next(packer, None)
         finally:
+            cf.wait(futures)
             for ev in in_events:  # never return while a copy in still reads the grads
                 t.wait_host(ev)
             if order_caller:
                 t.end()
+        if failures:
+            names, e = failures[0]
+            raise RuntimeError(f"host optimizer step failed on leaf {names}: "
+                               f"{type(e).__name__}: {e}") from e
+
+
+def _arrived(leaves: Sequence[HostLeaf], ready: Any) -> "queue_mod.Queue":
+    """``leaves`` as arrivals that have all come, each with the event ``ready``."""
+    q: "queue_mod.Queue" = queue_mod.Queue()
+    for leaf in leaves:
+        q.put((leaf, ready))
+    q.put(None)
+    return q

@@ -37,9 +37,11 @@ class Timeline:
         if device.type != "cuda":
             return time.perf_counter_ns()
         if device not in self._base:
+            # on an idle stream of its own: on a busy one (another thread may queue work between
+            # the synchronize and the record) the event would run late and shift every GPU span
             torch.cuda.synchronize(device)
             base = torch.cuda.Event(enable_timing=True)
-            base.record(torch.cuda.current_stream(device))
+            base.record(torch.cuda.Stream(device))
             self._base[device] = (base, time.perf_counter_ns())
         ev = torch.cuda.Event(enable_timing=True)
         ev.record(stream if stream is not None else torch.cuda.current_stream(device))
@@ -107,8 +109,10 @@ class Timeline:
         colors = {"GPU update": "tab:green", "D2H": "tab:blue", "H2D": "tab:orange"}
         fig, ax = plt.subplots(figsize=(12, 0.35 * len(lanes) + 1.2))
         for i, lane in enumerate(lanes):
-            bars = [(e["start_us"] / 1e3, e["dur_us"] / 1e3) for e in events if e["lane"] == lane]
-            ax.broken_barh(bars, (i - 0.4, 0.8), color=colors.get(lane, "tab:gray"))
+            mine = [e for e in events if e["lane"] == lane]
+            ax.broken_barh([(e["start_us"] / 1e3, e["dur_us"] / 1e3) for e in mine], (i - 0.4, 0.8),
+                           facecolors=["gainsboro" if e["name"].startswith("wait")  # a worker waiting
+                                       else colors.get(lane, "tab:gray") for e in mine])
         ax.set_yticks(range(len(lanes)), lanes)
         ax.invert_yaxis()
         ax.set_xlabel("ms")

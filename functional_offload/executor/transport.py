@@ -72,16 +72,26 @@ class CudaTransport(Transport):
     def ready(self) -> torch.cuda.Event:
         return torch.cuda.current_stream(self.device).record_event()
 
+    @staticmethod
+    def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+        # Host threads wait on these (wait_host): a blocking-sync event lets a waiting worker
+        # sleep; the default one spins on its core, taking it from the workers that compute.
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        return event
+
     def begin(self, ready: Optional[torch.cuda.Event] = None) -> None:
         ready = ready if ready is not None else self.ready()
         self.wait_in(ready)
         self.wait_out(ready)  # params are written after the caller's pending reads of them
 
     def wait_in(self, ready: Optional[torch.cuda.Event]) -> None:
-        self.d2h.wait_event(ready)
+        if ready is not None:
+            self.d2h.wait_event(ready)
 
     def wait_out(self, ready: Optional[torch.cuda.Event]) -> None:
-        self.h2d.wait_event(ready)
+        if ready is not None:
+            self.h2d.wait_event(ready)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.d2h):
@@ -92,10 +102,10 @@ class CudaTransport(Transport):
             dst.copy_(src, non_blocking=True)
 
     def mark_in(self) -> torch.cuda.Event:
-        return self.d2h.record_event()
+        return self._record(self.d2h)
 
     def mark_out(self) -> torch.cuda.Event:
-        return self.h2d.record_event()
+        return self._record(self.h2d)
 
     def wait_host(self, event: Optional[torch.cuda.Event]) -> None:
         if event is not None:

@@ -11,22 +11,20 @@ precision params, or params on a GPU whose state lives on the host), else the pa
 from __future__ import annotations
 
 import math
-import queue as queue_mod
-import threading
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import optree
 import torch
 
-from functional_offload.base import Optimizer, ParamRefs
-from functional_offload.executor import HostExecutor, HostLeaf
+from functional_offload.base import ParamRefs
+from functional_offload.executor import HostExecutor, HostLeaf, physical_cores
 from functional_offload.kernels import cpu as cpu_kernels
 from functional_offload.kernels.work import Kernel, Work
 from functional_offload.placement import Placement, on_host
 from functional_offload.tree import check_tensor_leaves, flatten_like, leaves_with_paths, local
 from functional_offload.typing import Params, ScalarOrSchedule
 
-__all__ = ["Terminal", "GradStream", "stream", "check_scalar_or_schedule", "at_step", "check_beta", "check_nonneg", "LOW_PRECISION"]
+__all__ = ["Terminal", "check_scalar_or_schedule", "at_step", "check_beta", "check_nonneg", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MaskOrFn = Any  # a pytree of bools mirroring params, or a callable params -> such a tree
@@ -119,7 +117,9 @@ class Terminal:
         self.placement = placement or on_host()
         self.master_dtype = master_dtype
         self.weight_decay_mask = weight_decay_mask
-        self.executor = executor or HostExecutor()
+        # delayed: the host step runs beside the training loop, whose thread needs a core
+        self.executor = executor or HostExecutor(
+            threads=max(1, physical_cores() - 1) if delayed else None)
         self.cpu_kernel = cpu_kernel
         self.delayed = bool(delayed)
 
@@ -292,28 +292,21 @@ class Terminal:
                     torch._foreach_copy_([p for p, _ in written], [v for _, v in written])
                 if tl:
                     tl.span("GPU update", f"{len(items)} leaves", s0, tl.stamp(key[0]))
+            kernel = self._host_kernel(any(h.grad.is_cuda for h in host)) if host else None
             if self.delayed:
-                refs = refs._replace(pending=self.executor.start(host, self._host_kernel(host), targets))
-            else:
-                self.executor.run(host, self._host_kernel(host))
+                refs = refs._replace(pending=self.executor.start(host, kernel, targets) if host else None)
+            elif host:
+                self.executor.run(host, kernel)
         new_count = torch.tensor(int(state.count) + 1, dtype=torch.int64)
         state.count.fill_(-1)  # donation: the old state is consumed
         return state._replace(count=new_count, params=refs)
 
-    def stream(self, state: Any) -> "GradStream":
-        """A :class:`GradStream` for the next backward (see :func:`functional_offload.stream`)."""
-        if self.delayed:
-            raise ValueError("grad streaming and delayed=True are two ways to hide the host step; "
-                             "build the optimizer with one of them")
-        return GradStream(self, state, self._begin(state))
-
-    def _host_kernel(self, host: list[HostLeaf]) -> Kernel:
+    def _host_kernel(self, gpu: bool) -> Kernel:
+        """The kernel for host leaves; ``gpu``: some of them belong to GPU params."""
         mod = None
         # "auto" builds the native kernel for offloaded GPU params, where it is the step's floor;
         # CPU-only training keeps the torch kernel and skips the one-time build.
-        wanted = self.cpu_kernel == "native" or (
-            self.cpu_kernel == "auto" and any(leaf.grad.device.type != "cpu" for leaf in host))
-        if host and wanted:
+        if self.cpu_kernel == "native" or (self.cpu_kernel == "auto" and gpu):
             mod = cpu_kernels.native()
             if mod is None and self.cpu_kernel == "native":
                 raise RuntimeError("cpu_kernel='native' but the native CPU kernel could not be "
@@ -332,138 +325,3 @@ class Terminal:
                                out, p.hyper)
 
         return kernel
-
-
-class GradStream:
-    """Updates host-resident leaves while backward still runs; made by :func:`fo.stream`.
-
-    Inside the ``with`` block, a hook on each host-resident param (a leaf tensor that requires
-    grad) hands its ``.grad`` to the executor as soon as autograd has accumulated it: the copy
-    down, the CPU kernel and the copy up of that leaf run while backward computes the earlier
-    layers' grads. :meth:`finish` waits for the tail, updates the other leaves from their
-    ``.grad`` (device-resident ones on the GPU) and returns ``(params, state)`` exactly as
-    ``update(grads, state)`` with ``grads = {path: p.grad}`` would — bit for bit.
-    """
-
-    def __init__(self, terminal: Terminal, state: Any, n: int):
-        self.terminal, self.state = terminal, state
-        params = state.params.tree
-        self.leaves = terminal._leaves(state)
-        self.decay = terminal._decay_flags(params)
-        self.hyper, self.hyper0 = terminal._hypers(n)
-        self.streamed: set[int] = set()
-        self.devices: set[torch.device] = set()
-        self.queue: "queue_mod.Queue" = queue_mod.Queue()
-        self.errors: list[BaseException] = []
-        self.handles: list[Any] = []
-        self.driver: Optional[threading.Thread] = None
-        self.finished = False
-
-    def __enter__(self) -> "GradStream":
-        for i, leaf in enumerate(self.leaves):
-            p = leaf.param
-            if leaf.on_host and p.is_leaf and p.requires_grad:
-                self.handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p, i=i: self._arrive(i, p.grad)))
-        self.driver = threading.Thread(target=self._drive, name="fo-stream", daemon=True)
-        self.driver.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
-        self.queue.put(None)  # no more leaves: the driver ends after the queued ones
-
-    def _arrive(self, i: int, g: Optional[torch.Tensor]) -> None:
-        if i in self.streamed:
-            self.errors.append(RuntimeError(
-                f"param {self.leaves[i].path!r} got a second gradient in one streamed step; "
-                "stream only the last backward of an accumulation"))
-            return
-        if g is None:
-            return
-        leaf = self.leaves[i]
-        try:
-            self.terminal._check_grads({0: g}, {0: leaf.param}, [leaf])
-        except (TypeError, ValueError) as e:
-            self.errors.append(e)
-            return
-        h = self.hyper if self.decay[i] else self.hyper0
-        with torch.no_grad():
-            host_leaf = self.terminal._host_leaf(leaf, g, leaf.param.detach().view(-1), h)
-        ready = self.terminal.executor.ready(g.device)  # this grad is complete on this stream
-        self.streamed.add(i)
-        self.devices.add(g.device)
-        self.queue.put((host_leaf, ready))
-
-    def _drive(self) -> None:
-        """Run the arrived leaves through the executor: all that arrived while the previous run
-        was busy go as one run, so the pipeline drains once per batch, not once per leaf."""
-        ex = self.terminal.executor
-        more = True
-        while more:
-            batch = [self.queue.get()]
-            while batch[-1] is not None and not self.queue.empty():
-                batch.append(self.queue.get())
-            more = batch[-1] is not None
-            batch = [item for item in batch if item is not None]
-            if not batch or self.errors:
-                continue
-            by_device: dict[torch.device, list] = {}
-            for leaf, ready in batch:
-                by_device.setdefault(leaf.grad.device, []).append((leaf, ready))
-            for items in by_device.values():
-                leaves = [leaf for leaf, _ in items]
-                try:  # each leaf's copies wait for its own grad, not the whole batch's
-                    ex.run(leaves, self.terminal._host_kernel(leaves), order_caller=False,
-                           leaf_ready=[ready for _, ready in items])
-                except BaseException as e:
-                    self.errors.append(e)
-
-    def finish(self) -> tuple[Params, Any]:
-        """Wait for the streamed leaves, update the rest; return ``(params, new state)``."""
-        if self.finished:
-            raise RuntimeError("this GradStream already finished; start a new one per step")
-        self.finished = True
-        if self.handles:
-            self.__exit__()
-        if self.driver is not None:
-            self.driver.join()
-        if self.errors:
-            raise RuntimeError(f"streamed update failed: {type(self.errors[0]).__name__}: "
-                               f"{self.errors[0]}") from self.errors[0]
-        for device in self.devices:
-            self.terminal.executor.order_after_copies(device)
-        gs = [None if i in self.streamed else leaf.param.grad for i, leaf in enumerate(self.leaves)]
-        gs = self.terminal._check_grads(gs, [leaf.param for leaf in self.leaves], self.leaves)
-        return self.state.params.tree, self.terminal._apply(self.state, self.leaves, gs, self.decay,
-                                                            self.hyper, self.hyper0)
-
-
-def stream(opt: Optimizer, state: Any) -> GradStream:
-    r"""Stream the next backward's grads into the update of ``opt`` (adamw, adam or sgd).
-
-    The host step can only start once grads exist; streaming starts each host-resident leaf's
-    step as soon as autograd has accumulated its grad, so the copies and the CPU kernel of the
-    last layers run while backward computes the first ones, and :meth:`GradStream.finish` waits
-    only for the tail. The result equals ``opt.update({path: p.grad}, state)`` bit for bit.
-
-    Usage (params are leaf tensors that require grad, e.g. a module's parameters)::
-
-        with fo.stream(opt, state) as s:
-            loss.backward()
-        params, state = s.finish()
-
-    Only the terminal optimizer streams: a transform in front of it (``clip_by_global_norm``,
-    ``scale``, ``apply_if_finite``) needs every grad before any moment may move, so with one the
-    host step cannot start during backward — use ``delayed=True`` to hide it instead. Stream one
-    backward per step (the last micro-batch of an accumulation).
-    """
-    terminal = getattr(opt.update, "__self__", None)
-    if not isinstance(terminal, Terminal):
-        raise TypeError("fo.stream needs a terminal optimizer itself (adamw, adam, sgd), not a "
-                        "chain: transforms in front of it (clipping, scaling, the non-finite "
-                        "guard) need every grad before any moment moves; for clipped training "
-                        "use delayed=True")
-    return terminal.stream(state)

@@ -90,7 +90,8 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
       weight_decay_mask: a pytree of bools mirroring the params (or a callable
         ``params -> tree``); leaves marked False get no weight decay (biases, norms).
       executor: the :class:`~functional_offload.executor.HostExecutor` running host-resident
-        leaves (chunk size, ring slots, threads); one is made by default.
+        leaves (chunk size, ring slots, threads); one is made by default, with a thread per
+        physical core (one fewer with ``delayed=True``: the training loop runs meanwhile).
       cpu_kernel: ``"auto"`` (the native one-pass kernel for host-resident state of GPU
         params, when it builds; torch ops for CPU params), ``"native"`` or ``"torch"``.
       delayed: ZeRO-Offload's delayed parameter update for the host-resident leaves:
