@@ -159,3 +159,12 @@ def test_staged_params_are_not_rewritten_before_their_copy_out_ran():
     # every copy of step 0 read step 0's params: none ran after step 1 rewrote the staging
     assert [x.unique().tolist() for x in t.log] == [[1.0]] * chunks + [[2.0]] * chunks
     assert torch.equal(target, torch.full((n,), 2.0))
+
+
+def test_delayed_default_executor_leaves_a_core_for_the_training_loop():
+    from functional_offload.executor import physical_cores
+    opt = fo.adamw(1e-2, delayed=True)
+    state = opt.init(make_params())
+    assert opt.update.__self__.executor.threads == max(1, physical_cores() - 1)
+    assert fo.adamw(1e-2).update.__self__.executor.threads == physical_cores()
+    fo.flush(state)

@@ -115,3 +115,15 @@ def test_stream_rejects_transforms_delayed_and_second_gradients():
         model(x).sum().backward()  # an accumulation streamed twice
     with pytest.raises(RuntimeError, match="second gradient"):
         s.finish()
+
+
+def test_streaming_a_chain_around_a_delayed_optimizer_runs_its_update():
+    """A clipped chain ending in a delayed optimizer: finish is the chain's update, which
+    starts the delayed step; flushing lands it as the unstreamed loop does."""
+    mk = lambda: fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, delayed=True))  # noqa: E731
+    a, b = make_model(), make_model()
+    pa, sa, _ = train(a, mk(), streamed=False)
+    pb, sb, _ = train(b, mk(), streamed=True)
+    fo.flush(sa), fo.flush(sb)
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
