@@ -3,8 +3,9 @@
 The host leaves' elements are laid end to end and cut into chunks of at most ``chunk_bytes`` of
 grads — for a list of leaves up front, or, with grad streaming, from the leaves that have
 arrived each time a slot frees. Chunk ``k`` takes ring slot ``k mod S``, which holds its grads
-(copied in) and its output params (copied out). While the worker threads run the kernel on chunk ``k``, the grads of chunks
-``k+1 … k+S-1`` are copying in and the params of chunk ``k-1`` are copying out:
+(copied in) and its output params (copied out). While the worker threads run the kernel on
+chunk ``k``, the grads of chunks ``k+1 … k+S-1`` are copying in and the params of chunk ``k-1``
+are copying out:
 
     D2H stream:  [g k+1][g k+2]…            (up to S chunks in flight)
     CPU workers:        [kernel k  ]         (chunk split across threads, GIL released)

@@ -292,11 +292,14 @@ class Terminal:
                     torch._foreach_copy_([p for p, _ in written], [v for _, v in written])
                 if tl:
                     tl.span("GPU update", f"{len(items)} leaves", s0, tl.stamp(key[0]))
-            kernel = self._host_kernel(any(h.grad.is_cuda for h in host)) if host else None
-            if self.delayed:
-                refs = refs._replace(pending=self.executor.start(host, kernel, targets) if host else None)
-            elif host:
-                self.executor.run(host, kernel)
+            if host:
+                kernel = self._host_kernel(any(h.grad.is_cuda for h in host))
+                if self.delayed:
+                    refs = refs._replace(pending=self.executor.start(host, kernel, targets))
+                else:
+                    self.executor.run(host, kernel)
+            elif self.delayed:
+                refs = refs._replace(pending=None)  # nothing in flight (the last step has landed)
         new_count = torch.tensor(int(state.count) + 1, dtype=torch.int64)
         state.count.fill_(-1)  # donation: the old state is consumed
         return state._replace(count=new_count, params=refs)
