@@ -2,8 +2,8 @@
 
     python benchmarks/cpu_kernel.py --numel 268435456 --threads 16
 
-Ours: the native one-pass kernel (bf16 grad in; fp32 value, mu, nu; bf16 param out), split
-over ``threads`` worker threads as the executor does. Torch: ``torch.optim.AdamW(fused=True)``
+Ours: the native one-pass kernel (bf16 grad in; fp32 value, mu, nu; bf16 param out), run by
+``threads`` workers in one native queue as the executor runs it. Torch: ``torch.optim.AdamW(fused=True)``
 on fp32 CPU tensors (fp32 grad, no bf16 output). DeepSpeed: ``DeepSpeedCPUAdam`` on fp32 CPU
 tensors, when installed. Each is the median of ``--reps`` steps after a warm-up.
 """
@@ -58,11 +58,16 @@ def main() -> None:
     h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 10, True)
     pool = cf.ThreadPoolExecutor(threads)
 
-    def run_chunks(outs):  # as the executor runs a chunk: `threads` tasks claim its blocks
-        works = [Work([Piece(g[c:c + len(o)], (p[c:c + len(o)], m[c:c + len(o)], v[c:c + len(o)]), o, h)],
-                      block) for c, o in outs]
-        futs = [pool.submit(cpu.adam_chunk, mod, w) for w in works for _ in range(threads)]
-        for f in futs:
+    kernel = cpu.NativeKernel(mod, cpu.add_adam)
+
+    def run_chunks(outs):  # as the executor runs: `threads` workers in one queue's loop
+        q = kernel.queue(threads)
+        loops = [pool.submit(q.work, i) for i in range(threads)]
+        for c, o in outs:
+            part = slice(c, c + len(o))
+            q.ready(q.add(Work([Piece(g[part], (p[part], m[part], v[part]), o, h)], block)))
+        q.close()
+        for f in loops:
             f.result()
 
     chunk = 16 << 20  # elements: a 32 MiB chunk of bf16 grads

@@ -52,7 +52,9 @@ class GradStream:
         for i in self.hooked:
             self.handles.append(self.leaves[i].param.register_post_accumulate_grad_hook(
                 lambda p, i=i: self._arrive(i, p.grad)))
-        kernel = self.terminal._host_kernel(any(self.leaves[i].param.is_cuda for i in self.hooked))
+        kernel = self.terminal._host_kernel(any(self.leaves[i].param.is_cuda for i in self.hooked),
+                                            [(self.leaves[i].value, *self.leaves[i].moments)
+                                             for i in self.hooked])
         for device in dict.fromkeys(self.leaves[i].param.device for i in self.hooked):
             q = self.queues[device] = queue_mod.Queue()
             self.drivers.append(threading.Thread(target=self._drive, args=(q, kernel),

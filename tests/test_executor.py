@@ -91,18 +91,73 @@ def test_claimed_blocks_cover_every_element_once():
     assert len(seen) == sum(-(-p.grad.numel() // 64) for p in work.pieces)
 
 
+def _run_queue(q, works, threads):
+    """Add ``works`` to queue ``q`` with ``threads`` workers in its loop; each chunk's error."""
+    import concurrent.futures as cf
+    with cf.ThreadPoolExecutor(threads) as pool:
+        loops = [pool.submit(q.work, i) for i in range(threads)]
+        for w in works:
+            q.ready(q.add(w))
+        errors = [q.wait(k) for k in range(len(works))]
+        q.close()
+        for f in loops:
+            f.result(timeout=10)
+    return errors
+
+
 @pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
-def test_native_kernel_claims_blocks_like_one_pass():
+def test_native_queue_claims_blocks_like_one_pass():
     from functional_offload.kernels import cpu
-    mod = cpu.native()
+    kernel = cpu.NativeKernel(cpu.native(), cpu.add_adam)
     sizes = [1000, 37, 5000, 64]
-    whole, blocked = _work(sizes, block=1 << 20), _work(sizes, block=64)
-    cpu.adam_chunk(mod, whole)  # one thread, one block per piece
-    _claim_from_threads(lambda w: cpu.adam_chunk(mod, w), blocked)  # 4 threads, 64-element blocks
-    assert int(blocked.counter) >= sum(-(-n // 64) for n in sizes)
-    for a, b in zip(whole.pieces, blocked.pieces):
-        for x, y in zip((*a.state, a.out), (*b.state, b.out)):
-            assert torch.equal(x, y)
+    whole = [_work(sizes, block=1 << 20, seed=s) for s in range(3)]
+    blocked = [_work(sizes, block=64, seed=s) for s in range(3)]
+    assert _run_queue(kernel.queue(1), whole, 1) == [None] * 3  # one thread, one block per piece
+    assert _run_queue(kernel.queue(4), blocked, 4) == [None] * 3  # 4 threads, 64-element blocks
+    for w1, w2 in zip(whole, blocked):
+        for a, b in zip(w1.pieces, w2.pieces):
+            for x, y in zip((*a.state, a.out), (*b.state, b.out)):
+                assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_queue_runs_chunks_in_order_once_ready(native):
+    """No worker starts chunk 1 before chunk 0 is ready; cancel lets the workers go at once."""
+    import concurrent.futures as cf
+    import threading
+    from functional_offload.kernels import cpu
+    from functional_offload.kernels.work import PyQueue
+    if native and "native" not in KERNELS:
+        pytest.skip("native kernel not built here")
+    seen = []
+    if native:
+        q = cpu.NativeKernel(cpu.native(), cpu.add_adam).queue(3, record=True)
+    else:
+        def kernel(w):
+            for p, a, b in w.claims():
+                seen.append(id(p))
+        q = PyQueue(kernel, 3, record=True)
+    works = [_work([100, 200], block=64, seed=s) for s in range(3)]
+    before = [p.state[0].clone() for w in works for p in w.pieces]
+    with cf.ThreadPoolExecutor(3) as pool:
+        loops = [pool.submit(q.work, i) for i in range(3)]
+        for w in works:
+            q.add(w)
+        q.ready(1)
+        waiter = threading.Thread(target=q.wait, args=(1,))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # chunk 1 is ready, but chunk 0 is not: nothing ran
+        after = [p.state[0] for w in works for p in w.pieces]
+        assert all(torch.equal(x, y) for x, y in zip(before, after)) and not seen
+        q.ready(0)
+        waiter.join(5)
+        assert not waiter.is_alive() and q.wait(0) is None
+        q.cancel()  # chunk 2 never becomes ready: the workers still return
+        for f in loops:
+            f.result(timeout=5)
+    assert q.wait(2) is not None  # "cancelled"
+    assert {(k, waiting) for _, k, waiting, _, _ in q.spans() if not waiting} == {(0, False), (1, False)}
 
 
 def test_worker_error_surfaces_at_caller():
@@ -120,6 +175,29 @@ def test_worker_error_surfaces_at_caller():
     with pytest.raises(RuntimeError, match="host optimizer step failed on leaf 'w'.*boom") as e:
         ex.run([leaf], per_block(kernel))
     assert isinstance(e.value.__cause__, FloatingPointError)
+    ex.close()
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+def test_native_queue_error_surfaces_and_releases_workers():
+    """A chunk the native queue refuses (here: an fp64 value) fails the run with the leaf's name;
+    the workers already in the queue's loop are released, and the executor runs again after."""
+    from functional_offload.kernels import cpu
+    from functional_offload.kernels.reference import AdamHyper
+    kernel = cpu.NativeKernel(cpu.native(), cpu.add_adam)
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=3)
+    h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True)
+    n = 5000
+
+    def leaf(name, dtype):
+        return HostLeaf(name, torch.ones(n), torch.zeros(n),
+                        (torch.zeros(n, dtype=dtype), torch.zeros(n), torch.zeros(n)), False, h)
+
+    with pytest.raises(RuntimeError, match="failed on leaf .*'bad'.*value must be fp32"):
+        ex.run([leaf("good", torch.float32), leaf("bad", torch.float64)], kernel)
+    ok = leaf("ok", torch.float32)
+    ex.run([ok], kernel)
+    assert torch.all(ok.state[0] < 0)  # one Adam step on a grad of ones moves every value down
     ex.close()
 
 

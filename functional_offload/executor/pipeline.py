@@ -11,11 +11,15 @@ are copying out:
     CPU workers:        [kernel k  ]         (chunk split across threads, GIL released)
     H2D stream:                     [p k]    (issued as soon as chunk k is done)
 
-Inside a chunk, work is claimed, not assigned: ``threads`` tasks run the kernel on the same
-:class:`Work`, whose blocks (about ``1 / (4·threads)`` of the chunk each) they claim one at a
-time until none is left — in the native kernel, with an atomic counter and no GIL — so a thread
-that shares its core with someone else (the training loop waiting in ``synchronize``, autograd's
-thread) claims fewer blocks instead of holding the chunk back.
+Inside a chunk, work is claimed, not assigned: the ``threads`` workers stay in the loop of the
+run's kernel queue (:mod:`functional_offload.kernels.work`) from the first chunk to the last —
+for the native kernel in C++, GIL released — take the chunks in order, and claim each one's
+blocks (about ``1 / (4·threads)`` of the chunk) with an atomic counter until none is left. A
+thread that shares its core with someone else (the training loop, autograd's thread) claims
+fewer blocks instead of holding the chunk back, and no worker passes through Python between
+chunks (per-chunk Python in 16 threads, serialised on the GIL, cost ~2 ms a chunk). The caller's
+thread issues copies and completes chunks; a lander thread marks each chunk ready once its grads
+have landed.
 A slot's grad half is refilled (chunk k+S) only once every block of chunk k has run; its output
 half only after the copy out that read it completed (its event, waited on by the host). Only the
 ring is pinned, once; state (masters, moments) stays in ordinary host memory, touched by the CPU
@@ -29,14 +33,13 @@ import math
 import os
 import queue as queue_mod
 import threading
-import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
 from functional_offload.executor.timeline import Timeline
 from functional_offload.executor.transport import transport_for
-from functional_offload.kernels.work import Kernel, Piece, Work
+from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
 
 __all__ = ["HostLeaf", "HostExecutor", "physical_cores"]
 
@@ -305,14 +308,13 @@ class HostExecutor:
     @torch.no_grad()  # views of the params are cut here, on the caller's or a driver's thread
     def _pipeline(self, arrivals: "queue_mod.Queue", kernel: Kernel, order_caller: bool,
                   chunk_done: Optional[Callable[[list[_Segment]], None]]) -> None:
-        """The run: this thread cuts chunks and issues their copies in as ring slots free;
-        ``threads`` tasks per chunk, queued to the workers as it is issued, wait for its grads
-        to land and run the kernel, which claims the chunk's blocks one by one; the task that
-        leaves a chunk last issues its copy out and frees its slot."""
+        """The run. This thread cuts chunks, issues their copies in and adds their work to the
+        kernel's queue as ring slots free, and issues each chunk's copy out once it is done; a
+        lander thread marks each chunk ready once its grads have landed and its slot's output
+        half is free; ``threads`` workers stay in the queue's loop for the whole run."""
         leaves: list[HostLeaf] = []
         ready: list[Any] = []
         packer = self._pack(arrivals, leaves, ready)
-        chunks: list[list[_Segment]] = []
         first = next(packer, None)
         if first is None:
             return
@@ -320,12 +322,16 @@ class HostExecutor:
         self.reserve(device)
         ring, slot_events, t = self._rings[device], self._out_events[device], self._transports[device]
         S, half = self.slots, self.chunk_bytes
-        works: list[Optional[Work]] = []  # made when the chunk's grads are issued
-        frees: list[Any] = []  # and the event its host params wait for
+        tl = self.timeline
+        q = queue_for(kernel, self.threads, tl is not None)
+        chunks: list[list[_Segment]] = []
         in_events: list = []
-        out_events: list = []
-        kernel_done: list[threading.Event] = []  # the chunk's grad half may be refilled
+        frees: list[Any] = []  # per chunk: the event its host params wait for
+        out_events: list = []  # per chunk: its slot's last copy out once it is done
         staged = self._staged_out.get(device, [])  # host params may still be copying out
+        before = list(slot_events)  # copies out of the previous step, per slot
+        landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
+        failures: list[tuple[int, BaseException]] = []
 
         def staged_free(pieces: list[Piece]) -> Any:
             """The event after which these pieces' host params are no longer read by a copy out."""
@@ -336,16 +342,9 @@ class HostExecutor:
                     last = event
             return last
 
-        before = list(slot_events)  # copies out of the previous step, per slot
-        remaining: list[int] = []
-        lock = threading.Lock()
-        failures: list[tuple[str, BaseException]] = []
-
         def view(k: int, which: int, seg: _Segment, dtype: torch.dtype) -> torch.Tensor:
             base = (2 * (k % S) + which) * half + seg.offset
             return ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
-
-        tl = self.timeline
 
         def leaf_events(segments: list[_Segment]) -> list[Any]:
             return list(dict.fromkeys(ready[seg.leaf] for seg in segments))
@@ -368,11 +367,26 @@ class HostExecutor:
                     else view(k, 1, seg, leaf.param.dtype))
                 pieces.append(Piece(grad, tuple(x[seg.start:seg.stop] for x in leaf.state), out,
                                     leaf.hyper))
-            works.append(Work(pieces, self._block_size(chunks[k])))
             frees.append(staged_free(pieces) if staged else None)
             out_events.append(None)
+            q.add(Work(pieces, self._block_size(chunks[k])))
+            landing.put(k)
 
-        def finish(k: int) -> None:  # under `lock`, by the thread ending chunk k
+        def land() -> None:  # the lander thread
+            try:
+                while (k := landing.get()) is not None:
+                    t.wait_host(in_events[k])  # grads landed
+                    t.wait_host(out_events[k - S] if k >= S else before[k % S])  # out half free
+                    t.wait_host(frees[k])  # a copy out may still read this chunk's host params
+                    q.ready(k)
+            except BaseException as e:  # noqa: BLE001 - surfaced by the caller
+                failures.append((k, e))
+                q.cancel()
+
+        def complete(k: int) -> None:  # chunk k's kernel is done: copy its params out
+            error = q.wait(k)
+            if error is not None:
+                raise failures[0][1] if failures else error
             out = [seg for seg in chunks[k]
                    if leaves[seg.leaf].write_param and leaves[seg.leaf].param.device.type != "cpu"]
             if out:
@@ -388,64 +402,46 @@ class HostExecutor:
             out_events[k] = slot_events[k % S]  # no copy out: the slot's out half is as it was
             if chunk_done is not None:
                 chunk_done(chunks[k])
-            kernel_done[k].set()  # after out_events[k]: the slot's next tasks wait on it
 
-        def fail(k: int, e: BaseException) -> None:  # surfaced by the caller; wake the cutter
-            with lock:
-                failures.append((", ".join(dict.fromkeys(repr(leaves[s.leaf].path) for s in chunks[k])), e))
-            for ev in kernel_done:
-                ev.set()
-
-        @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach here
-        def work(k: int) -> None:
-            if failures:
-                return
-            try:
-                s0 = time.perf_counter_ns()
-                t.wait_host(in_events[k])  # grads landed
-                t.wait_host(out_events[k - S] if k >= S else before[k % S])  # slot's out half free
-                t.wait_host(frees[k])  # a copy out may still read this chunk's host params
-                s1 = time.perf_counter_ns()
-                kernel(works[k])
-                if tl:
-                    name = threading.current_thread().name
-                    if s1 - s0 > 100_000:
-                        tl.span(name, f"wait c{k}", s0, s1)
-                    tl.span(name, f"kernel c{k}", s1, time.perf_counter_ns())
-                with lock:
-                    remaining[k] -= 1
-                    if remaining[k] == 0 and not failures:
-                        works[k] = None
-                        finish(k)
-            except BaseException as e:
-                fail(k, e)
-
+        lander = threading.Thread(target=land, name="fo-land", daemon=True)
+        lander.start()
         pool = self._workers()
-        futures = []
+        workers = [pool.submit(q.work, i) for i in range(self.threads)]
+        done = at = 0  # chunks completed; the chunk being issued or completed
         try:
             chunk: Optional[list[_Segment]] = first
             while chunk is not None:
-                k = len(chunks)
+                at = len(chunks)
                 chunks.append(chunk)
-                kernel_done.append(threading.Event())
-                remaining.append(self.threads)
-                try:
-                    issue_in(k)
-                except BaseException as e:
-                    fail(k, e)
-                    break
-                futures += [pool.submit(work, k) for _ in range(self.threads)]
-                if k + 1 >= S:  # the next chunk takes slot (k+1) mod S: its last user must be done
-                    kernel_done[k + 1 - S].wait()
-                chunk = None if failures else next(packer, None)
+                issue_in(at)
+                if at + 1 >= S:  # the next chunk takes slot (at+1) mod S: its last user must be done
+                    at = done
+                    complete(done)
+                    done += 1
+                chunk = next(packer, None)
+            q.close()
+            while done < len(chunks):
+                at = done
+                complete(done)
+                done += 1
+        except BaseException as e:  # noqa: BLE001 - raised below, naming the chunk's leaves
+            if not failures or failures[0][1] is not e:  # (else the lander's, already recorded)
+                failures.insert(0, (at, e))
+            q.cancel()
         finally:
-            cf.wait(futures)
+            landing.put(None)
+            lander.join()
+            cf.wait(workers)
             for ev in in_events:  # never return while a copy in still reads the grads
                 t.wait_host(ev)
             if order_caller:
                 t.end()
+            if tl:
+                for w, k, waiting, a, b in q.spans():
+                    tl.span(f"fo-host_{w}", f"{'wait' if waiting else 'kernel'} c{k}", a, b)
         if failures:
-            names, e = failures[0]
+            k, e = failures[0]
+            names = ", ".join(dict.fromkeys(repr(leaves[s.leaf].path) for s in chunks[k]))
             raise RuntimeError(f"host optimizer step failed on leaf {names}: "
                                f"{type(e).__name__}: {e}") from e
 

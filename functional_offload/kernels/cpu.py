@@ -3,6 +3,9 @@
 ``native()`` returns the compiled module, or ``None`` when it cannot be built here (no compiler
 or ninja): callers then use :mod:`functional_offload.kernels.reference`, which computes the same
 update in several torch passes. The build is cached by torch (``TORCH_EXTENSIONS_DIR``).
+:class:`NativeKernel` is what an optimizer hands the executor: each run gets a native queue
+(:class:`~functional_offload.kernels.work.Queue`) whose worker threads stay in C++, GIL
+released, from the first chunk to the last.
 """
 
 from __future__ import annotations
@@ -11,14 +14,14 @@ import functools
 import os
 import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from functional_offload.kernels.reference import AdamHyper
 from functional_offload.kernels.work import Work
 
-__all__ = ["native", "adam_chunk", "sgd_chunk"]
+__all__ = ["native", "NativeKernel", "NativeQueue", "add_adam", "add_sgd"]
 
 _SRC = os.path.join(os.path.dirname(__file__), "csrc", "cpu_optim.cpp")
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-ffp-contract=off",
@@ -46,27 +49,50 @@ def _common(work: Work) -> tuple[list, list, list]:
             [p.out if p.out is not None else _EMPTY for p in work.pieces])
 
 
-def adam_chunk(mod: ModuleType, work: Work) -> None:
-    """Adam/AdamW on the blocks of ``work`` this thread claims; ``piece.hyper`` is an
+def add_adam(queue: Any, work: Work) -> int:
+    """Add ``work`` to a native queue as Adam/AdamW blocks; ``piece.hyper`` is an
     :class:`AdamHyper`, ``piece.state`` ``(value fp32, mu, nu)``."""
-    if work.prepared is None:  # once per chunk; tasks racing here build the same lists
-        values, grads, outs = _common(work)
-        mus, nus = [p.state[1] for p in work.pieces], [p.state[2] for p in work.pieces]
-        scalars = torch.tensor([_adam_scalars(p.hyper) for p in work.pieces], dtype=torch.float64)
-        work.prepared = (values, grads, mus, nus, outs, scalars)
-    mod.adam_chunk(*work.prepared, work.counter, work.block)
+    values, grads, outs = _common(work)
+    scalars = torch.tensor([_adam_scalars(p.hyper) for p in work.pieces], dtype=torch.float64)
+    return queue.add_adam(values, grads, [p.state[1] for p in work.pieces],
+                          [p.state[2] for p in work.pieces], outs, scalars, work.block)
 
 
-def sgd_chunk(mod: ModuleType, work: Work) -> None:
-    """SGD on the blocks of ``work`` this thread claims; ``piece.state`` is ``(value fp32,)`` or
+def add_sgd(queue: Any, work: Work) -> int:
+    """Add ``work`` to a native queue as SGD blocks; ``piece.state`` is ``(value fp32,)`` or
     ``(value fp32, momentum)``."""
-    if work.prepared is None:
-        values, grads, outs = _common(work)
-        bufs = [p.state[1] if len(p.state) > 1 else _EMPTY for p in work.pieces]
-        scalars = torch.tensor([[-p.hyper.lr, p.hyper.momentum, p.hyper.weight_decay,
-                                 float(p.hyper.nesterov)] for p in work.pieces], dtype=torch.float64)
-        work.prepared = (values, grads, bufs, outs, scalars)
-    mod.sgd_chunk(*work.prepared, work.counter, work.block)
+    values, grads, outs = _common(work)
+    bufs = [p.state[1] if len(p.state) > 1 else _EMPTY for p in work.pieces]
+    scalars = torch.tensor([[-p.hyper.lr, p.hyper.momentum, p.hyper.weight_decay,
+                             float(p.hyper.nesterov)] for p in work.pieces], dtype=torch.float64)
+    return queue.add_sgd(values, grads, bufs, outs, scalars, work.block)
+
+
+class NativeQueue:
+    """The native queue of one run (see :class:`~functional_offload.kernels.work.Queue`)."""
+
+    def __init__(self, queue: Any, add: Callable[[Any, Work], int]):
+        self._queue, self._add = queue, add
+        self.ready, self.close, self.cancel = queue.ready, queue.close, queue.cancel
+        self.work, self.spans = queue.work, queue.spans
+
+    def add(self, work: Work) -> int:
+        return self._add(self._queue, work)
+
+    def wait(self, k: int) -> Optional[BaseException]:
+        error = self._queue.wait(k)
+        return RuntimeError(error) if error else None
+
+
+class NativeKernel:
+    """A one-pass kernel for the executor: ``add`` (:func:`add_adam` or :func:`add_sgd`) puts a
+    chunk's :class:`Work` on the native queue that :meth:`queue` makes for each run."""
+
+    def __init__(self, mod: ModuleType, add: Callable[[Any, Work], int]):
+        self.mod, self.add = mod, add
+
+    def queue(self, threads: int, record: bool = False) -> NativeQueue:
+        return NativeQueue(self.mod.Queue(record), self.add)
 
 
 def _adam_scalars(h: AdamHyper) -> list[float]:

@@ -1,19 +1,23 @@
-"""What a host kernel is handed: one chunk's pieces, cut into blocks that threads claim.
+"""What a host kernel is handed: chunks of pieces, cut into blocks that worker threads claim.
 
-The executor (``functional_offload.executor``) builds a :class:`Work` per chunk and runs the
-kernel on it from several threads at once; the kernels (``cpu``, or the torch reference through
-:meth:`Work.claims`) claim its blocks until none is left.
+The executor (``functional_offload.executor``) builds a :class:`Work` per chunk and adds it to
+the run's :class:`Queue`; worker threads stay in the queue's ``work`` loop for the whole run,
+taking the chunks in order and claiming each one's blocks until none is left. The native
+kernels (``cpu``) bring their own queue, whose workers never return to Python between chunks;
+:class:`PyQueue` runs a Python kernel (the torch reference, tests) the same way.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+import threading
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Union
 
 import torch
 
-__all__ = ["Piece", "Work", "Kernel"]
+__all__ = ["Piece", "Work", "Kernel", "Queue", "QueueMaker", "PyQueue", "queue_for"]
 
 
 class Piece(NamedTuple):
@@ -26,21 +30,17 @@ class Piece(NamedTuple):
 
 
 class Work:
-    """One chunk's kernel work, shared by the ``threads`` tasks that run it.
+    """One chunk's kernel work, shared by the worker threads that run it.
 
     The pieces are cut into blocks of ``block`` elements (per piece, the last one shorter),
-    numbered piece after piece. A task claims blocks until none is left: Python code through
-    :meth:`claims`, native code by atomically incrementing ``counter[0]`` (the same numbering).
-    One chunk uses one of the two. ``prepared`` is a slot for what a kernel derives once per
-    chunk (argument lists), shared by its tasks.
+    numbered piece after piece. A Python kernel claims blocks through :meth:`claims`; a native
+    queue numbers them the same way and claims them with its own atomic counter.
     """
 
-    __slots__ = ("pieces", "block", "counter", "prepared", "_first", "_next")
+    __slots__ = ("pieces", "block", "_first", "_next")
 
     def __init__(self, pieces: list[Piece], block: int):
         self.pieces, self.block = pieces, block
-        self.counter = torch.zeros(1, dtype=torch.int64)
-        self.prepared: Any = None
         self._first = [0]
         for p in pieces:
             self._first.append(self._first[-1] + -(-p.grad.numel() // block))
@@ -54,5 +54,120 @@ class Work:
             yield self.pieces[i], a, min(a + self.block, self.pieces[i].grad.numel())
 
 
-Kernel = Callable[[Work], None]
-"""``kernel(work)`` claims blocks of ``work`` until none is left, updating each in place."""
+class QueueMaker(Protocol):
+    def queue(self, threads: int, record: bool = False) -> "Queue":
+        """A fresh queue for one run."""
+
+
+Kernel = Union[Callable[[Work], None], QueueMaker]
+"""A Python kernel, ``kernel(work)``, which claims blocks of ``work`` until none is left,
+updating each in place; or a kernel with its own queue (``kernel.queue(threads, record)``)."""
+
+
+class Queue(Protocol):
+    """One executor run's chunks, in order, for worker threads that stay in :meth:`work`."""
+
+    def add(self, work: Work) -> int:
+        """Append a chunk; returns its index (0, 1, ...)."""
+
+    def ready(self, k: int) -> None:
+        """Chunk ``k``'s inputs are in place: workers may start on it."""
+
+    def wait(self, k: int) -> Optional[BaseException]:
+        """Block until chunk ``k`` is done; its error, if any."""
+
+    def close(self) -> None:
+        """No more chunks: workers return once they passed the last one added."""
+
+    def cancel(self) -> None:
+        """Workers return without starting another chunk."""
+
+    def work(self, worker: int) -> None:
+        """The loop of worker ``worker``: chunks in order, each once ready, until closed."""
+
+    def spans(self) -> list[tuple[int, int, bool, int, int]]:
+        """With ``record``: ``(worker, chunk, is_wait, start_ns, end_ns)`` per span so far."""
+
+
+class PyQueue:
+    """:class:`Queue` for a Python :data:`Kernel`: each of ``threads`` workers calls
+    ``kernel(work)`` on each chunk (which claims blocks until none is left); a chunk is done
+    when every worker has left it."""
+
+    def __init__(self, kernel: Callable[[Work], None], threads: int, record: bool = False):
+        self._kernel, self._threads, self._record = kernel, threads, record
+        self._cv = threading.Condition()
+        self._works: list[Work] = []
+        self._ready: list[bool] = []
+        self._left: list[int] = []
+        self._errors: list[Optional[BaseException]] = []
+        self._closed = self._cancelled = False
+        self._log: list[tuple[int, int, bool, int, int]] = []
+
+    def add(self, work: Work) -> int:
+        with self._cv:
+            self._works.append(work)
+            self._ready.append(False)
+            self._left.append(0)
+            self._errors.append(None)
+            return len(self._works) - 1
+
+    def ready(self, k: int) -> None:
+        with self._cv:
+            self._ready[k] = True
+            self._cv.notify_all()
+
+    def wait(self, k: int) -> Optional[BaseException]:
+        with self._cv:
+            self._cv.wait_for(lambda: self._left[k] == self._threads or self._cancelled)
+            if self._left[k] < self._threads:
+                return RuntimeError("cancelled")
+            return self._errors[k]
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def cancel(self) -> None:
+        with self._cv:
+            self._closed = self._cancelled = True
+            self._cv.notify_all()
+
+    @torch.no_grad()  # grad mode is per thread: the caller's no_grad does not reach here
+    def work(self, worker: int) -> None:
+        k = 0
+        while True:
+            with self._cv:
+                t0 = time.perf_counter_ns()
+                self._cv.wait_for(lambda: self._cancelled or (k < len(self._works) and self._ready[k])
+                                  or (self._closed and k >= len(self._works)))
+                if self._cancelled or k >= len(self._works):
+                    return
+                work, t1 = self._works[k], time.perf_counter_ns()
+            try:
+                self._kernel(work)
+            except BaseException as e:  # noqa: BLE001 - handed to the executor by wait()
+                with self._cv:
+                    self._errors[k] = self._errors[k] or e
+            with self._cv:
+                if self._record:
+                    if t1 - t0 > 100_000:
+                        self._log.append((worker, k, True, t0, t1))
+                    self._log.append((worker, k, False, t1, time.perf_counter_ns()))
+                self._left[k] += 1
+                if self._left[k] == self._threads:
+                    self._cv.notify_all()
+            k += 1
+
+    def spans(self) -> list[tuple[int, int, bool, int, int]]:
+        with self._cv:
+            out, self._log = self._log, []
+            return out
+
+
+def queue_for(kernel: Kernel, threads: int, record: bool = False) -> Queue:
+    """The run's queue: the kernel's own (``kernel.queue(threads, record)``, a native kernel)
+    or a :class:`PyQueue` around a Python kernel."""
+    make = getattr(kernel, "queue", None)
+    return make(threads, record) if make is not None else PyQueue(kernel, threads, record)

@@ -86,15 +86,16 @@ class Terminal:
       hyper: ``(lr, weight_decay, step) -> hyper NamedTuple`` (with a ``weight_decay`` field).
       device_math: ``(values, grads, [moment lists], hyper)`` for device-resident groups.
       host_math: ``(value, grad, moments, out, hyper)`` on 1-D slices, in torch ops.
-      native_math: ``(native_module, work)``: the one-pass kernel on a chunk's
-        :class:`~functional_offload.kernels.work.Work`.
+      native_math: ``(native_queue, work) -> index``: adds a chunk's
+        :class:`~functional_offload.kernels.work.Work` to a native queue
+        (:func:`~functional_offload.kernels.cpu.add_adam`).
     """
 
     def __init__(self, name: str, state_cls: type, moments: Sequence[tuple[str, Optional[torch.dtype]]],
                  lr: ScalarOrSchedule, weight_decay: ScalarOrSchedule,
                  hyper: Callable[[float, float, int], Any],
                  device_math: Callable[..., None], host_math: Callable[..., None],
-                 native_math: Callable[..., None], *,
+                 native_math: Callable[..., int], *,
                  placement: Optional[Placement], master_dtype: torch.dtype,
                  weight_decay_mask: MaskOrFn, executor: Optional[HostExecutor], cpu_kernel: str,
                  delayed: bool = False):
@@ -293,7 +294,7 @@ class Terminal:
                 if tl:
                     tl.span("GPU update", f"{len(items)} leaves", s0, tl.stamp(key[0]))
             if host:
-                kernel = self._host_kernel(any(h.grad.is_cuda for h in host))
+                kernel = self._host_kernel(any(h.grad.is_cuda for h in host), [h.state for h in host])
                 if self.delayed:
                     refs = refs._replace(pending=self.executor.start(host, kernel, targets))
                 else:
@@ -304,8 +305,10 @@ class Terminal:
         state.count.fill_(-1)  # donation: the old state is consumed
         return state._replace(count=new_count, params=refs)
 
-    def _host_kernel(self, gpu: bool) -> Kernel:
-        """The kernel for host leaves; ``gpu``: some of them belong to GPU params."""
+    def _host_kernel(self, gpu: bool, states: Sequence[Sequence[torch.Tensor]]) -> Kernel:
+        """The kernel for host leaves with ``states`` ``(value, moments...)``; ``gpu``: some of
+        them belong to GPU params. The native one when it is built and takes every leaf's
+        dtypes (fp32 value, fp32/bf16 moments), else the torch one."""
         mod = None
         # "auto" builds the native kernel for offloaded GPU params, where it is the step's floor;
         # CPU-only training keeps the torch kernel and skips the one-time build.
@@ -315,13 +318,11 @@ class Terminal:
                 raise RuntimeError("cpu_kernel='native' but the native CPU kernel could not be "
                                    "built here (needs a C++ compiler and ninja); use 'auto'")
         supported = (torch.float32, torch.bfloat16)
+        if mod is not None and all(st[0].dtype == torch.float32 and all(m.dtype in supported for m in st[1:])
+                                   for st in states):
+            return cpu_kernels.NativeKernel(mod, self.native_math)
 
         def kernel(work: Work) -> None:
-            if mod is not None and all(p.state[0].dtype == torch.float32
-                                       and all(m.dtype in supported for m in p.state[1:])
-                                       for p in work.pieces):
-                self.native_math(mod, work)
-                return
             for p, a, b in work.claims():
                 out = p.out[a:b] if p.out is not None else None
                 self.host_math(p.state[0][a:b], p.grad[a:b], tuple(m[a:b] for m in p.state[1:]),

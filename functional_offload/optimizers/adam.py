@@ -49,7 +49,7 @@ def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, 
         name, AdamState, [("mu", mu_dtype), ("nu", nu_dtype)], lr, weight_decay,
         lambda lr_t, wd_t, step: AdamHyper(lr_t, b1, b2, eps, wd_t, step, decoupled),
         lambda values, grads, moms, h: gpu.adam_(values, grads, moms[0], moms[1], h),
-        _host_math, cpu.adam_chunk, placement=placement, master_dtype=master_dtype,
+        _host_math, cpu.add_adam, placement=placement, master_dtype=master_dtype,
         weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
         delayed=delayed)
     return Optimizer(t.init, t.update)

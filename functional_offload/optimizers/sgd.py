@@ -80,7 +80,7 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         "sgd", SGDState, [("momentum", momentum_dtype)] if mom else [], lr, weight_decay,
         lambda lr_t, wd_t, step: SGDHyper(lr_t, mom, wd_t, bool(nesterov)),
         lambda values, grads, moms, h: gpu.sgd_(values, grads, moms[0] if moms else [], h),
-        _host_math, cpu.sgd_chunk, placement=placement, master_dtype=master_dtype,
+        _host_math, cpu.add_sgd, placement=placement, master_dtype=master_dtype,
         weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
         delayed=delayed)
     return Optimizer(t.init, t.update)
