@@ -75,6 +75,31 @@ def test_delayed_applies_the_same_updates_as_immediate_in_the_end():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_param_groups_sharing_an_executor(kernel):
+    """``TorchOptimizer`` with two groups, delayed, one executor: group 0's host step still runs
+    in the background when group 1's starts; both must come out as with an executor each."""
+    outs = []
+    for shared in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+        ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2) if shared else None
+        groups = [{"params": list(model[0].named_parameters())},
+                  {"params": list(model[1].named_parameters()), "weight_decay": 0.0}]
+        opt = fo.TorchOptimizer(groups, fo.adamw, lr=1e-2, delayed=True, cpu_kernel=kernel,
+                                **({"executor": ex} if shared else {}))
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        for _ in range(4):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        for st in opt.fo_states:
+            fo.flush(st)
+        outs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_checkpoint_flushes_in_flight_work(tmp_path):
     params = make_params(dtype=torch.bfloat16)
     grads = grad_seq(params, 4)

@@ -278,14 +278,16 @@ def test_error_in_a_copy_does_not_hang():
     ex.close()
 
 
-def test_timeline_records_every_chunk_and_exports(tmp_path):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_timeline_records_every_chunk_and_exports(tmp_path, kernel):
+    """Worker spans come from the Python queue and from the native one (its own clock)."""
     import json
 
     from functional_offload.executor import Timeline
     tl = Timeline()
     ex = HostExecutor(chunk_bytes=4096, slots=3, threads=2, timeline=tl)
     params = make_params(dtype=torch.bfloat16)  # bf16: params are written back (H2D lane)
-    opt = fo.adamw(1e-2, executor=ex)
+    opt = fo.adamw(1e-2, executor=ex, cpu_kernel=kernel)
     state = opt.init(params)
     params, state = opt.update(grad_seq(params, 1)[0], state)
     events = tl.events()
@@ -299,6 +301,11 @@ def test_timeline_records_every_chunk_and_exports(tmp_path):
     assert "H2D" not in names  # CPU params are written in place: nothing to copy back
     kernels = {n for k, v in names.items() if k.startswith("fo-host") for n in v if n.startswith("kernel")}
     assert kernels == {f"kernel c{k}" for k in range(chunks)}
+    d2h = {e["name"][len("grads "):]: e for e in events if e["lane"] == "D2H"}
+    for e in events:  # one clock: no chunk's kernel starts before its grads were copied
+        if e["name"].startswith("kernel"):
+            c = d2h[e["name"][len("kernel "):]]
+            assert e["start_us"] >= c["start_us"] + c["dur_us"] - 1
     tl.to_chrome(tmp_path / "t.json")
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert sum(e["ph"] == "X" for e in trace) == len(events)
@@ -307,6 +314,39 @@ def test_timeline_records_every_chunk_and_exports(tmp_path):
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     tl.clear()
     assert tl.events() == []
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_concurrent_runs_on_one_executor(kernel):
+    """Two threads updating through one executor at once (e.g. a delayed step in the background
+    and another optimizer's update) both finish, each with the result of running alone."""
+    import threading
+    a, b = make_params(dtype=torch.bfloat16), make_params(dtype=torch.float32)
+    ga, gb = grad_seq(a, 3, seed=1), grad_seq(b, 3, seed=2)
+    results = {}
+
+    def train(ex, name, params, grads):
+        opt = fo.adamw(1e-2, weight_decay=0.1, executor=ex, cpu_kernel=kernel)
+        p = clone(params)
+        s = opt.init(p)
+        for g in grads:
+            p, s = opt.update(g, s)
+        results[name] = p
+
+    train(HostExecutor(chunk_bytes=4096, slots=2, threads=2), "a", a, ga)
+    train(HostExecutor(chunk_bytes=4096, slots=2, threads=2), "b", b, gb)
+    alone = [results.pop("a"), results.pop("b")]
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)  # shared: one ring for both
+    threads = [threading.Thread(target=train, args=(ex, *x)) for x in (("a", a, ga), ("b", b, gb))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for name, want in zip("ab", alone):
+        for x, y in zip(optree.tree_leaves(results[name]), optree.tree_leaves(want)):
+            assert torch.equal(x, y)
+    ex.close()
 
 
 def test_streamed_run_cuts_chunks_from_what_has_arrived():

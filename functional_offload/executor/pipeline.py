@@ -104,6 +104,10 @@ class HostExecutor:
       slots: ring slots; ``slots - 1`` chunks of grads copy in ahead of the kernel.
       threads: worker threads for the kernel (default: physical cores).
       timeline: a :class:`Timeline` to record per-chunk spans into (off by default).
+
+    Runs for one device take turns: each holds that device's ring from its first chunk to its
+    last (a delayed step, until its host part is done), so optimizers may share an executor,
+    also from several threads; runs for different devices proceed together.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
@@ -122,18 +126,22 @@ class HostExecutor:
         # delayed: per copy out of host staging, (first byte, end byte, event when it has run)
         self._staged_out: dict[torch.device, list[tuple[int, int, Any]]] = {}
         self._transports: dict[torch.device, Any] = {}
+        self._busy: dict[torch.device, threading.Lock] = {}  # held by the run using the ring
+        self._reserving = threading.Lock()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
 
     # ---- resources, allocated once -------------------------------------------------------
     def reserve(self, device: torch.device) -> None:
         """Allocate the staging ring (pinned for CUDA) and streams for params on ``device``."""
-        if device in self._rings:
-            return
-        pin = device.type == "cuda"
-        nbytes = self.slots * 2 * self.chunk_bytes
-        self._rings[device] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self._out_events[device] = [None] * self.slots
-        self._transports[device] = transport_for(device)
+        with self._reserving:
+            if device in self._rings:
+                return
+            pin = device.type == "cuda"
+            nbytes = self.slots * 2 * self.chunk_bytes
+            self._out_events[device] = [None] * self.slots
+            self._transports[device] = transport_for(device)
+            self._busy[device] = threading.Lock()
+            self._rings[device] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
     @property
     def pinned_bytes(self) -> int:
@@ -320,6 +328,13 @@ class HostExecutor:
             return
         device = leaves[0].grad.device
         self.reserve(device)
+        with self._busy[device]:  # the device's ring serves one run at a time
+            self._run_chunks(device, first, packer, leaves, ready, kernel, order_caller, chunk_done)
+
+    def _run_chunks(self, device: torch.device, first: list[_Segment], packer: Iterator[list[_Segment]],
+                    leaves: list[HostLeaf], ready: list[Any], kernel: Kernel, order_caller: bool,
+                    chunk_done: Optional[Callable[[list[_Segment]], None]]) -> None:
+        """:meth:`_pipeline` once the first chunk is cut and the device's ring is held."""
         ring, slot_events, t = self._rings[device], self._out_events[device], self._transports[device]
         S, half = self.slots, self.chunk_bytes
         tl = self.timeline
