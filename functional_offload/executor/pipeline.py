@@ -107,7 +107,8 @@ class HostExecutor:
 
     Runs for one device take turns: each holds that device's ring from its first chunk to its
     last (a delayed step, until its host part is done), so optimizers may share an executor,
-    also from several threads; runs for different devices proceed together.
+    also from several threads. Runs for different devices have rings of their own but share
+    the worker threads, which stay with one run until it ends.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
