@@ -130,7 +130,6 @@ void dispatch_m(at::ScalarType st, F f) {
   }
 }
 
-
 int64_t now_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linux
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::steady_clock::now().time_since_epoch()).count();
