@@ -278,6 +278,43 @@ def test_error_in_a_copy_does_not_hang():
     ex.close()
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_error_while_landing_a_chunk_does_not_hang(native):
+    """A failed wait for a chunk's copies (the lander thread's) surfaces at the caller, naming
+    the chunk's leaf; the workers waiting in the queue are released and the executor runs again."""
+    from functional_offload.kernels import cpu
+    from functional_offload.kernels.reference import AdamHyper
+    if native and "native" not in KERNELS:
+        pytest.skip("native kernel not built here")
+    kernel = (cpu.NativeKernel(cpu.native(), cpu.add_adam) if native
+              else per_block(lambda g, st, out, h: st[0].sub_(g)))
+    h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True)
+    n = 5000  # five chunks of 4096 bytes
+
+    def leaf():
+        return HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n), torch.zeros(n), torch.zeros(n)),
+                        False, h)
+
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    ex.reserve(torch.device("cpu"))
+    t = ex._transports[torch.device("cpu")]
+    waits = []
+
+    def failing_wait(event):
+        waits.append(1)
+        if len(waits) == 7:  # chunk 2's first wait
+            raise OSError("event wait failed")
+
+    t.wait_host = failing_wait
+    with pytest.raises(RuntimeError, match="failed on leaf 'w'.*event wait failed"):
+        ex.run([leaf()], kernel)
+    del t.wait_host  # the class's again
+    ok = leaf()
+    ex.run([ok], kernel)
+    assert torch.all(ok.state[0] < 0)
+    ex.close()
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_timeline_records_every_chunk_and_exports(tmp_path, kernel):
     """Worker spans come from the Python queue and from the native one (its own clock)."""
