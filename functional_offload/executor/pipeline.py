@@ -294,7 +294,7 @@ class HostExecutor:
         by default, after the work queued on the calling thread's stream. With
         ``order_caller=False`` (a background thread) the caller's stream is not ordered here:
         the owner calls :meth:`order_after_copies` from its own thread. ``chunk_done(segments)``
-        is called as each chunk's kernel completes (in chunk order is not promised).
+        is called as each chunk's kernel completes, in chunk order.
 
         Returns once every kernel ran and every copy out was issued; with ``order_caller``, the
         caller's stream is then ordered after the copies out, so work queued next sees the new
@@ -441,8 +441,8 @@ class HostExecutor:
                 complete(done)
                 done += 1
         except BaseException as e:  # noqa: BLE001 - raised below, naming the chunk's leaves
-            if not failures or failures[0][1] is not e:  # (else the lander's, already recorded)
-                failures.insert(0, (at, e))
+            if not failures:  # else this follows from the lander's failure (recorded first)
+                failures.append((at, e))
             q.cancel()
         finally:
             landing.put(None)
