@@ -178,24 +178,24 @@ def test_worker_error_surfaces_at_caller():
     ex.close()
 
 
+def _adam_leaf(name, n=5000, value_dtype=torch.float32):
+    """A host leaf of ones as grads, zero value and moments, one AdamW step's scalars."""
+    from functional_offload.kernels.reference import AdamHyper
+    return HostLeaf(name, torch.ones(n), torch.zeros(n),
+                    (torch.zeros(n, dtype=value_dtype), torch.zeros(n), torch.zeros(n)), False,
+                    AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True))
+
+
 @pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
 def test_native_queue_error_surfaces_and_releases_workers():
     """A chunk the native queue refuses (here: an fp64 value) fails the run with the leaf's name;
     the workers already in the queue's loop are released, and the executor runs again after."""
     from functional_offload.kernels import cpu
-    from functional_offload.kernels.reference import AdamHyper
     kernel = cpu.NativeKernel(cpu.native(), cpu.add_adam)
     ex = HostExecutor(chunk_bytes=4096, slots=2, threads=3)
-    h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True)
-    n = 5000
-
-    def leaf(name, dtype):
-        return HostLeaf(name, torch.ones(n), torch.zeros(n),
-                        (torch.zeros(n, dtype=dtype), torch.zeros(n), torch.zeros(n)), False, h)
-
     with pytest.raises(RuntimeError, match="failed on leaf .*'bad'.*value must be fp32"):
-        ex.run([leaf("good", torch.float32), leaf("bad", torch.float64)], kernel)
-    ok = leaf("ok", torch.float32)
+        ex.run([_adam_leaf("good"), _adam_leaf("bad", value_dtype=torch.float64)], kernel)
+    ok = _adam_leaf("ok")
     ex.run([ok], kernel)
     assert torch.all(ok.state[0] < 0)  # one Adam step on a grad of ones moves every value down
     ex.close()
@@ -283,18 +283,10 @@ def test_error_while_landing_a_chunk_does_not_hang(native):
     """A failed wait for a chunk's copies (the lander thread's) surfaces at the caller, naming
     the chunk's leaf; the workers waiting in the queue are released and the executor runs again."""
     from functional_offload.kernels import cpu
-    from functional_offload.kernels.reference import AdamHyper
     if native and "native" not in KERNELS:
         pytest.skip("native kernel not built here")
     kernel = (cpu.NativeKernel(cpu.native(), cpu.add_adam) if native
               else per_block(lambda g, st, out, h: st[0].sub_(g)))
-    h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True)
-    n = 5000  # five chunks of 4096 bytes
-
-    def leaf():
-        return HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n), torch.zeros(n), torch.zeros(n)),
-                        False, h)
-
     ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
     ex.reserve(torch.device("cpu"))
     t = ex._transports[torch.device("cpu")]
@@ -307,9 +299,9 @@ def test_error_while_landing_a_chunk_does_not_hang(native):
 
     t.wait_host = failing_wait
     with pytest.raises(RuntimeError, match="failed on leaf 'w'.*event wait failed"):
-        ex.run([leaf()], kernel)
+        ex.run([_adam_leaf("w")], kernel)  # five chunks of 4096 bytes
     del t.wait_host  # the class's again
-    ok = leaf()
+    ok = _adam_leaf("w")
     ex.run([ok], kernel)
     assert torch.all(ok.state[0] < 0)
     ex.close()

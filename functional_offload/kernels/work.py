@@ -145,12 +145,13 @@ class PyQueue:
                 if self._cancelled or k >= len(self._works):
                     return
                 work, t1 = self._works[k], time.perf_counter_ns()
+            error: Optional[BaseException] = None
             try:
                 self._kernel(work)
             except BaseException as e:  # noqa: BLE001 - handed to the executor by wait()
-                with self._cv:
-                    self._errors[k] = self._errors[k] or e
+                error = e
             with self._cv:
+                self._errors[k] = self._errors[k] or error
                 if self._record:
                     if t1 - t0 > 100_000:
                         self._log.append((worker, k, True, t0, t1))
