@@ -10,11 +10,12 @@
 from functional_offload import activations, compat, placement
 from functional_offload.activations import ActivationOffload
 from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
-                                     chain, flush, params_of)
+                                     StateError, Step, chain, flush, params_of)
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
-from functional_offload.executor import HostExecutor
+from functional_offload.executor import HostExecutor, HostStepError
 from functional_offload.compat import TorchOptimizer
 from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.placement import plan
 from functional_offload.report import PlacementReport, placement_report
 from functional_offload.streaming import GradStream, stream
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
@@ -24,7 +25,8 @@ from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
 __version__ = "0.1.0"
 
 __all__ = [
-    "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "chain", "params_of", "flush",
+    "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
+    "chain", "params_of", "flush", "plan", "HostStepError",
     "adam", "adamw", "sgd", "AdamState", "SGDState", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",

@@ -1,25 +1,35 @@
-"""Core types: transformations, optimizers, ``chain`` (optax's ``_src/base.py``, on optree)."""
+"""Core types: transformations, optimizers, the step protocol, ``chain`` (optax's ``_src/base.py``).
+
+A :class:`GradientTransformation` maps grads to grads; an :class:`Optimizer` (terminal) maps
+grads to params. Optimizers that can be fed leaf by leaf also have ``begin(state) -> Step``
+(:class:`Step`): the public step protocol that ``update``, grad streaming (:func:`fo.stream`),
+the delayed update and :class:`~functional_offload.TorchOptimizer` all use.
+
+State life cycle. A terminal state's ``count`` (int64, 0-d) is the number of updates applied,
+or one of three marks: :data:`CONSUMED` (an update reused its buffers: use the state it
+returned), :data:`FAILED` (a step was partially applied: load a checkpoint into it) and
+:data:`BUSY` (a step on it has begun and not finished). :func:`check_usable` refuses marked
+states with an error that says what to do.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Union
+from typing import Any, NamedTuple, Optional, Protocol, Union
 
 import optree
+import torch
 
+from functional_offload.tree import check_grads, flatten_like
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
-    "TransformInitFn",
-    "TransformUpdateFn",
-    "OptimizerUpdateFn",
-    "GradientTransformation",
-    "Optimizer",
-    "EmptyState",
-    "ParamRefs",
-    "chain",
-    "params_of",
-    "flush",
+    "TransformInitFn", "TransformUpdateFn", "OptimizerUpdateFn", "GlobalScaleFn", "BeginFn",
+    "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
+    "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "flush", "check_usable",
+    "terminal_states",
 ]
+
+CONSUMED, FAILED, BUSY = -1, -2, -3
 
 
 class TransformInitFn(Protocol):
@@ -40,11 +50,53 @@ class OptimizerUpdateFn(Protocol):
     def __call__(self, updates: Updates, state: OptState) -> tuple[Params, OptState]: ...
 
 
+class GlobalScaleFn(Protocol):
+    """``global_scale(grads, state) -> factor``: the one 0-d tensor a transform multiplies every
+    grad by (e.g. clipping's). Lets a streamed step run ahead as if it were 1 (see :class:`Step`)."""
+
+    def __call__(self, updates: Updates, state: OptState) -> torch.Tensor: ...
+
+
+class Step(Protocol):
+    """One step of an optimizer, fed leaf by leaf; made by ``Optimizer.begin(state)``.
+
+    Leaves are numbered in the params' flatten order (``optree.tree_leaves(params)``).
+
+    - ``feed(i, grad)``: leaf ``i``'s grad is complete (on the current stream). Its update may
+      start at once (host-resident state starts its copies and kernel). Errors in the grad are
+      raised here, naming the leaf.
+    - ``finish(grads=None) -> (params, state)``: the leaves not fed take their grad from
+      ``grads`` (a tree like the params; ``None`` leaves get no update); returns what
+      ``update(all grads, state)`` returns, bit for bit.
+    - ``abort()``: give up the step. The state is left as it was, or marked :data:`FAILED` when
+      part of the step was already applied in place.
+
+    A step begun with ``speculative=True`` applies nothing in place before ``finish``, so that
+    ``abort`` always leaves the state as it was (host work done ahead goes to spare buffers).
+    """
+
+    def feed(self, index: int, grad: torch.Tensor) -> None: ...
+
+    def finish(self, grads: Updates = None) -> tuple[Params, OptState]: ...
+
+    def abort(self) -> None: ...
+
+
+class BeginFn(Protocol):
+    def __call__(self, state: OptState, speculative: bool = False) -> Step: ...
+
+
 class GradientTransformation(NamedTuple):
-    """A pure pair ``(init, update)`` mapping gradients to gradients (clipping, scaling, masks)."""
+    """A pure pair ``(init, update)`` mapping gradients to gradients (clipping, scaling, masks).
+
+    ``global_scale``: set by transforms that multiply every grad by one factor computed from
+    all of them (clipping), so that a streamed chain can start the step before the factor is
+    known and redo it only if the factor is not 1.
+    """
 
     init: TransformInitFn
     update: TransformUpdateFn
+    global_scale: Optional[GlobalScaleFn] = None
 
 
 class Optimizer(NamedTuple):
@@ -52,27 +104,70 @@ class Optimizer(NamedTuple):
 
     The state holds references to the params (a :class:`ParamRefs` node) and is *donated*:
     ``update`` reuses its buffers in place and marks it consumed, so it must not be used again.
+    ``begin`` (optional) starts a :class:`Step` to feed leaf by leaf.
     """
 
     init: TransformInitFn
     update: OptimizerUpdateFn
+    begin: Optional[BeginFn] = None
 
 
 class EmptyState(NamedTuple):
     """The state of a stateless transformation."""
 
 
-class ParamRefs(NamedTuple):
-    """The live side of a terminal optimizer's state: the params it updates in place, and
-    (with ``delayed=True``) the host staging of the new params and the step still in flight.
+class Pending(Protocol):
+    """A delayed step in flight: ``land()`` applies it (raising its error, if any);
+    ``settle()`` waits for it and drops its result (before a checkpoint is loaded over it)."""
 
-    Part of the state tree so that the state is self-contained, but not saved by checkpoints:
-    the params are the model's, saved with the model.
+    def land(self) -> None: ...
+
+    def settle(self) -> None: ...
+
+
+class ParamRefs(NamedTuple):
+    """The live side of a terminal optimizer's state: the params it updates in place, and the
+    buffers and work that belong to this process rather than to the checkpoint.
+
+    Part of the state tree so that the state is self-contained, never saved by checkpoints.
     """
 
     tree: Params
     staging: Any = None  # delayed mode: host buffers the new params land in (None leaves else)
-    pending: Optional[Callable[[], None]] = None  # delayed mode: finishes the in-flight step
+    pending: Optional["Pending"] = None  # delayed mode: the step in flight
+    spare: Any = None  # speculative steps: a second set of host state buffers
+
+
+class StateError(RuntimeError):
+    """A state was consumed by an update, is in a step, or holds a partially applied step."""
+
+
+def terminal_states(state: OptState) -> list[Any]:
+    """The terminal optimizers' states inside ``state`` (those with a :class:`ParamRefs`)."""
+    is_terminal = lambda x: isinstance(getattr(x, "params", None), ParamRefs)  # noqa: E731
+    return [x for x in optree.tree_leaves(state, is_leaf=is_terminal) if is_terminal(x)]
+
+
+def check_usable(state: OptState, action: str) -> None:
+    """Raise :class:`StateError` if a terminal state inside ``state`` is consumed, failed or in a
+    step; ``action`` names what was attempted ("update", "save"...)."""
+    for s in terminal_states(state):
+        count = s.count
+        if not isinstance(count, torch.Tensor) or count.dim() != 0:
+            continue
+        n = int(count)
+        name = type(s).__name__
+        if n == CONSUMED:
+            raise StateError(f"cannot {action}: this {name} was consumed by an earlier update (its "
+                             "buffers were reused in place); use the state that update returned")
+        if n == FAILED:
+            raise StateError(f"cannot {action}: this {name} is failed — a step was partially "
+                             "applied when it raised (see that error). Load the last checkpoint "
+                             "into it (fo.load(path, like=state)) or start again from opt.init")
+        if n == BUSY:
+            raise StateError(f"cannot {action}: this {name} is in a step that has not finished "
+                             "(a fo.stream block not finished yet, or an update in another "
+                             "thread); finish that step first")
 
 
 def flush(state: OptState) -> OptState:
@@ -80,12 +175,12 @@ def flush(state: OptState) -> OptState:
 
     The host step started by the last ``update`` is waited for, its params are copied to the
     device, and the caller's stream is ordered after the copies. A no-op for states with nothing
-    in flight; :func:`~functional_offload.save` and :func:`~functional_offload.state_dict` call
-    it. Returns ``state``.
+    in flight. If the step failed, its error is raised and the state is marked failed. An
+    interrupt (Ctrl-C) arriving meanwhile is raised once the step has landed. Returns ``state``.
     """
-    for node in optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, ParamRefs)):
-        if isinstance(node, ParamRefs) and node.pending is not None:
-            node.pending()
+    for s in terminal_states(state):
+        if s.params.pending is not None:
+            s.params.pending.land()
     return state
 
 
@@ -98,6 +193,11 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
     ``chain(t1, ..., tn)`` feeds the gradients through ``t1 ... tn``. Its state is the tuple
     ``(s1, ..., sn)`` of the parts' states. It is an :class:`Optimizer` when ``tn`` is one (its
     ``update`` returns params), else a :class:`GradientTransformation`.
+
+    A chain ending in an optimizer can be streamed (``begin``): when every transform in front
+    has a ``global_scale`` (clipping), the step runs ahead as if every factor were 1 and is
+    committed if they are (bit for bit what ``update`` gives) or redone with the true factors;
+    otherwise the grads are held until ``finish`` runs ``update``.
 
     Example::
 
@@ -119,10 +219,16 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    def update(updates: Updates, state: tuple) -> tuple[Any, tuple]:
+    def check_state(state: Any) -> None:
         if not isinstance(state, tuple) or len(state) != len(transforms):
             raise ValueError(f"chain state must be a tuple of {len(transforms)} states (the one "
                              f"init returned); got {type(state).__name__}")
+
+    def update(updates: Updates, state: tuple) -> tuple[Any, tuple]:
+        check_state(state)
+        if isinstance(last, Optimizer):
+            check_usable(state, "update")
+            check_grads(updates, params_of(state[-1]))
         new = []
         for t, s in zip(front, state):
             updates, s = t.update(updates, s)
@@ -130,13 +236,99 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         out, s = last.update(updates, state[-1])
         return out, (*new, s)
 
-    return type(last)(init, update)
+    if isinstance(last, GradientTransformation):
+        return GradientTransformation(init, update)
+
+    def begin(state: tuple, speculative: bool = False) -> Step:
+        check_state(state)
+        if not front:
+            return _Chained(last.begin(state[-1], speculative), None, state, update) \
+                if last.begin is not None else HeldStep(update, state)
+        if last.begin is not None and all(t.global_scale is not None for t in front):
+            return _Chained(last.begin(state[-1], True), front, state, update)
+        return HeldStep(update, state)
+
+    return Optimizer(init, update, begin)
+
+
+class HeldStep:
+    """A :class:`Step` for optimizers that cannot start before every grad is known: ``feed``
+    holds the grads, ``finish`` runs ``update`` on them."""
+
+    def __init__(self, update: OptimizerUpdateFn, state: OptState):
+        self.update, self.state = update, state
+        self.params = params_of(state)
+        self.spec = optree.tree_structure(self.params)
+        self.fed: dict[int, torch.Tensor] = {}
+        self.finished = False
+
+    def feed(self, index: int, grad: torch.Tensor) -> None:
+        if index in self.fed:
+            raise RuntimeError(f"leaf {index} got a second gradient in one step")
+        self.fed[index] = grad
+
+    def finish(self, grads: Updates = None) -> tuple[Params, OptState]:
+        if self.finished:
+            raise RuntimeError("this step already finished; begin a new one per step")
+        self.finished = True
+        return self.update(merge_grads(self.spec, self.fed, grads), self.state)
+
+    def abort(self) -> None:
+        self.finished = True
+
+
+def merge_grads(spec: optree.PyTreeSpec, fed: dict[int, torch.Tensor], grads: Updates) -> Updates:
+    """A grads tree of structure ``spec``: the fed grads by leaf index, the rest from ``grads``."""
+    rest = [None] * spec.num_leaves if grads is None else flatten_up_to(spec, grads)
+    return optree.tree_unflatten(spec, [fed.get(i, g) for i, g in enumerate(rest)])
+
+
+def flatten_up_to(spec: optree.PyTreeSpec, tree: Any) -> list[Any]:
+    return flatten_like(tree, optree.tree_unflatten(spec, [0] * spec.num_leaves), "grads")
+
+
+class _Chained:
+    """A chain's step: the terminal's step fed the raw grads; the front's factors (if any)
+    decide at ``finish`` between committing it and redoing the step through ``update``."""
+
+    def __init__(self, inner: Step, front: Optional[list], state: tuple, update: OptimizerUpdateFn):
+        self.inner, self.front, self.state, self.update = inner, front, state, update
+        self.spec = optree.tree_structure(params_of(state[-1]))
+        self.fed: dict[int, torch.Tensor] = {}
+        self.committed: Optional[bool] = None  # after finish: True if the step ran ahead
+        self.delayed = front is None and getattr(inner, "delayed", False)
+
+    def feed(self, index: int, grad: torch.Tensor) -> None:
+        self.inner.feed(index, grad)
+        self.fed[index] = grad
+
+    def finish(self, grads: Updates = None) -> tuple[Params, OptState]:
+        if self.front is None:
+            params, s = self.inner.finish(grads)
+            return params, (s,)
+        try:
+            full = merge_grads(self.spec, self.fed, grads)
+            factors = [t.global_scale(full, s) for t, s in zip(self.front, self.state)]
+            dev = factors[0].device
+            ones = bool(torch.stack([f.detach().float().to(dev) for f in factors]).eq(1).all())
+        except BaseException:
+            self.inner.abort()
+            raise
+        if ones:  # every factor is 1: the grads the step ran on are the chain's, bit for bit
+            self.committed = True
+            params, s = self.inner.finish(grads)
+            return params, (*self.state[:-1], s)
+        self.committed = False
+        self.inner.abort()  # the state is as it was: run the chain as update would
+        return self.update(full, self.state)
+
+    def abort(self) -> None:
+        self.inner.abort()
 
 
 def params_of(state: OptState) -> Params:
-    """The params tree referenced by a terminal optimizer's state (the first :class:`ParamRefs`)."""
-    nodes = optree.tree_leaves(state, is_leaf=lambda x: isinstance(x, ParamRefs))
-    for node in nodes:
-        if isinstance(node, ParamRefs):
-            return node.tree
-    raise ValueError("this state holds no params: it is not the state of a terminal Optimizer")
+    """The params tree referenced by a (chained) terminal state (the first :class:`ParamRefs`)."""
+    found = terminal_states(state)
+    if not found:
+        raise ValueError("this state holds no params: it is not the state of a terminal Optimizer")
+    return found[0].params.tree

@@ -21,7 +21,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from functional_offload.base import ParamRefs, flush
+from functional_offload.base import BUSY, CONSUMED, ParamRefs, check_usable, flush, terminal_states
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
 
@@ -45,11 +45,16 @@ def _state_leaves(state: OptState) -> tuple[list[str], list[Any]]:
     return [p for p, _ in keep], [x for _, x in keep]
 
 
-def _check_live(paths: list[str], leaves: list[torch.Tensor], what: str) -> None:
-    for p, x in zip(paths, leaves):
-        if p.endswith("count") and x.dtype == torch.int64 and x.dim() == 0 and int(x) < 0:
-            raise RuntimeError(f"{what}: leaf {p!r} belongs to a state consumed by an update; "
-                               "use the state that update returned")
+def _settle(like: OptState) -> None:
+    """Make ``like`` ready to be overwritten: wait for a delayed step in flight (its result is
+    dropped); a failed state may be loaded into (that is how it recovers), a consumed one or
+    one in a step may not."""
+    for s in terminal_states(like):
+        n = int(s.count) if isinstance(s.count, torch.Tensor) and s.count.dim() == 0 else 0
+        if n in (CONSUMED, BUSY):
+            check_usable(s, "load into it")
+        if s.params.pending is not None:
+            s.params.pending.settle()
 
 
 def state_dict(state: OptState) -> dict[str, torch.Tensor]:
@@ -60,9 +65,10 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     The tensors are the state's own (not copies); ``torch.save`` of the result loads with
     ``weights_only=True``.
     """
+    check_usable(state, "take a state_dict")
     flush(state)  # a delayed update still in flight lands first
+    check_usable(state, "take a state_dict")
     paths, leaves = _state_leaves(state)
-    _check_live(paths, leaves, "state_dict")
     if len(set(paths)) != len(paths):
         raise ValueError("two state leaves share a dotted path; use keys without dots")
     return dict(zip(paths, leaves))
@@ -76,7 +82,6 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     devices, bit for bit.
     """
     paths, leaves = _state_leaves(like)
-    _check_live(paths, leaves, "load_state_dict")
     missing = [p for p in paths if p not in sd]
     unexpected = [k for k in sd if k not in set(paths)]
     if missing or unexpected:
@@ -89,6 +94,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
                                   f"{(tuple(x.shape), x.dtype)}; values are never cast on load")
+    _settle(like)
     with torch.no_grad():
         for p, x in zip(paths, leaves):
             x.copy_(sd[p])

@@ -11,17 +11,19 @@ policy decides among the other ("device") leaves.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from contextvars import ContextVar
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from functional_offload.tree import check_tensor_leaves, leaves_with_paths
+from functional_offload.tree import check_tensor_leaves, insertion_order, leaves_with_paths
 from functional_offload.typing import Params
 
 __all__ = [
     "LeafInfo",
     "Plan",
     "Placement",
+    "plan",
     "offload_fraction",
     "on_host",
     "on_device",
@@ -36,7 +38,7 @@ class LeafInfo(NamedTuple):
 
     path: str  # dotted path in the params tree
     tensor: torch.Tensor  # the param (may be a meta tensor)
-    state_bytes: int  # bytes of optimizer state this leaf needs (masters + moments)
+    state_bytes: int  # bytes of optimizer state this leaf needs on the device (masters, moments)
 
     @property
     def numel(self) -> int:
@@ -44,13 +46,15 @@ class LeafInfo(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """Where each leaf's state lives, in params flatten order."""
+    """Where each leaf's state lives, one row per leaf in the order the params were built
+    (dict insertion order, e.g. ``named_parameters()`` order)."""
 
     paths: tuple[str, ...]
     on_host: tuple[bool, ...]  # True: state in host memory
     numels: tuple[int, ...]
-    state_bytes: tuple[int, ...]
+    state_bytes: tuple[int, ...]  # the state's bytes where it lives
     already_on_host: tuple[bool, ...]  # params that were on the host before any decision
+    index: tuple[int, ...]  # each row's position in the params' flatten order
 
     @property
     def fraction(self) -> float:
@@ -70,6 +74,13 @@ class Plan(NamedTuple):
     def device_bytes(self) -> int:
         return sum(b for b, h in zip(self.state_bytes, self.on_host) if not h)
 
+    def host_mask(self) -> list[bool]:
+        """``on_host`` in the params' flatten order."""
+        out = [False] * len(self.index)
+        for i, h in zip(self.index, self.on_host):
+            out[i] = h
+        return out
+
     def summary(self) -> str:
         """A table: path, elements, state bytes, where the state lives; then the totals."""
         w = max([len(p) for p in self.paths] + [4])
@@ -85,9 +96,11 @@ Decide = Callable[[Sequence[LeafInfo]], Sequence[bool]]
 
 
 class Placement:
-    """A placement policy: ``decide(leaves) -> [on_host, ...]`` over the device leaves.
+    """A placement policy: ``decide(leaves) -> [on_host, ...]`` over the device leaves, which it
+    sees in the order the params were built.
 
-    Build one with the functions of this module; call :meth:`plan` to see its decisions.
+    Build one with the functions of this module; :func:`plan` shows what an optimizer's ``init``
+    would do with it.
     """
 
     def __init__(self, decide: Decide, name: str):
@@ -104,25 +117,74 @@ class Placement:
                              f"{len(leaves)} leaves")
         return out
 
-    def plan(self, params: Params, state_bytes: Sequence[int] | None = None) -> Plan:
-        """Decide for every leaf of ``params``.
+    def plan(self, params: Params, state_bytes: Sequence[int] | None = None,
+             host_bytes: Sequence[int] | None = None) -> Plan:
+        """Decide for every leaf of ``params`` (``meta`` tensors work).
 
         Args:
-          params: a pytree of tensors (``meta`` tensors work).
-          state_bytes: per-leaf optimizer-state bytes (the optimizers pass theirs); defaults to
-            each param's own size in bytes.
+          params: a pytree of tensors.
+          state_bytes: per-leaf optimizer-state bytes on the device, in flatten order (the
+            optimizers pass theirs); default: each param's own size.
+          host_bytes: the same on the host where they differ (a host-resident GPU param gets
+            an fp32 master); default: ``state_bytes``.
         """
         paths, leaves, _ = leaves_with_paths(params)
         check_tensor_leaves(leaves, paths, "params")
         if state_bytes is None:
             state_bytes = [t.numel() * t.element_size() for t in leaves]
-        infos = [LeafInfo(p, t, int(b)) for p, t, b in zip(paths, leaves, state_bytes)]
-        already = [t.device.type == "cpu" for t in leaves]
-        device_leaves = [i for i, a in zip(infos, already) if not a]
+        host_bytes = state_bytes if host_bytes is None else host_bytes
+        order = insertion_order(params)
+        already = [leaves[i].device.type == "cpu" for i in order]
+        device_leaves = [LeafInfo(paths[i], leaves[i], int(state_bytes[i]))
+                         for i, a in zip(order, already) if not a]
         decided = iter(self.decide(device_leaves))
         on_host = tuple(True if a else next(decided) for a in already)
-        return Plan(tuple(paths), on_host, tuple(t.numel() for t in leaves),
-                    tuple(int(b) for b in state_bytes), tuple(already))
+        return Plan(tuple(paths[i] for i in order), on_host, tuple(leaves[i].numel() for i in order),
+                    tuple(int(host_bytes[i] if h else state_bytes[i]) for i, h in zip(order, on_host)),
+                    tuple(already), tuple(order))
+
+
+_previews: ContextVar[Optional[list[Plan]]] = ContextVar("functional_offload_previews", default=None)
+
+
+def previewing() -> bool:
+    """Whether an optimizer's ``init`` runs inside :func:`plan` (it then allocates nothing)."""
+    return _previews.get() is not None
+
+
+def record_plan(p: Plan) -> None:
+    """Hand a terminal optimizer's plan to the :func:`plan` call around its ``init``."""
+    plans = _previews.get()
+    if plans is not None:
+        plans.append(p)
+
+
+def plan(opt: Any, params: Params) -> Plan:
+    """The placement ``opt.init(params)`` would make, with the optimizer's real state bytes
+    (masters, moments, EMA), without allocating anything (the state comes out on ``meta``).
+
+    Works for any optimizer built from this library's parts (chains, partitions, wrappers);
+    with several terminal optimizers inside, their plans are put together.
+
+    Example::
+
+        >>> import torch, functional_offload as fo
+        >>> params = {"w": torch.zeros(4, 4, dtype=torch.bfloat16, device="meta")}
+        >>> p = fo.plan(fo.adamw(1e-3, placement=fo.placement.on_device()), params)
+        >>> p.device_bytes  # fp32 master, mu and nu: 12 bytes per element
+        192
+    """
+    token = _previews.set([])
+    try:
+        opt.init(params)
+        plans = _previews.get() or []
+    finally:
+        _previews.reset(token)
+    if not plans:
+        raise ValueError("this optimizer holds no terminal optimizer: nothing is placed")
+    if len(plans) == 1:
+        return plans[0]
+    return Plan(*(tuple(x for p in plans for x in getattr(p, f)) for f in Plan._fields))
 
 
 def _check_fraction(f: Any) -> float:
@@ -133,10 +195,10 @@ def _check_fraction(f: Any) -> float:
 
 
 def offload_fraction(fraction: float, *, from_end: bool = False) -> Placement:
-    """Megatron's ``--optimizer-offload-fraction``: offload leaves greedily in flatten order.
+    """Megatron's ``--optimizer-offload-fraction``: offload leaves greedily in the model's order.
 
     With ``N`` the number of elements in the device leaves, ``threshold = fraction · N``; walking
-    the leaves in order, a leaf is offloaded while the elements offloaded so far are below the
+    the leaves in the order the params were built (``named_parameters()`` order), a leaf is offloaded while the elements offloaded so far are below the
     threshold. Whole leaves move, so the real fraction (:attr:`Plan.fraction`) can overshoot.
 
     ``from_end=True`` walks from the last leaf instead, keeping the first leaves' state on the
@@ -169,7 +231,7 @@ def on_device() -> Placement:
 
 
 def device_budget(max_bytes: int) -> Placement:
-    """Keep state on the device, leaf by leaf in flatten order, while it fits in ``max_bytes``.
+    """Keep state on the device, leaf by leaf in the model's order, while it fits in ``max_bytes``.
 
     The first leaf that does not fit and every leaf after it go to the host, so the device part
     is a prefix of the leaves (as with the fraction policy, whose host part is a prefix).

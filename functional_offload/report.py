@@ -10,7 +10,10 @@ import json
 import os
 from typing import Any, NamedTuple, Optional, Union
 
-from functional_offload.checkpoint import state_dict
+import torch
+
+from functional_offload.base import ParamRefs
+from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
 
 __all__ = ["PlacementReport", "placement_report"]
@@ -44,8 +47,12 @@ class PlacementReport(NamedTuple):
 
 
 def placement_report(state: OptState) -> PlacementReport:
-    """Report where the leaves of ``state`` live (the params references are not state)."""
+    """Report where the leaves of ``state`` live (the params references are not state).
+
+    A read only: it neither waits for a delayed step in flight nor changes the state.
+    """
+    paths, leaves, _ = leaves_with_paths(state, is_leaf=lambda x: isinstance(x, ParamRefs))
     rows = [{"path": k, "device": str(v.device), "dtype": str(v.dtype).replace("torch.", ""),
              "shape": list(v.shape), "bytes": v.numel() * v.element_size()}
-            for k, v in state_dict(state).items()]
+            for k, v in zip(paths, leaves) if isinstance(v, torch.Tensor)]
     return PlacementReport(rows)

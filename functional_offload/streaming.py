@@ -1,126 +1,115 @@
-"""Grad streaming: start the host step while backward still runs."""
+"""Grad streaming: feed each leaf's grad to the optimizer's step as autograd produces it."""
 
 from __future__ import annotations
 
-import queue as queue_mod
-import threading
 from typing import Any, Optional
 
 import optree
 import torch
 
-from functional_offload.base import Optimizer, params_of
-from functional_offload.optimizers._terminal import Terminal
+from functional_offload.base import HeldStep, Optimizer, Step, check_usable, params_of
+from functional_offload.tree import flatten_like, leaves_with_paths, local
 from functional_offload.typing import Params
 
 __all__ = ["GradStream", "stream"]
 
 
+def _live_params(state: Any, params: Any) -> list[torch.Tensor]:
+    """The tensors whose ``.grad`` autograd fills, one per leaf of the state's params."""
+    held = params_of(state)
+    paths, mine, _ = leaves_with_paths(held)
+    if params is None:
+        if mine and not any(p.requires_grad and p.is_leaf for p in mine):
+            raise ValueError(
+                "fo.stream: no param in this state is a leaf tensor that requires grad, so "
+                "autograd never fills their .grad (the state was built from v.detach() copies, "
+                "or from DTensor local shards). Pass the live parameters: fo.stream(opt, state, "
+                "params=model) or params=dict(model.named_parameters())")
+        live = mine
+    elif isinstance(params, torch.nn.Module):
+        live = flatten_like(dict(params.named_parameters()), held, "fo.stream params")
+    else:
+        live = flatten_like(params, held, "fo.stream params")
+    for path, a, b in zip(paths, mine, live):
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"fo.stream params leaf {path!r} is a {type(b).__name__}, expected "
+                            "the live parameter")
+        x, y = local(a), local(b)
+        if x.shape != y.shape or x.data_ptr() != y.data_ptr():
+            raise ValueError(f"fo.stream params leaf {path!r} is not the tensor the state "
+                             "updates (it must share its memory: pass the model's parameters "
+                             "the state was built from)")
+        if b.requires_grad and not b.is_leaf:
+            raise ValueError(f"fo.stream: param {path!r} requires grad but is not a leaf tensor "
+                             "(it is computed from another, e.g. a DTensor's to_local()), so "
+                             "autograd never fills its .grad; pass the parameters themselves "
+                             "(params=model)")
+    return live
+
+
 class GradStream:
     """One streamed step; made by :func:`stream`, used as a context manager around backward.
 
-    For a terminal optimizer, inside the ``with`` block a hook on each host-resident param (a
-    leaf tensor that requires grad) takes its ``.grad`` as soon as autograd has accumulated it
-    and feeds it to one executor run (copy down, CPU kernel, copy up), which cuts chunks from
-    the leaves that have arrived as ring slots free. :meth:`finish` waits for the tail, updates
-    the other leaves and returns ``(params, state)`` — bit for bit what ``opt.update`` returns
-    for the grads ``{path: p.grad}``. With transforms in front of the optimizer nothing starts
-    during backward, and :meth:`finish` is that ``opt.update``.
+    Inside the ``with`` block a hook on each live parameter hands its grad to the optimizer's
+    :class:`~functional_offload.Step` as soon as autograd (or FSDP2's reduce-scatter) has
+    produced it; host-resident state starts its copies and CPU kernel at once. :meth:`finish`
+    feeds the rest and returns ``(params, state)``, bit for bit what ``opt.update`` returns for
+    the grads ``{path: p.grad}``. An exception inside the block aborts the step: the state is
+    left as it was, or marked failed when part of it was already applied in place.
+
+    Attributes:
+      arrived: the leaves (flatten indices) handed over during backward.
+      committed: for a chain with clipping in front, whether the step that ran ahead was kept
+        (``True``: the clip factor was 1) or redone with the true factor (``False``); ``None``
+        otherwise.
     """
 
-    def __init__(self, opt: Optimizer, state: Any, terminal: Optional[Terminal]):
-        self.opt, self.state, self.terminal = opt, state, terminal
-        self.leaves: list = []
-        self.hooked: list[int] = []
-        if terminal is not None:
-            n = terminal._begin(state)
-            self.leaves = terminal._leaves(state)
-            self.decay = terminal._decay_flags(state.params.tree)
-            self.hyper, self.hyper0 = terminal._hypers(n)
-            self.hooked = [i for i, leaf in enumerate(self.leaves)
-                           if leaf.on_host and leaf.param.is_leaf and leaf.param.requires_grad]
-        self.arrived: set[int] = set()  # leaves handed to the executor during backward
-        self.queues: dict[torch.device, "queue_mod.Queue"] = {}  # per device: one run's arrivals
-        self.errors: list[BaseException] = []
+    def __init__(self, opt: Optimizer, state: Any, live: list[torch.Tensor], step: Step):
+        self.opt, self.state, self.live, self.step = opt, state, live, step
+        self.spec = optree.tree_structure(params_of(state))
+        self.arrived: set[int] = set()
+        self.committed: Optional[bool] = None
         self.handles: list[Any] = []
-        self.drivers: list[threading.Thread] = []
         self.finished = False
 
     def __enter__(self) -> "GradStream":
-        if not self.hooked:
-            return self
-        for i in self.hooked:
-            self.handles.append(self.leaves[i].param.register_post_accumulate_grad_hook(
-                lambda p, i=i: self._arrive(i, p.grad)))
-        kernel = self.terminal._host_kernel(any(self.leaves[i].param.is_cuda for i in self.hooked),
-                                            [(self.leaves[i].value, *self.leaves[i].moments)
-                                             for i in self.hooked])
-        for device in dict.fromkeys(self.leaves[i].param.device for i in self.hooked):
-            q = self.queues[device] = queue_mod.Queue()
-            self.drivers.append(threading.Thread(target=self._drive, args=(q, kernel),
-                                                 name="fo-stream", daemon=True))
-            self.drivers[-1].start()
+        for i, p in enumerate(self.live):
+            if p.requires_grad and p.is_leaf:
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p, i=i: self._arrive(i, p.grad)))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def _arrive(self, i: int, grad: Optional[torch.Tensor]) -> None:
+        if grad is None:
+            return
+        self.step.feed(i, grad)
+        self.arrived.add(i)
+
+    def _unhook(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        for q in self.queues.values():
-            q.put(None)  # no more leaves: each run ends after the queued ones
 
-    def _arrive(self, i: int, g: Optional[torch.Tensor]) -> None:
-        leaf = self.leaves[i]
-        if i in self.arrived:
-            self.errors.append(RuntimeError(
-                f"param {leaf.path!r} got a second gradient in one streamed step; "
-                "stream only the last backward of an accumulation"))
-            return
-        if g is None:
-            return
-        try:
-            self.terminal._check_grads({0: g}, {0: leaf.param}, [leaf])
-        except (TypeError, ValueError) as e:
-            self.errors.append(e)
-            return
-        self.arrived.add(i)
-        h = self.hyper if self.decay[i] else self.hyper0
-        with torch.no_grad():
-            host_leaf = self.terminal._host_leaf(leaf, g, leaf.param.detach().view(-1), h)
-        # its copies wait for this event: the grad is complete on the stream that made it
-        self.queues[leaf.param.device].put((host_leaf, self.terminal.executor.ready(g.device)))
-
-    def _drive(self, arrivals: "queue_mod.Queue", kernel: Any) -> None:
-        """One executor run for the leaves of one device, fed as they arrive."""
-        try:
-            self.terminal.executor.run_stream(arrivals, kernel)
-        except BaseException as e:
-            self.errors.append(e)
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._unhook()
+        if exc is not None and not self.finished:
+            self.finished = True
+            self.step.abort()
 
     def finish(self) -> tuple[Params, Any]:
-        """Wait for the streamed leaves, update the rest; return ``(params, new state)``."""
+        """Feed the leaves not streamed, wait for the step; return ``(params, new state)``."""
         if self.finished:
-            raise RuntimeError("this GradStream already finished; start a new one per step")
+            raise RuntimeError("this GradStream already finished (or was aborted); start a new "
+                               "one per step")
         self.finished = True
-        self.__exit__()
-        for driver in self.drivers:
-            driver.join()
-        if self.errors:
-            raise RuntimeError(f"streamed update failed: {type(self.errors[0]).__name__}: "
-                               f"{self.errors[0]}") from self.errors[0]
-        t = self.terminal
-        if t is None:  # transforms in front: every grad was needed first
-            grads = optree.tree_map(lambda p: p.grad, params_of(self.state))
-            return self.opt.update(grads, self.state)
-        for device in self.queues:
-            t.executor.order_after_copies(device)
-        gs = [None if i in self.arrived else leaf.param.grad for i, leaf in enumerate(self.leaves)]
-        gs = t._check_grads(gs, [leaf.param for leaf in self.leaves], self.leaves)
-        return self.state.params.tree, t._apply(self.state, self.leaves, gs, self.decay,
-                                                self.hyper, self.hyper0)
+        self._unhook()
+        grads = optree.tree_unflatten(self.spec, [p.grad for p in self.live])
+        out = self.step.finish(grads)
+        self.committed = getattr(self.step, "committed", None)
+        return out
 
 
-def stream(opt: Optimizer, state: Any) -> GradStream:
+def stream(opt: Optimizer, state: Any, params: Any = None) -> GradStream:
     r"""Stream the next backward's grads into the update of ``opt``.
 
     The host step can only start once grads exist; streaming starts each host-resident leaf's
@@ -128,29 +117,34 @@ def stream(opt: Optimizer, state: Any) -> GradStream:
     last layers run while backward computes the first ones, and :meth:`GradStream.finish` waits
     only for the tail. The result equals ``opt.update({path: p.grad}, state)`` bit for bit.
 
-    Usage (params are leaf tensors that require grad, e.g. a module's parameters)::
+    Usage::
 
         with fo.stream(opt, state) as s:
             loss.backward()
         params, state = s.finish()
 
-    ``opt`` is a terminal optimizer (adamw, adam, sgd) or any chain ending in one, e.g.
-    ``apply_if_finite(chain(clip_by_global_norm(1.0), adamw(...)))``. A transform in front
-    needs every grad before any moment may move (the global norm, the non-finite flag), so
-    then nothing starts during backward: ``finish`` runs ``opt.update`` on the grads, whose host
-    step still overlaps its own copies with the CPU kernel; ``delayed=True`` hides the step
-    behind the next forward and backward instead, clipping included.
+    Args:
+      opt: a terminal optimizer or a chain ending in one. With ``clip_by_global_norm`` (and
+        ``apply_if_finite``) in front the step runs ahead speculatively — as if the clip factor
+        were 1 and every grad finite — into spare host buffers; ``finish`` keeps it when that
+        holds and otherwise redoes (clip) or skips (non-finite) the step exactly as ``update``
+        would. Other transforms in front hold the grads until ``finish`` runs ``update``.
+      state: the optimizer's state.
+      params: the live parameters whose ``.grad`` autograd fills (a module, or a tree like the
+        state's params), when the state was built from other tensors sharing their memory
+        (``{k: v.detach() ...}``, DTensor local shards). By default the state's own params.
 
-    Stream one backward per step (the last micro-batch of an accumulation).
+    Stream one backward per step (the last micro-batch of an accumulation); a second grad for a
+    leaf raises in backward.
     """
     if not isinstance(opt, Optimizer):
         raise TypeError(f"fo.stream takes an Optimizer (adamw, adam, sgd, or a chain ending in "
                         f"one), got a {type(opt).__name__}")
-    terminal = getattr(opt.update, "__self__", None)
-    if not isinstance(terminal, Terminal):
-        params_of(state)  # raises for a state that references no params
-        return GradStream(opt, state, None)
-    if terminal.delayed:
+    check_usable(state, "stream")
+    live = _live_params(state, params)
+    step = opt.begin(state) if opt.begin is not None else HeldStep(opt.update, state)
+    if getattr(step, "delayed", False):
+        step.abort()
         raise ValueError("grad streaming and delayed=True are two ways to hide the host step; "
                          "build the optimizer with one of them")
-    return GradStream(opt, state, terminal)
+    return GradStream(opt, state, live, step)

@@ -1,14 +1,16 @@
-"""optree helpers: dotted leaf paths and flattening a tree against a reference structure."""
+"""optree helpers: dotted leaf paths, the user's leaf order, and checking trees against params."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import optree
 import torch
 
-__all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "local"]
+__all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "check_grad", "check_grads",
+           "check_float_leaves", "check_no_aliasing", "insertion_order", "local", "is_dtensor",
+           "describe"]
 
 
 def _entry_name(entry: Any) -> str:
@@ -24,31 +26,68 @@ def leaves_with_paths(
     """``(paths, leaves, treespec)`` of ``tree`` in flatten order (``None`` is not a leaf);
     paths are dotted, e.g. ``"mu.layer.weight"``."""
     leaves, spec = optree.tree_flatten(tree, is_leaf=is_leaf)
-    return list(_paths(spec)), leaves, spec
+    return list(paths_of(spec)), leaves, spec
 
 
 @functools.lru_cache(maxsize=256)
-def _paths(spec: optree.PyTreeSpec) -> tuple[str, ...]:
+def paths_of(spec: optree.PyTreeSpec) -> tuple[str, ...]:
     """Dotted paths of a structure's leaves (cached: an update sees the same structure)."""
     return tuple(".".join(_entry_name(e) for e in acc) or "<root>" for acc in spec.accessors())
+
+
+def insertion_order(tree: Any) -> list[int]:
+    """Flatten indices of ``tree``'s leaves in the order the user built it.
+
+    optree sorts dict keys (``layers.10`` before ``layers.2``); this order keeps each dict's
+    insertion order instead (``named_parameters()`` order), as placement policies need.
+    """
+    paths = paths_of(optree.tree_structure(tree))
+    with optree.dict_insertion_ordered(True, namespace="functional_offload"):
+        built = paths_of(optree.tree_structure(tree, namespace="functional_offload"))
+    rank = {p: i for i, p in enumerate(built)}
+    return sorted(range(len(paths)), key=lambda i: rank[paths[i]])
+
+
+def describe(x: Any) -> str:
+    """A short description of a leaf: ``Tensor[4, 8] bfloat16 cuda:0``, or its type."""
+    if isinstance(x, torch.Tensor):
+        return f"{type(x).__name__}[{', '.join(map(str, x.shape))}] {str(x.dtype).replace('torch.', '')} {x.device}"
+    return "None" if x is None else type(x).__name__
+
+
+def _mismatch(tree: Any, reference: Any, what: str) -> str:
+    """Which paths differ between ``tree`` and ``reference``: the first few of each kind."""
+    ref_paths = set(paths_of(optree.tree_structure(reference, none_is_leaf=True)))
+    try:
+        got_paths = set(paths_of(optree.tree_structure(tree, none_is_leaf=True)))
+    except Exception:  # noqa: BLE001 - not a tree optree knows
+        return f"{what} is a {type(tree).__name__}, not a tree like the params"
+    missing = sorted(ref_paths - got_paths)
+    extra = sorted(got_paths - ref_paths)
+    parts = []
+    if missing:
+        parts.append(f"missing {missing[:5]}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    if extra:
+        parts.append(f"unexpected {extra[:5]}" + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+    if not parts:
+        parts.append("the same paths in other containers (e.g. a list where the params have a tuple)")
+    return (f"{what} does not match the params tree ({len(ref_paths)} leaves): " + "; ".join(parts))
 
 
 def flatten_like(tree: Any, reference: Any, what: str) -> list[Any]:
     """Flatten ``tree`` up to the structure of the tree ``reference`` (the params).
 
     A ``None`` where the reference has a leaf is kept as ``None`` (no gradient for that leaf).
-    Raises ``ValueError`` naming ``what`` when the structures differ.
+    Raises ``ValueError`` naming ``what`` and the first differing paths when the structures
+    differ.
     """
     spec = optree.tree_structure(reference, none_is_leaf=True)
     try:
         return spec.flatten_up_to(tree)
-    except (ValueError, TypeError) as e:
-        got = optree.tree_structure(tree, none_is_leaf=True)
-        raise ValueError(
-            f"{what} does not match the params tree: expected structure {spec}, got {got} "
-            f"({e}). Pass a tree with the same keys and nesting as the params given to init "
-            "(use None for leaves without a gradient)."
-        ) from None
+    except (ValueError, TypeError):
+        raise ValueError(_mismatch(tree, reference, what) + ". Pass a tree with the same keys and "
+                         "nesting as the params given to init (None for leaves without a "
+                         "gradient).") from None
 
 
 def check_tensor_leaves(leaves: Sequence[Any], paths: Sequence[str], what: str) -> None:
@@ -56,6 +95,80 @@ def check_tensor_leaves(leaves: Sequence[Any], paths: Sequence[str], what: str) 
     for path, leaf in zip(paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{what} leaf {path!r} is a {type(leaf).__name__}, expected a torch.Tensor")
+
+
+def check_grad(path: str, g: Any, p: torch.Tensor) -> Optional[torch.Tensor]:
+    """``g`` as the local grad of param ``p`` (a DTensor's shard), after checking it is a dense
+    tensor of the param's shape, dtype and device; ``None`` stays ``None``. Raises
+    ``TypeError`` / ``ValueError`` naming ``path`` and the fix."""
+    if g is None:
+        return None
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"grad {path!r} is a {type(g).__name__}; expected a tensor or None "
+                        "(convert with torch.as_tensor and move it to the param's device)")
+    g, p = local(g), local(p)
+    if g.shape != p.shape:
+        raise ValueError(f"grad {path!r} has shape {tuple(g.shape)} but its param has shape "
+                         f"{tuple(p.shape)}; pass the gradient of that param")
+    if g.dtype != p.dtype:
+        raise TypeError(f"grad {path!r} has dtype {g.dtype} but its param is {p.dtype}; cast "
+                        f"the grad with .to({p.dtype})")
+    if g.device != p.device:
+        raise ValueError(f"grad {path!r} is on {g.device} but its param is on {p.device}; "
+                         f"move the grad to {p.device}")
+    if g.layout != torch.strided:
+        raise TypeError(f"grad {path!r} has layout {g.layout}; only dense (strided) grads are "
+                        "supported (call .to_dense())")
+    if g.device.type == "meta":
+        raise ValueError(f"grad {path!r} is a meta tensor (it has no data); pass the real gradient")
+    return g
+
+
+def check_float_leaves(tree: Any, what: str) -> list[Optional[torch.Tensor]]:
+    """The leaves of ``tree`` (``None`` kept), after checking each is a dense floating tensor;
+    raises ``TypeError`` naming the first that is not."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    paths = paths_of(spec)
+    for path, x in zip(paths, leaves):
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{what} {path!r} is a {type(x).__name__}; expected a tensor or None")
+        if not x.dtype.is_floating_point or x.layout != torch.strided or x.device.type == "meta":
+            raise TypeError(f"{what} {path!r} is a {describe(x)} tensor; expected a dense floating "
+                            "tensor with data (cast it with .float() or pass the real gradient)")
+    return leaves
+
+
+def check_grads(grads: Any, params: Any) -> list[Optional[torch.Tensor]]:
+    """The grads of ``params``' leaves in flatten order (local shards of DTensors; ``None``
+    where there is none), each checked by :func:`check_grad`."""
+    paths, ps, _ = leaves_with_paths(params)
+    gs = flatten_like(grads, params, "grads")
+    return [check_grad(path, g, p) for path, p, g in zip(paths, ps, gs)]
+
+
+def check_no_aliasing(paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming both paths if two leaves share memory (the same tensor twice,
+    overlapping views): each would be stepped once per appearance."""
+    spans = []
+    for path, t in zip(paths, leaves):
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        end = start + _extent(t) * t.element_size()
+        spans.append((t.device, start, end, path))
+    spans.sort(key=lambda s: (str(s[0]), s[1]))
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(f"params {a[3]!r} and {b[3]!r} share memory (tied or overlapping "
+                             "tensors); pass each tensor once (drop the tied copy from the params "
+                             "tree) so it is not stepped twice")
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from the first to one past the last element a (strided) tensor can touch."""
+    return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,11 +180,15 @@ def _dtensor_type() -> Any:
     return DTensor
 
 
+def is_dtensor(t: Any) -> bool:
+    dt = _dtensor_type()
+    return dt is not None and isinstance(t, dt)
+
+
 def local(t: Any) -> Any:
     """The local shard of a DTensor (a plain tensor sharing its storage); anything else as is.
 
     Under FSDP2 a param is a DTensor and each rank updates its own shard: optimizer state,
     placement and the executor all work on these local tensors.
     """
-    dt = _dtensor_type()
-    return t.to_local() if dt is not None and isinstance(t, dt) else t
+    return t.to_local() if is_dtensor(t) else t

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from functional_offload.kernels import cpu
+from functional_offload.kernels import native
 
-HAS_NATIVE = cpu.native() is not None
+HAS_NATIVE = native.module() is not None
 KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
 
 
@@ -16,11 +16,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def make_params(seed: int = 0, dtype=torch.float32, device="cpu"):
-    """A small two-layer tree with a 3-D leaf; values drawn in fp32, then cast."""
+def make_params(seed: int = 0, dtype=torch.float32, device="cpu", big: bool = False):
+    """A small two-layer tree with a 3-D leaf; values drawn in fp32, then cast. ``big``: leaves
+    of thousands of elements, so that a 4 KiB-chunk executor cuts several chunks."""
     g = torch.Generator().manual_seed(seed)
     shapes = {"layer1": {"weight": (16, 8), "bias": (16,)},
               "layer2": {"weight": (4, 16), "bias": (4,)}, "scale": (3, 5, 7)}
+    if big:
+        shapes = {"layer1": {"weight": (64, 48), "bias": (64,)},
+                  "layer2": {"weight": (40, 64), "bias": (40,)}, "scale": (3, 50, 7)}
     import optree
     return optree.tree_map(lambda s: torch.randn(s, generator=g).to(device, dtype), shapes,
                            is_leaf=lambda x: isinstance(x, tuple))

@@ -1,21 +1,35 @@
 """The host pipeline's logic (chunking, ring reuse, ordering, threads, errors) on the CPU.
 
-With params on the CPU the transport's copies are synchronous, but every other part — chunks
-crossing leaves, ring slots reused many times, pieces spread over worker threads, errors from a
-worker — is the code that runs against a GPU.
+With ``stage_host_grads=True`` CPU grads go through the staging ring as GPU grads do (with
+synchronous copies), so chunks crossing leaves, ring slots reused many times, pieces spread over
+worker threads and errors from a worker run the code that runs against a GPU.
 """
+
+import threading
 
 import optree
 import pytest
 import torch
 
 import functional_offload as fo
-from functional_offload.executor import HostExecutor, HostLeaf, physical_cores
-from conftest import KERNELS, per_block, clone, grad_seq, make_params
+from functional_offload.executor import HostExecutor, HostLeaf, Timeline, physical_cores
+from functional_offload.executor.plan import arrived, cut
+from functional_offload.kernels import native
+from functional_offload.kernels.work import Piece, PyQueue, Work
+from functional_offload.optimizers.adam import scalars as adam_scalars
+from functional_offload.optimizers.adam import AdamHyper
+from functional_offload.testing import fail_host_kernel
+from conftest import KERNELS, clone, grad_seq, make_params, per_block
+
+CPU = torch.device("cpu")
+
+
+def staged(**kw):
+    return HostExecutor(stage_host_grads=True, **kw)
 
 
 def run(params, grads, **ex):
-    opt = fo.adamw(1e-2, weight_decay=0.1, executor=HostExecutor(**ex), cpu_kernel="torch")
+    opt = fo.adamw(1e-2, weight_decay=0.1, executor=staged(**ex), cpu_kernel="torch")
     p = clone(params)
     s = opt.init(p)
     for g in grads:
@@ -23,9 +37,17 @@ def run(params, grads, **ex):
     return p, s
 
 
+def chunks_of(leaves, chunk_bytes):
+    return list(cut(arrived(leaves, None), chunk_bytes, [], []))
+
+
+def adam_kernel():
+    return native.NativeKernel(native.module(), "adam", adam_scalars)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunking_does_not_change_results(dtype):
-    params = make_params(dtype=dtype)
+    params = make_params(dtype=dtype, big=True)
     grads = grad_seq(params, 4)
     whole, _ = run(params, grads, chunk_bytes=1 << 20, slots=2, threads=1)
     # 4 KiB chunks: every leaf splits, chunks cross leaves, the 2..3 slots are reused many times
@@ -36,12 +58,10 @@ def test_chunking_does_not_change_results(dtype):
 
 
 def test_chunk_plan_covers_every_element_once():
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=3)
     sizes = [1000, 3000, 17, 5000, 64]
-    leaves = [HostLeaf(str(i), torch.zeros(n), torch.zeros(n), (), False, None) for i, n in enumerate(sizes)]
-    chunks = ex._chunks(leaves)
+    leaves = [HostLeaf(str(i), torch.zeros(n), torch.zeros(n), (), None) for i, n in enumerate(sizes)]
     seen = {i: [] for i in range(len(sizes))}
-    for chunk in chunks:
+    for chunk in chunks_of(leaves, 4096):
         end = 0
         for seg in chunk:
             assert seg.offset % 64 == 0 and seg.offset >= end
@@ -55,8 +75,6 @@ def test_chunk_plan_covers_every_element_once():
 
 
 def _work(sizes, block, seed=0):
-    from functional_offload.kernels.reference import AdamHyper
-    from functional_offload.kernels.work import Piece, Work
     gen = torch.Generator().manual_seed(seed)
     h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True)
     pieces = [Piece(torch.randn(n, generator=gen).bfloat16(),
@@ -66,15 +84,8 @@ def _work(sizes, block, seed=0):
     return Work(pieces, block)
 
 
-def _claim_from_threads(kernel, work, threads=4):
-    import concurrent.futures as cf
-    with cf.ThreadPoolExecutor(threads) as pool:
-        for f in [pool.submit(kernel, work) for _ in range(threads)]:
-            f.result()
-
-
 def test_claimed_blocks_cover_every_element_once():
-    import threading
+    import concurrent.futures as cf
     work = _work([1000, 37, 5000, 64], block=64)
     seen, lock = [], threading.Lock()
 
@@ -83,7 +94,9 @@ def test_claimed_blocks_cover_every_element_once():
             with lock:
                 seen.append((id(p), a, b))
 
-    _claim_from_threads(kernel, work)
+    with cf.ThreadPoolExecutor(4) as pool:
+        for f in [pool.submit(kernel, work) for _ in range(4)]:
+            f.result()
     for p in work.pieces:
         spans = sorted((a, b) for i, a, b in seen if i == id(p))
         assert spans[0][0] == 0 and spans[-1][1] == p.grad.numel()
@@ -107,8 +120,7 @@ def _run_queue(q, works, threads):
 
 @pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
 def test_native_queue_claims_blocks_like_one_pass():
-    from functional_offload.kernels import cpu
-    kernel = cpu.NativeKernel(cpu.native(), cpu.add_adam)
+    kernel = adam_kernel()
     sizes = [1000, 37, 5000, 64]
     whole = [_work(sizes, block=1 << 20, seed=s) for s in range(3)]
     blocked = [_work(sizes, block=64, seed=s) for s in range(3)]
@@ -120,18 +132,15 @@ def test_native_queue_claims_blocks_like_one_pass():
                 assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_queue_runs_chunks_in_order_once_ready(native):
+@pytest.mark.parametrize("use_native", [False, True])
+def test_queue_runs_chunks_in_order_once_ready(use_native):
     """No worker starts chunk 1 before chunk 0 is ready; cancel lets the workers go at once."""
     import concurrent.futures as cf
-    import threading
-    from functional_offload.kernels import cpu
-    from functional_offload.kernels.work import PyQueue
-    if native and "native" not in KERNELS:
+    if use_native and "native" not in KERNELS:
         pytest.skip("native kernel not built here")
     seen = []
-    if native:
-        q = cpu.NativeKernel(cpu.native(), cpu.add_adam).queue(3, record=True)
+    if use_native:
+        q = adam_kernel().queue(3, record=True)
     else:
         def kernel(w):
             for p, a, b in w.claims():
@@ -161,7 +170,7 @@ def test_queue_runs_chunks_in_order_once_ready(native):
 
 
 def test_worker_error_surfaces_at_caller():
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    ex = staged(chunk_bytes=4096, slots=2, threads=2)
     n = 5000
     calls = []
 
@@ -171,8 +180,8 @@ def test_worker_error_surfaces_at_caller():
             raise FloatingPointError("boom")
         st[0].add_(g)
 
-    leaf = HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n),), False, None)
-    with pytest.raises(RuntimeError, match="host optimizer step failed on leaf 'w'.*boom") as e:
+    leaf = HostLeaf("w", torch.ones(n), None, (torch.zeros(n),), None)
+    with pytest.raises(fo.HostStepError, match="host optimizer step failed on leaf 'w'.*boom") as e:
         ex.run([leaf], per_block(kernel))
     assert isinstance(e.value.__cause__, FloatingPointError)
     ex.close()
@@ -180,9 +189,8 @@ def test_worker_error_surfaces_at_caller():
 
 def _adam_leaf(name, n=5000, value_dtype=torch.float32):
     """A host leaf of ones as grads, zero value and moments, one AdamW step's scalars."""
-    from functional_offload.kernels.reference import AdamHyper
-    return HostLeaf(name, torch.ones(n), torch.zeros(n),
-                    (torch.zeros(n, dtype=value_dtype), torch.zeros(n), torch.zeros(n)), False,
+    return HostLeaf(name, torch.ones(n), None,
+                    (torch.zeros(n, dtype=value_dtype), torch.zeros(n), torch.zeros(n)),
                     AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, True))
 
 
@@ -190,10 +198,9 @@ def _adam_leaf(name, n=5000, value_dtype=torch.float32):
 def test_native_queue_error_surfaces_and_releases_workers():
     """A chunk the native queue refuses (here: an fp64 value) fails the run with the leaf's name;
     the workers already in the queue's loop are released, and the executor runs again after."""
-    from functional_offload.kernels import cpu
-    kernel = cpu.NativeKernel(cpu.native(), cpu.add_adam)
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=3)
-    with pytest.raises(RuntimeError, match="failed on leaf .*'bad'.*value must be fp32"):
+    kernel = adam_kernel()
+    ex = staged(chunk_bytes=4096, slots=2, threads=3)
+    with pytest.raises(fo.HostStepError, match="failed on leaf .*'bad'.*value must be fp32"):
         ex.run([_adam_leaf("good"), _adam_leaf("bad", value_dtype=torch.float64)], kernel)
     ok = _adam_leaf("ok")
     ex.run([ok], kernel)
@@ -201,8 +208,25 @@ def test_native_queue_error_surfaces_and_releases_workers():
     ex.close()
 
 
-def test_write_param_path_copies_values_back():
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+@pytest.mark.parametrize("use_native", [False, True])
+def test_failure_while_landing_a_chunk_does_not_hang(use_native):
+    """A failure where the lander thread readies a chunk surfaces at the caller, naming the
+    chunk's leaf; the workers waiting in the queue are released and the executor runs again."""
+    if use_native and "native" not in KERNELS:
+        pytest.skip("native kernel not built here")
+    kernel = adam_kernel() if use_native else per_block(lambda g, st, out, h: st[0].sub_(g))
+    ex = staged(chunk_bytes=4096, slots=2, threads=2)
+    with fail_host_kernel(after=2, exc=OSError("event wait failed")):
+        with pytest.raises(fo.HostStepError, match="failed on leaf 'w'.*event wait failed"):
+            ex.run([_adam_leaf("w")], kernel)  # five chunks of 4096 bytes
+    ok = _adam_leaf("w")
+    ex.run([ok], kernel)
+    assert torch.all(ok.state[0] < 0)
+    ex.close()
+
+
+def test_param_out_path_copies_values_back():
+    ex = staged(chunk_bytes=4096, slots=2, threads=2)
     n = 3000
     value = torch.arange(n, dtype=torch.float32)
     param = torch.zeros(n, dtype=torch.bfloat16)
@@ -211,9 +235,22 @@ def test_write_param_path_copies_values_back():
         st[0].add_(g.float())
         out.copy_(st[0])
 
-    ex.run([HostLeaf("p", torch.ones(n, dtype=torch.bfloat16), param, (value,), True, None)], per_block(kernel))
+    ex.run([HostLeaf("p", torch.ones(n, dtype=torch.bfloat16), param, (value,), None)], per_block(kernel))
     assert torch.equal(param, (torch.arange(n) + 1).to(torch.bfloat16))
-    assert ex.pinned_bytes == 0 and ex.staging_bytes == 2 * 2 * 4096
+    assert ex.pinned_bytes == 0
+
+
+def test_host_grads_are_read_in_place_without_a_ring():
+    """CPU params: the kernel reads the grads where they are (no staging copy, no ring)."""
+    tl = Timeline()
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2, timeline=tl)
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=ex)
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    lanes = {e["lane"] for e in tl.events()}
+    assert "D2H" not in lanes and "H2D" not in lanes and any(x.startswith("fo-host") for x in lanes)
+    assert ex.pinned_bytes == 0
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -241,6 +278,8 @@ def test_executor_arguments():
         HostExecutor(threads=0)
     with pytest.raises(ValueError, match="cpu_kernel"):
         fo.adamw(1e-3, cpu_kernel="fast")
+    with pytest.raises(TypeError, match="executor must be a HostExecutor"):
+        fo.adamw(1e-3, executor="default")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,70 +297,21 @@ def test_module_params_requiring_grad(dtype):
     assert not torch.equal(new["weight"], before)
 
 
-def test_error_in_a_copy_does_not_hang():
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
-    n = 5000
-    leaf = HostLeaf("w", torch.ones(n), torch.zeros(n), (torch.zeros(n),), False, None)
-    ex.reserve(torch.device("cpu"))
-    transport = ex._transports[torch.device("cpu")]
-    calls = []
-
-    def failing_copy(dst, src):  # the third copy in (issued once chunk 0 is done) fails
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError("DMA failed")
-        dst.copy_(src)
-
-    transport.copy_in = failing_copy
-    with pytest.raises(RuntimeError, match="leaf 'w'.*DMA failed"):
-        ex.run([leaf], per_block(lambda g, st, out, h: st[0].add_(g)))
-    ex.close()
-
-
-@pytest.mark.parametrize("native", [False, True])
-def test_error_while_landing_a_chunk_does_not_hang(native):
-    """A failed wait for a chunk's copies (the lander thread's) surfaces at the caller, naming
-    the chunk's leaf; the workers waiting in the queue are released and the executor runs again."""
-    from functional_offload.kernels import cpu
-    if native and "native" not in KERNELS:
-        pytest.skip("native kernel not built here")
-    kernel = (cpu.NativeKernel(cpu.native(), cpu.add_adam) if native
-              else per_block(lambda g, st, out, h: st[0].sub_(g)))
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
-    ex.reserve(torch.device("cpu"))
-    t = ex._transports[torch.device("cpu")]
-    waits = []
-
-    def failing_wait(event):
-        waits.append(1)
-        if len(waits) == 7:  # chunk 2's first wait
-            raise OSError("event wait failed")
-
-    t.wait_host = failing_wait
-    with pytest.raises(RuntimeError, match="failed on leaf 'w'.*event wait failed"):
-        ex.run([_adam_leaf("w")], kernel)  # five chunks of 4096 bytes
-    del t.wait_host  # the class's again
-    ok = _adam_leaf("w")
-    ex.run([ok], kernel)
-    assert torch.all(ok.state[0] < 0)
-    ex.close()
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_timeline_records_every_chunk_and_exports(tmp_path, kernel):
     """Worker spans come from the Python queue and from the native one (its own clock)."""
     import json
-
-    from functional_offload.executor import Timeline
     tl = Timeline()
-    ex = HostExecutor(chunk_bytes=4096, slots=3, threads=2, timeline=tl)
-    params = make_params(dtype=torch.bfloat16)  # bf16: params are written back (H2D lane)
+    ex = staged(chunk_bytes=4096, slots=3, threads=2, timeline=tl)
+    params = make_params(dtype=torch.bfloat16, big=True)
     opt = fo.adamw(1e-2, executor=ex, cpu_kernel=kernel)
     state = opt.init(params)
-    params, state = opt.update(grad_seq(params, 1)[0], state)
+    grads = grad_seq(params, 1)[0]
+    params, state = opt.update(grads, state)
     events = tl.events()
-    chunks = len(ex._chunks([HostLeaf("", g.reshape(-1), g.reshape(-1), (), True, None)
-                             for g in optree.tree_leaves(grad_seq(params, 1)[0])]))
+    chunks = len(chunks_of([HostLeaf("", g.reshape(-1), None, (), None) for g in optree.tree_leaves(grads)],
+                           4096))
+    assert chunks > 2
     names = {e["lane"]: set() for e in events}
     for e in events:
         names[e["lane"]].add(e["name"])
@@ -349,8 +339,7 @@ def test_timeline_records_every_chunk_and_exports(tmp_path, kernel):
 def test_concurrent_runs_on_one_executor(kernel):
     """Two threads updating through one executor at once (e.g. a delayed step in the background
     and another optimizer's update) both finish, each with the result of running alone."""
-    import threading
-    a, b = make_params(dtype=torch.bfloat16), make_params(dtype=torch.float32)
+    a, b = make_params(dtype=torch.bfloat16, big=True), make_params(dtype=torch.float32, big=True)
     ga, gb = grad_seq(a, 3, seed=1), grad_seq(b, 3, seed=2)
     results = {}
 
@@ -362,10 +351,10 @@ def test_concurrent_runs_on_one_executor(kernel):
             p, s = opt.update(g, s)
         results[name] = p
 
-    train(HostExecutor(chunk_bytes=4096, slots=2, threads=2), "a", a, ga)
-    train(HostExecutor(chunk_bytes=4096, slots=2, threads=2), "b", b, gb)
+    train(staged(chunk_bytes=4096, slots=2, threads=2), "a", a, ga)
+    train(staged(chunk_bytes=4096, slots=2, threads=2), "b", b, gb)
     alone = [results.pop("a"), results.pop("b")]
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)  # shared: one ring for both
+    ex = staged(chunk_bytes=4096, slots=2, threads=2)  # shared: one ring for both
     threads = [threading.Thread(target=train, args=(ex, *x)) for x in (("a", a, ga), ("b", b, gb))]
     for t in threads:
         t.start()
@@ -378,15 +367,12 @@ def test_concurrent_runs_on_one_executor(kernel):
     ex.close()
 
 
-def test_streamed_run_cuts_chunks_from_what_has_arrived():
-    """``run_stream``: one run fed leaf by leaf; a chunk never waits to be filled (the second
-    leaf is only sent once the first one's kernel ran), and every element is updated once."""
-    import queue
-    import threading
-
-    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+def test_a_run_fed_leaf_by_leaf_cuts_chunks_from_what_has_arrived():
+    """A run fed one leaf at a time: a chunk never waits to be filled (the second leaf is only
+    handed over once the first one's kernel ran), and every element is updated once."""
+    ex = staged(chunk_bytes=4096, slots=2, threads=2)
     sizes = [300, 5000, 7, 2048]
-    leaves = [HostLeaf(str(i), torch.full((n,), float(i + 1)), torch.zeros(n), (torch.zeros(n),), False, None)
+    leaves = [HostLeaf(str(i), torch.full((n,), float(i + 1)), None, (torch.zeros(n),), None)
               for i, n in enumerate(sizes)]
     ran = {i: threading.Event() for i in range(len(sizes))}
 
@@ -395,21 +381,15 @@ def test_streamed_run_cuts_chunks_from_what_has_arrived():
             p.state[0][a:b].add_(p.grad[a:b])
             ran[int(p.grad[a]) - 1].set()
 
-    arrivals: "queue.Queue" = queue.Queue()
+    r = ex.open(CPU, kernel)
     late = []
-
-    def feed():
-        for i, leaf in enumerate(leaves):
-            arrivals.put((leaf, None))
-            if not ran[i].wait(5):
-                late.append(i)  # its chunk waited for a later leaf
-        arrivals.put(None)
-
-    feeder = threading.Thread(target=feed)
-    feeder.start()
-    ex.run_stream(arrivals, kernel)
-    feeder.join()
-    assert late == []
+    for i, leaf in enumerate(leaves):
+        r.add(leaf, None)
+        if not ran[i].wait(5):
+            late.append(i)  # its chunk waited for a later leaf
+    r.close()
+    r.wait()
+    assert late == [] and r.error is None
     for i, leaf in enumerate(leaves):
         assert torch.equal(leaf.state[0], torch.full((sizes[i],), float(i + 1)))
     ex.close()

@@ -34,9 +34,10 @@ def test_host_leaves_stay_on_host_and_are_not_counted():
     tree = {"cpu": torch.empty(1000), "a": torch.empty(100, device="meta"),
             "b": torch.empty(100, device="meta")}
     plan = P.on_device().plan(tree)
-    assert plan.on_host == (False, False, True)  # flatten order: a, b, cpu
+    assert plan.paths == ("cpu", "a", "b") and plan.on_host == (True, False, False)  # built order
     plan = P.offload_fraction(0.5).plan(tree)
-    assert plan.on_host == (True, False, True) and plan.fraction == 0.5
+    assert plan.on_host == (True, True, False) and plan.fraction == 0.5
+    assert plan.host_mask() == [True, False, True]  # flatten order: a, b, cpu
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "0.5", True])

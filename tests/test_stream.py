@@ -15,11 +15,11 @@ def make_model(dtype=torch.float32):
                                torch.nn.GELU(), torch.nn.Linear(64, 4)).to(dtype)
 
 
-def train(model, opt, streamed, steps=5, dtype=torch.float32, nan_step=None):
+def train(model, opt, streamed, steps=5, dtype=torch.float32, nan_step=None, committed=False):
     params = dict(model.named_parameters())
     state = opt.init(params)
     g = torch.Generator().manual_seed(1)
-    counts = []
+    counts, kept = [], []
     for step in range(steps):
         loss = model(torch.randn(32, 16, generator=g).to(dtype)).float().square().mean()
         if step == nan_step:
@@ -29,11 +29,12 @@ def train(model, opt, streamed, steps=5, dtype=torch.float32, nan_step=None):
                 loss.backward()
                 counts.append(len(s.arrived))  # handed over during backward
             params, state = s.finish()
+            kept.append(s.committed)
         else:
             loss.backward()
             params, state = opt.update({k: p.grad for k, p in params.items()}, state)
         model.zero_grad(set_to_none=True)
-    return params, state, counts
+    return (params, state, counts, kept) if committed else (params, state, counts)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -69,15 +70,19 @@ def test_frozen_params_and_weight_decay_mask():
 
 FRONTS = {
     "clip": lambda opt: fo.chain(fo.clip_by_global_norm(0.05), opt),  # clips every step here
+    "noclip": lambda opt: fo.chain(fo.clip_by_global_norm(1e6), opt),  # never clips
     "guard+clip": lambda opt: fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(0.05), opt)),
+    "guard+noclip": lambda opt: fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1e6), opt)),
+    "scale": lambda opt: fo.chain(fo.scale(1.0), opt),  # no global scale: grads are held
 }
 
 
 @pytest.mark.parametrize("front", sorted(FRONTS))
 @pytest.mark.parametrize("make", ["adamw", "sgd"])
 def test_streamed_chain_equals_unstreamed_chain_bit_for_bit(make, front):
-    """With a transform in front nothing starts during backward; finish is the chain's update
-    (with the guard: step 2 has a NaN loss and is skipped whole)."""
+    """Clipping and the guard in front: the step runs ahead during backward as if the clip
+    factor were 1 and the grads finite, and is kept or redone (clip) or dropped (guard, step 2
+    has a NaN loss) at finish — bit for bit the chain's update either way."""
     def mk():
         ex = HostExecutor(chunk_bytes=4096, threads=2)
         opt = (fo.adamw(1e-2, weight_decay=0.1, executor=ex) if make == "adamw"
@@ -86,8 +91,16 @@ def test_streamed_chain_equals_unstreamed_chain_bit_for_bit(make, front):
     a, b = make_model(torch.bfloat16), make_model(torch.bfloat16)
     nan_step = 2 if front.startswith("guard") else None
     pa, sa, _ = train(a, mk(), streamed=False, dtype=torch.bfloat16, nan_step=nan_step)
-    pb, sb, counts = train(b, mk(), streamed=True, dtype=torch.bfloat16, nan_step=nan_step)
-    assert counts == [0] * 5  # nothing may start before the norm / the flag is known
+    pb, sb, counts, committed = train(b, mk(), streamed=True, dtype=torch.bfloat16,
+                                      nan_step=nan_step, committed=True)
+    assert counts == [6] * 5  # every leaf started during backward
+    if front == "scale":
+        assert committed == [None] * 5
+    else:  # "noclip" keeps every step that ran ahead; "clip" redoes the steps it clips
+        assert all(c is True for i, c in enumerate(committed) if i != nan_step) \
+            if front.endswith("noclip") else False in committed
+        if nan_step is not None:
+            assert committed[nan_step] is None  # a skipped step: nothing was committed
     if nan_step is not None:
         assert int(sb.total_notfinite) == 1 and int(sb.inner_state[-1].count) == 4
     for x, y in zip(optree.tree_leaves(pa), optree.tree_leaves(pb)):
@@ -110,11 +123,10 @@ def test_stream_rejects_transforms_delayed_and_second_gradients():
     opt = fo.adamw(1e-2)
     state = opt.init(params)
     x = torch.randn(4, 16)
-    with fo.stream(opt, state) as s:
-        model(x).sum().backward()
-        model(x).sum().backward()  # an accumulation streamed twice
     with pytest.raises(RuntimeError, match="second gradient"):
-        s.finish()
+        with fo.stream(opt, state) as s:
+            model(x).sum().backward()
+            model(x).sum().backward()  # an accumulation streamed twice
 
 
 def test_streaming_a_chain_around_a_delayed_optimizer_runs_its_update():

@@ -1,6 +1,15 @@
-"""Movement: run the host-resident part of an update (streams, pinned staging, worker threads)."""
+"""Movement: run the host-resident part of an update (streams, pinned staging, worker threads).
 
-from functional_offload.executor.pipeline import HostExecutor, HostLeaf, physical_cores
+``plan`` cuts host leaves into chunks, ``run`` is one run's state machine (its own driver and
+lander threads), ``transport`` the copies and events, ``host`` the executor owning rings and
+workers (and the process-wide default), ``timeline`` an opt-in recording, ``faults`` the hooks
+:mod:`functional_offload.testing` injects failures through.
+"""
+
+from functional_offload.executor.host import HostExecutor, default_executor, node_share, physical_cores
+from functional_offload.executor.plan import HostLeaf
+from functional_offload.executor.run import HostStepError, Run
 from functional_offload.executor.timeline import Timeline
 
-__all__ = ["HostExecutor", "HostLeaf", "Timeline", "physical_cores"]
+__all__ = ["HostExecutor", "HostLeaf", "HostStepError", "Run", "Timeline", "default_executor",
+           "node_share", "physical_cores"]

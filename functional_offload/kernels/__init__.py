@@ -1,7 +1,8 @@
-"""Element-wise optimizer math: a torch reference (any device), a one-pass CPU kernel, fused GPU.
+"""Kernels: what runs an optimizer's math on the host.
 
-Every backend computes the same update, written once in the optimizers' docstrings:
-``reference`` mirrors ``torch.optim``'s single-tensor code op for op (bit-identical on the CPU);
-``cpu`` is the one-pass native kernel for host-resident state; ``gpu`` calls torch's fused
-multi-tensor kernels for device-resident state.
+``work`` is what a host kernel is handed (chunks of pieces, claimed block by block) and the
+queue protocol its worker threads run in; ``native`` builds the C++ queue and element-wise math
+(``csrc/``: element types, per-optimizer math, the optimizer-agnostic queue) and hands the
+executor a :class:`~functional_offload.kernels.native.NativeKernel` per op; ``host`` picks the
+native kernel or a torch one for a run, from the optimizer's spec.
 """

@@ -21,12 +21,16 @@ __all__ = ["Piece", "Work", "Kernel", "Queue", "QueueMaker", "PyQueue", "queue_f
 
 
 class Piece(NamedTuple):
-    """A contiguous run of one leaf inside a chunk: 1-D views the kernel updates in place."""
+    """A contiguous run of one leaf inside a chunk: 1-D views the kernel reads and writes."""
 
-    grad: torch.Tensor  # in the ring (pinned), the leaf's grad dtype
-    state: tuple[torch.Tensor, ...]  # (value, moments...) in host memory
-    out: Optional[torch.Tensor]  # where the param in model dtype goes, or None
-    hyper: Any
+    grad: torch.Tensor  # in the ring (pinned) or the grad itself (CPU grads), the grad's dtype
+    state: tuple[torch.Tensor, ...]  # (value fp32, moments...) in host memory
+    out: Optional[torch.Tensor]  # where the param in the grad's dtype goes, or None
+    hyper: Any  # the optimizer's per-step hyperparameters for this leaf
+    targets: tuple[torch.Tensor, ...] = ()  # new (value, moments...) go here; () = in place
+    ema: Optional[torch.Tensor] = None  # fp32 EMA of the value, updated after it
+    ema_decay: float = 0.0
+    ema_target: Optional[torch.Tensor] = None  # the new EMA goes here; None = in place
 
 
 class Work:

@@ -1,66 +1,137 @@
-"""Adam and AdamW (torch's names and semantics), with fp32 masters and placement."""
+"""Adam and AdamW (torch's names and semantics): the spec and the constructors."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
-from functional_offload.kernels import cpu, gpu, reference
-from functional_offload.kernels.reference import AdamHyper
-from functional_offload.optimizers._terminal import Terminal, check_beta, check_nonneg
+from functional_offload.optimizers.spec import (Moment, OptimizerSpec, check_beta, check_nonneg,
+                                                check_schedule)
+from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
 from functional_offload.typing import Params, ScalarOrSchedule
 
-__all__ = ["AdamState", "adam", "adamw"]
+__all__ = ["AdamState", "AdamHyper", "adam", "adamw", "ADAM", "ADAMW"]
 
 
 class AdamState(NamedTuple):
     """State of :func:`adam` / :func:`adamw`."""
 
-    count: torch.Tensor  # int64 scalar on the CPU: updates applied so far (-1 once consumed)
+    count: torch.Tensor  # int64 scalar on the CPU: updates applied so far (or a mark, see fo.base)
     mu: Params  # first moment, mirrors params; mu_dtype; on the device the placement chose
     nu: Params  # second moment, mirrors params; nu_dtype; same device as mu
     master: Params  # master values (master_dtype) where the param is low precision or its
     #                 state is on the host while it is not; None leaves elsewhere
+    ema: Params  # fp32 EMA of the values (ema_decay), mirrors params; () without
     params: ParamRefs  # the live params, updated in place (not checkpointed)
 
 
-def _host_math(value: torch.Tensor, g: torch.Tensor, moments: tuple, out: Optional[torch.Tensor],
-               h: AdamHyper) -> None:
-    mu, nu = moments
-    reference.adam_([value], [g], [mu], [nu], h)
-    if out is not None:
-        out.copy_(value)
+class AdamHyper(NamedTuple):
+    """One step's values for the math."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int  # 1 for the first update
+    decoupled: bool  # AdamW (True) or Adam with L2 (False)
 
 
-def _adam(decoupled: bool, name: str, lr: ScalarOrSchedule, betas: tuple[float, float],
-          eps: float, weight_decay: ScalarOrSchedule, placement: Optional[Placement],
-          master_dtype: torch.dtype, mu_dtype: Optional[torch.dtype],
-          nu_dtype: Optional[torch.dtype], weight_decay_mask: Any,
-          executor: Optional[HostExecutor], cpu_kernel: str, delayed: bool) -> Optimizer:
+def _as(xs: list, like: list) -> list:
+    return [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(xs, like)]
+
+
+def _store(dst: list, src: list) -> None:
+    for d, s in zip(dst, src):
+        if d is not s:
+            d.copy_(s)
+
+
+def reference(params: list, grads: list, moments: list, h: AdamHyper) -> None:
+    """One Adam/AdamW step in place, op for op as ``torch.optim``'s single-tensor code."""
+    if not params:
+        return
+    mus, nus = moments
+    grads = _as(grads, params)
+    m, v = _as(mus, params), _as(nus, params)
+    if h.weight_decay != 0:
+        if h.decoupled:
+            torch._foreach_mul_(params, 1 - h.lr * h.weight_decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=h.weight_decay)
+    torch._foreach_lerp_(m, grads, 1 - h.beta1)
+    torch._foreach_mul_(v, h.beta2)
+    torch._foreach_addcmul_(v, grads, grads, 1 - h.beta2)
+    bias_correction1 = 1 - h.beta1 ** h.step
+    bias_correction2 = 1 - h.beta2 ** h.step
+    step_size = h.lr / bias_correction1
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bias_correction2 ** 0.5)
+    torch._foreach_add_(denom, h.eps)
+    torch._foreach_addcdiv_(params, m, denom, -step_size)
+    _store(mus, m)
+    _store(nus, v)
+
+
+def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
+    """torch's fused CUDA kernels for fp32 values and moments; the reference otherwise."""
+    mus, nus = moments
+    if not params or not all(t.is_cuda and t.dtype == torch.float32 for t in (*params, *mus, *nus)):
+        reference(params, grads, moments, h)
+        return
+    step = torch.full((), float(h.step), dtype=torch.float32, device=params[0].device)
+    fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    fn(params, [g if g.dtype == torch.float32 else g.float() for g in grads], mus, nus, [],
+       [step] * len(params), lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
+       eps=h.eps, amsgrad=False, maximize=False)
+
+
+def scalars(h: AdamHyper) -> list[float]:
+    """The native op's scalars, computed in double exactly as torch.optim computes them."""
+    wd = h.weight_decay
+    return [1 - h.lr * wd if h.decoupled else 1.0, 0.0 if h.decoupled else wd,
+            1 - h.beta1, h.beta2, 1 - h.beta2, (1 - h.beta2 ** h.step) ** 0.5, h.eps,
+            -(h.lr / (1 - h.beta1 ** h.step))]
+
+
+def _spec(decoupled: bool) -> OptimizerSpec:
+    def hyper(v: Mapping[str, float], step: int) -> AdamHyper:
+        return AdamHyper(v["lr"], v["beta1"], v["beta2"], v["eps"], v["weight_decay"], step, decoupled)
+
+    return OptimizerSpec(
+        name="adamw" if decoupled else "adam", state=AdamState,
+        moments=(Moment("mu", "exp_avg", "mu_dtype"), Moment("nu", "exp_avg_sq", "nu_dtype")),
+        hyperparameters={"lr": check_nonneg, "beta1": check_beta, "beta2": check_beta,
+                         "eps": check_nonneg, "weight_decay": check_nonneg},
+        hyper=hyper, reference=reference, device=fused, native="adam", scalars=scalars,
+    ).check()
+
+
+ADAMW, ADAM = _spec(True), _spec(False)
+
+
+def _adam(spec: OptimizerSpec, lr: ScalarOrSchedule, betas: Any, eps: ScalarOrSchedule,
+          weight_decay: ScalarOrSchedule, mu_dtype: Optional[torch.dtype],
+          nu_dtype: Optional[torch.dtype], **options: Any) -> Optimizer:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    b1, b2 = check_beta("betas[0]", betas[0]), check_beta("betas[1]", betas[1])
-    eps = check_nonneg("eps", eps)
-    t = Terminal(
-        name, AdamState, [("mu", mu_dtype), ("nu", nu_dtype)], lr, weight_decay,
-        lambda lr_t, wd_t, step: AdamHyper(lr_t, b1, b2, eps, wd_t, step, decoupled),
-        lambda values, grads, moms, h: gpu.adam_(values, grads, moms[0], moms[1], h),
-        _host_math, cpu.add_adam, placement=placement, master_dtype=master_dtype,
-        weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
-        delayed=delayed)
-    return Optimizer(t.init, t.update)
+    for i, b in enumerate(betas):
+        check_schedule(f"betas[{i}]", b, check_beta)
+    hypers = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
+    return terminal(spec, hypers, moment_dtypes={"mu": mu_dtype, "nu": nu_dtype}, **options)
 
 
-def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-          eps: float = 1e-8, weight_decay: ScalarOrSchedule = 1e-2, *,
+def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
+          eps: ScalarOrSchedule = 1e-8, weight_decay: ScalarOrSchedule = 1e-2, *,
           placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
           mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
-          weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
-          cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
+          weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
+          executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
+          delayed: bool = False) -> Optimizer:
     r"""AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     With :math:`t` the step (1 for the first update), :math:`\eta_t` the learning rate
@@ -79,21 +150,21 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
 
     Args:
       lr: learning rate, or a schedule: a callable of the number of updates already applied.
-      betas: :math:`(\beta_1, \beta_2)`, each in [0, 1).
+      betas: :math:`(\beta_1, \beta_2)`, each in [0, 1) (each may also be a schedule).
       eps: :math:`\epsilon`, added outside the square root, as torch does.
-      weight_decay: :math:`\lambda`, decoupled (multiplies the param by :math:`1-\eta_t\lambda`);
-        a float or a schedule, like ``lr``.
+      weight_decay: :math:`\lambda`, decoupled (multiplies the param by :math:`1-\eta_t\lambda`).
       placement: where each leaf's state lives (default :func:`placement.on_host`).
       master_dtype: dtype of the masters of low-precision params (fp32).
       mu_dtype, nu_dtype: moment dtypes (default fp32 for low-precision params, else the
         param's dtype). bf16 moments halve their memory; the math still runs in fp32.
       weight_decay_mask: a pytree of bools mirroring the params (or a callable
         ``params -> tree``); leaves marked False get no weight decay (biases, norms).
+      ema_decay: keep an EMA of the (master) values in the state: after each step
+        :math:`e \leftarrow d\,e + (1-d)\,\theta` (:func:`~functional_offload.ema_params`).
       executor: the :class:`~functional_offload.executor.HostExecutor` running host-resident
-        leaves (chunk size, ring slots, threads); one is made by default, with a thread per
-        physical core (one fewer with ``delayed=True``: the training loop runs meanwhile).
-      cpu_kernel: ``"auto"`` (the native one-pass kernel for host-resident state of GPU
-        params, when it builds; torch ops for CPU params), ``"native"`` or ``"torch"``.
+        leaves (default: the process-wide one, :func:`~functional_offload.executor.default_executor`).
+      cpu_kernel: ``"auto"`` (the native one-pass kernel when it builds and fits the dtypes),
+        ``"native"`` or ``"torch"``.
       delayed: ZeRO-Offload's delayed parameter update for the host-resident leaves:
         ``update`` starts their host step in the background and returns at once; the new
         params land at the *next* ``update`` (or :func:`~functional_offload.flush`), so the
@@ -117,16 +188,18 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999)
     One count per state: a leaf skipped on some step (its grad ``None``) still uses the shared
     step count for its bias correction, where ``torch.optim`` keeps one count per param.
     """
-    return _adam(True, "adamw", lr, betas, eps, weight_decay, placement, master_dtype,
-                 mu_dtype, nu_dtype, weight_decay_mask, executor, cpu_kernel, delayed)
+    return _adam(ADAMW, lr, betas, eps, weight_decay, mu_dtype, nu_dtype, placement=placement,
+                 master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
+                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)
 
 
-def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-         eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0, *,
+def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
+         eps: ScalarOrSchedule = 1e-8, weight_decay: ScalarOrSchedule = 0.0, *,
          placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
          mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
-         weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
-         cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
+         weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
+         executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
+         delayed: bool = False) -> Optimizer:
     r"""Adam (Kingma & Ba) with weight decay coupled as L2, as ``torch.optim.Adam``.
 
     The same as :func:`adamw` except for the weight decay, which is added to the gradient:
@@ -149,5 +222,6 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
         >>> params["w"]
         tensor([-0.1000, -0.1000])
     """
-    return _adam(False, "adam", lr, betas, eps, weight_decay, placement, master_dtype,
-                 mu_dtype, nu_dtype, weight_decay_mask, executor, cpu_kernel, delayed)
+    return _adam(ADAM, lr, betas, eps, weight_decay, mu_dtype, nu_dtype, placement=placement,
+                 master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
+                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)

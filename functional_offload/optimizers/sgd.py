@@ -1,44 +1,94 @@
-"""SGD with momentum and Nesterov (torch's names and semantics), with masters and placement."""
+"""SGD with momentum and Nesterov (torch's names and semantics): the specs and the constructor."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import functools
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
-from functional_offload.kernels import cpu, gpu, reference
-from functional_offload.kernels.reference import SGDHyper
-from functional_offload.optimizers._terminal import Terminal, check_nonneg
+from functional_offload.optimizers.spec import Moment, OptimizerSpec, check_nonneg
+from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
 from functional_offload.typing import Params, ScalarOrSchedule
 
-__all__ = ["SGDState", "sgd"]
+__all__ = ["SGDState", "SGDHyper", "sgd", "spec"]
 
 
 class SGDState(NamedTuple):
     """State of :func:`sgd`."""
 
-    count: torch.Tensor  # int64 scalar on the CPU: updates applied so far (-1 once consumed)
+    count: torch.Tensor  # int64 scalar on the CPU: updates applied so far (or a mark, see fo.base)
     momentum: Params  # momentum buffers mirroring params (empty tuple without momentum)
     master: Params  # as in AdamState: master values, None where the param is its own master
+    ema: Params  # fp32 EMA of the values (ema_decay), mirrors params; () without
     params: ParamRefs  # the live params, updated in place (not checkpointed)
 
 
-def _host_math(value: torch.Tensor, g: torch.Tensor, moments: tuple, out: Optional[torch.Tensor],
-               h: SGDHyper) -> None:
-    buf = moments[0] if moments else None
-    reference.sgd_([value], [g], [buf] if buf is not None else [], h)
-    if out is not None:
-        out.copy_(value)
+class SGDHyper(NamedTuple):
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
 
 
-def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
+def reference(params: list, grads: list, moments: list, h: SGDHyper) -> None:
+    """One SGD step in place, op for op as ``torch.optim.SGD``'s single-tensor code."""
+    if not params:
+        return
+    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+    if h.weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=h.weight_decay)
+    if moments:
+        bufs = moments[0]
+        b = [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(bufs, params)]
+        torch._foreach_mul_(b, h.momentum)
+        torch._foreach_add_(b, grads)
+        grads = torch._foreach_add(grads, b, alpha=h.momentum) if h.nesterov else b
+        for d, s in zip(bufs, b):
+            if d is not s:
+                d.copy_(s)
+    torch._foreach_add_(params, grads, alpha=-h.lr)
+
+
+def fused(params: list, grads: list, moments: list, h: SGDHyper) -> None:
+    """torch's fused CUDA kernel for fp32 values and buffers; the reference otherwise."""
+    bufs = moments[0] if moments else []
+    if not params or not all(t.is_cuda and t.dtype == torch.float32 for t in (*params, *bufs)):
+        reference(params, grads, moments, h)
+        return
+    torch._fused_sgd_(params, [g if g.dtype == torch.float32 else g.float() for g in grads], bufs,
+                      weight_decay=h.weight_decay, momentum=h.momentum, lr=h.lr, dampening=0.0,
+                      nesterov=h.nesterov, maximize=False, is_first_step=False)
+
+
+@functools.lru_cache(maxsize=None)
+def spec(momentum: bool, nesterov: bool = False) -> OptimizerSpec:
+    """The spec of SGD without momentum, with momentum, or with Nesterov momentum."""
+    def hyper(v: Mapping[str, float], step: int) -> SGDHyper:
+        return SGDHyper(v["lr"], v["weight_decay"], v.get("momentum", 0.0), nesterov)
+
+    checks = {"lr": check_nonneg, "weight_decay": check_nonneg}
+    if momentum:
+        checks["momentum"] = check_nonneg
+    return OptimizerSpec(
+        name="sgd", state=SGDState,
+        moments=(Moment("momentum", "momentum_buffer", "momentum_dtype"),) if momentum else (),
+        hyperparameters=checks, hyper=hyper, reference=reference, device=fused,
+        native="sgd_momentum" if momentum else "sgd",
+        scalars=(lambda h: [-h.lr, h.weight_decay, h.momentum, float(h.nesterov)]) if momentum
+        else (lambda h: [-h.lr, h.weight_decay]),
+    ).check()
+
+
+def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = False,
         weight_decay: ScalarOrSchedule = 0.0, *, placement: Optional[Placement] = None,
         master_dtype: torch.dtype = torch.float32, momentum_dtype: Optional[torch.dtype] = None,
-        weight_decay_mask: Any = None, executor: Optional[HostExecutor] = None,
-        cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
+        weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
+        executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
+        delayed: bool = False) -> Optimizer:
     r"""Stochastic gradient descent, as ``torch.optim.SGD`` (no dampening).
 
     With :math:`\mu` the momentum, :math:`\lambda` the weight decay and :math:`b_0 = 0`:
@@ -54,12 +104,14 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
     the first step's :math:`b_1 = g_1`, exactly torch's first-step copy.
 
     Args:
-      lr: learning rate, or a schedule of the number of updates already applied.
-      momentum: :math:`\mu \ge 0`.
+      lr: learning rate, or a schedule of the number of updates already applied (default
+        1e-3, as torch).
+      momentum: :math:`\mu \ge 0` (a float or a schedule when it is not 0).
       nesterov: Nesterov momentum (needs ``momentum > 0``).
       weight_decay: :math:`\lambda`, coupled as L2; a float or a schedule.
-      placement, master_dtype, weight_decay_mask, executor, cpu_kernel, delayed: as in
-        :func:`adamw` (delayed plain SGD: :math:`\theta_{t+1} = \theta_t - \eta\nabla L(\theta_{t-1})`).
+      placement, master_dtype, weight_decay_mask, ema_decay, executor, cpu_kernel, delayed: as
+        in :func:`adamw` (delayed plain SGD:
+        :math:`\theta_{t+1} = \theta_t - \eta\nabla L(\theta_{t-1})`).
       momentum_dtype: dtype of the buffers (default fp32 for low-precision params).
 
     Returns:
@@ -73,14 +125,15 @@ def sgd(lr: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False,
         >>> params["w"]
         tensor([-0.5000, -0.5000])
     """
-    mom = check_nonneg("momentum", momentum)
-    if nesterov and mom == 0:
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"nesterov must be True or False, got {nesterov!r}")
+    has_momentum = callable(momentum) or check_nonneg("momentum", momentum) > 0
+    if nesterov and not has_momentum:
         raise ValueError("nesterov=True needs momentum > 0 (as in torch.optim.SGD)")
-    t = Terminal(
-        "sgd", SGDState, [("momentum", momentum_dtype)] if mom else [], lr, weight_decay,
-        lambda lr_t, wd_t, step: SGDHyper(lr_t, mom, wd_t, bool(nesterov)),
-        lambda values, grads, moms, h: gpu.sgd_(values, grads, moms[0] if moms else [], h),
-        _host_math, cpu.add_sgd, placement=placement, master_dtype=master_dtype,
-        weight_decay_mask=weight_decay_mask, executor=executor, cpu_kernel=cpu_kernel,
-        delayed=delayed)
-    return Optimizer(t.init, t.update)
+    hypers: dict[str, Any] = {"lr": lr, "weight_decay": weight_decay}
+    if has_momentum:
+        hypers["momentum"] = momentum
+    return terminal(spec(has_momentum, nesterov), hypers,
+                    moment_dtypes={"momentum": momentum_dtype}, placement=placement,
+                    master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
+                    ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)

@@ -9,6 +9,7 @@ import optree
 import torch
 
 from functional_offload.base import EmptyState, GradientTransformation
+from functional_offload.tree import check_float_leaves
 from functional_offload.typing import Params, Updates
 
 __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
@@ -17,7 +18,7 @@ __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
 def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
     """The ``ord``-norm of each non-``None`` leaf (multi-tensor kernels, one launch per device
     and dtype), each a 0-dim tensor on the first leaf's device; empty for no leaves."""
-    leaves = [g for g in optree.tree_leaves(updates) if g is not None]
+    leaves = [g for g in check_float_leaves(updates, "grad") if g is not None]
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for g in leaves:
         groups[(g.device, g.dtype)].append(g)
@@ -39,7 +40,8 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     .. math:: g_i \leftarrow g_i \cdot \min\!\left(1, \frac{c}{N + 10^{-6}}\right)
 
     The factor stays a device tensor (no host sync); new tensors are returned, the input
-    gradients are not modified.
+    gradients are not modified. Its ``global_scale`` is that factor: a streamed step
+    (:func:`~functional_offload.stream`) runs ahead as if it were 1 and is redone when not.
 
     Example::
 
@@ -55,14 +57,20 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
+    def factor(updates: Updates, state: Any = None) -> torch.Tensor:
+        present = [g for g in check_float_leaves(updates, "grad") if g is not None]
+        if not present:
+            return torch.ones(())
+        return torch.clamp(max_norm / (global_norm(present) + 1e-6), max=1.0)
+
     def update(updates: Updates, state: EmptyState) -> tuple[Updates, EmptyState]:
         leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
         present = [g for g in leaves if g is not None]
         if not present:
             return updates, state
-        coef = torch.clamp(max_norm / (global_norm(present) + 1e-6), max=1.0)
+        coef = factor(present)
         scaled = iter(torch._foreach_mul(present, coef.to(present[0].device)))
         out: list[Any] = [None if g is None else next(scaled) for g in leaves]
         return optree.tree_unflatten(spec, out), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, factor)

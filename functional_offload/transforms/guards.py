@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import optree
 import torch
 
-from functional_offload.base import GradientTransformation, Optimizer, params_of
+from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
+                                     StateError, Step, check_usable, merge_grads, params_of,
+                                     terminal_states)
 from functional_offload.transforms.clipping import leaf_norms
+from functional_offload.tree import check_float_leaves, check_grads
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "all_finite"]
@@ -17,7 +20,7 @@ __all__ = ["ApplyIfFiniteState", "apply_if_finite", "all_finite"]
 class ApplyIfFiniteState(NamedTuple):
     """State of :func:`apply_if_finite`."""
 
-    notfinite_count: torch.Tensor  # int64 scalar (CPU): consecutive skipped steps
+    notfinite_count: torch.Tensor  # int64 scalar (CPU): consecutive skipped steps; -1 consumed
     total_notfinite: torch.Tensor  # int64 scalar (CPU): skipped steps in all
     inner_state: OptState
 
@@ -42,7 +45,9 @@ def apply_if_finite(inner: AnyT) -> AnyT:
         opt = fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-3)))
 
     Deciding costs one device→host read of a flag per step (as ``GradScaler.step`` does): the
-    update cannot be applied in place until it is known.
+    update cannot be applied in place until it is known. Streamed (:func:`~functional_offload.stream`),
+    the step runs ahead as if the grads were finite and is dropped if they are not. The state
+    passed in is consumed, whichever way the step went.
 
     Example::
 
@@ -55,20 +60,91 @@ def apply_if_finite(inner: AnyT) -> AnyT:
     """
     if not isinstance(inner, (Optimizer, GradientTransformation)):
         raise TypeError("apply_if_finite wraps an Optimizer or a GradientTransformation")
+    terminal = isinstance(inner, Optimizer)
 
     def init(params: Params) -> ApplyIfFiniteState:
         zero = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
         return ApplyIfFiniteState(zero(), zero(), inner.init(params))
 
-    def update(updates: Updates, state: ApplyIfFiniteState) -> tuple[Any, ApplyIfFiniteState]:
-        if bool(all_finite(updates)):  # the one host read the API promises
-            out, inner_state = inner.update(updates, state.inner_state)
-            return out, ApplyIfFiniteState(torch.zeros((), dtype=torch.int64),
-                                           state.total_notfinite.clone(), inner_state)
-        skipped = ApplyIfFiniteState(state.notfinite_count + 1, state.total_notfinite + 1,
-                                     state.inner_state)
-        if isinstance(inner, Optimizer):
-            return params_of(state.inner_state), skipped
-        return optree.tree_map(torch.zeros_like, updates), skipped
+    def check(updates: Updates, state: Any) -> None:
+        if not isinstance(state, ApplyIfFiniteState):
+            raise TypeError(f"apply_if_finite expects its ApplyIfFiniteState, got {type(state).__name__}")
+        if int(state.notfinite_count) == CONSUMED:
+            raise StateError("cannot update: this ApplyIfFiniteState was consumed by an earlier "
+                             "update; use the state that update returned")
+        if terminal:
+            check_usable(state.inner_state, "update")
+            if updates is not None:
+                check_grads(updates, params_of(state.inner_state))
+        elif updates is not None:
+            check_float_leaves(updates, "grad")
 
-    return type(inner)(init, update)
+    def finite_state(state: ApplyIfFiniteState, inner_state: OptState) -> ApplyIfFiniteState:
+        new = ApplyIfFiniteState(torch.zeros((), dtype=torch.int64), state.total_notfinite.clone(),
+                                 inner_state)
+        state.notfinite_count.fill_(CONSUMED)
+        return new
+
+    def skipped(updates: Updates, state: ApplyIfFiniteState) -> tuple[Any, ApplyIfFiniteState]:
+        new = ApplyIfFiniteState(state.notfinite_count + 1, state.total_notfinite + 1, state.inner_state)
+        state.notfinite_count.fill_(CONSUMED)
+        if terminal:
+            return params_of(state.inner_state), new
+        return optree.tree_map(torch.zeros_like, updates), new
+
+    def update(updates: Updates, state: ApplyIfFiniteState) -> tuple[Any, ApplyIfFiniteState]:
+        check(updates, state)
+        if not bool(all_finite(updates)):  # the one host read the API promises
+            return skipped(updates, state)
+        counts = [int(s.count) for s in terminal_states(state.inner_state)]
+        try:
+            out, inner_state = inner.update(updates, state.inner_state)
+        except (KeyboardInterrupt, SystemExit):
+            # the inner step completed before the interrupt was raised: so does this one
+            if [int(s.count) for s in terminal_states(state.inner_state)] != counts:
+                state.notfinite_count.zero_()
+            raise
+        return out, finite_state(state, inner_state)
+
+    if not terminal:
+        return GradientTransformation(init, update)
+
+    def begin(state: ApplyIfFiniteState, speculative: bool = False) -> Step:
+        check(None, state)
+        step = (inner.begin(state.inner_state, True) if inner.begin is not None
+                else HeldStep(inner.update, state.inner_state))
+        return _Guarded(step, state, skipped, finite_state)
+
+    return Optimizer(init, update, begin)
+
+
+class _Guarded:
+    """``apply_if_finite``'s step: the inner step runs ahead speculatively; ``finish`` keeps it
+    if every grad is finite and aborts it (the inner state as it was) otherwise."""
+
+    def __init__(self, inner: Step, state: ApplyIfFiniteState, skipped: Any, finite_state: Any):
+        self.inner, self.state, self.skipped, self.finite_state = inner, state, skipped, finite_state
+        self.spec = optree.tree_structure(params_of(state.inner_state))
+        self.fed: dict[int, torch.Tensor] = {}
+        self.committed: Optional[bool] = None
+
+    def feed(self, index: int, grad: torch.Tensor) -> None:
+        self.inner.feed(index, grad)
+        self.fed[index] = grad
+
+    def finish(self, grads: Updates = None) -> tuple[Params, Any]:
+        try:
+            full = merge_grads(self.spec, self.fed, grads)
+            ok = bool(all_finite(full))
+        except BaseException:
+            self.inner.abort()
+            raise
+        if not ok:
+            self.inner.abort()
+            return self.skipped(full, self.state)
+        out, inner_state = self.inner.finish(grads)
+        self.committed = getattr(self.inner, "committed", None)
+        return out, self.finite_state(self.state, inner_state)
+
+    def abort(self) -> None:
+        self.inner.abort()

@@ -1,0 +1,238 @@
+"""The host executor: pinned staging rings, copy streams and worker threads, shared by runs.
+
+One process-wide executor (:func:`default_executor`) serves every optimizer built without an
+``executor=``, so two optimizers (or two ``TorchOptimizer`` param groups) share one ring and one
+set of threads instead of making their own. Runs for one device take turns on its ring; runs for
+different devices have rings of their own but share the worker threads.
+
+Local ranks of one node share its cores and memory bandwidth: the default executor gives each
+local rank (``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, as ``torchrun`` sets them) its own slice of
+the physical cores, pins its worker threads to that slice (one thread per core), and divides
+the default staging bytes among the local ranks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from functional_offload.executor.plan import HostLeaf, Segment
+from functional_offload.executor.run import Run
+from functional_offload.executor.timeline import Timeline
+from functional_offload.executor.transport import Transport, transport_for
+from functional_offload.kernels.work import Kernel
+
+__all__ = ["HostExecutor", "default_executor", "physical_cores", "node_share"]
+
+_NODE_STAGING_BYTES = 1 << 30  # pinned staging of the default executors of one node, in all
+
+
+def _cores() -> list[list[int]]:
+    """This process's allowed CPUs grouped by physical core (hyper-threads together)."""
+    try:
+        allowed = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return [[i] for i in range(os.cpu_count() or 1)]
+    cores: dict[tuple[str, str], list[int]] = {}
+    try:
+        cpu = pkg = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    cpu = int(val)
+                elif key == "physical id":
+                    pkg = val.strip()
+                elif key == "core id" and cpu in allowed:
+                    cores.setdefault((pkg or "", val.strip()), []).append(cpu)
+    except OSError:
+        pass
+    return sorted(cores.values()) if cores else [[c] for c in allowed]
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads not counted)."""
+    return max(1, len(_cores()))
+
+
+def node_share() -> tuple[int, int, list[int]]:
+    """``(local_rank, local_world_size, cpus)``: this local rank's slice of the node's physical
+    cores (one CPU id per core), from ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``. Every local rank of
+    a node sees the same cores; rank ``r`` of ``L`` takes the ``r``-th of ``L`` equal slices."""
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    size = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    cores = _cores()
+    per = max(1, len(cores) // size)
+    mine = cores[rank * per:(rank + 1) * per] if rank * per < len(cores) else cores[-per:]
+    return rank, size, [c[0] for c in mine]
+
+
+class HostExecutor:
+    """Runs the host part of updates; owns the staging rings and the worker threads.
+
+    Args:
+      chunk_bytes: grad bytes per chunk (and per ring-slot half); MBs to tens of MBs.
+      slots: ring slots; ``slots - 1`` chunks of grads copy in ahead of the kernel.
+      threads: worker threads (default: physical cores).
+      cpus: pin worker ``i`` to CPU ``cpus[i % len(cpus)]`` (default: no pinning).
+      timeline: a :class:`Timeline` to record per-chunk spans into (off by default).
+      stage_host_grads: copy grads that are already in host memory through the ring too, as GPU
+        grads are (slower; it runs the GPU pipeline's logic without a GPU, for tests).
+    """
+
+    def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
+                 cpus: Optional[Sequence[int]] = None, timeline: Optional[Timeline] = None,
+                 stage_host_grads: bool = False):
+        if chunk_bytes < 4096 or slots < 2:
+            raise ValueError(f"executor needs chunk_bytes >= 4096 and slots >= 2, got "
+                             f"chunk_bytes={chunk_bytes}, slots={slots}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"executor threads must be >= 1, got {threads}")
+        self.chunk_bytes, self.slots = int(chunk_bytes), int(slots)
+        self.threads = threads or (len(cpus) if cpus else physical_cores())
+        self.cpus = list(cpus) if cpus else None
+        self.timeline = timeline
+        self.stage_host_grads = bool(stage_host_grads)
+        self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
+        self._slot_events: dict[torch.device, list] = {}
+        # delayed: per copy out of host staging, (first byte, end byte, event when it has run)
+        self._staged_out: dict[torch.device, list[tuple[int, int, Any]]] = {}
+        self._transports: dict[torch.device, Transport] = {}
+        self._busy: dict[torch.device, threading.Lock] = {}
+        self._reserving = threading.Lock()
+        self._pool: Optional[cf.ThreadPoolExecutor] = None
+        self._pinned: dict[int, int] = {}  # pool thread -> its CPU
+
+    # ---- resources, allocated once -------------------------------------------------------
+    def reserve(self, device: torch.device) -> None:
+        """Allocate the staging ring (pinned for CUDA) and streams for params on ``device``."""
+        with self._reserving:
+            if device in self._busy:
+                return
+            staged = device.type != "cpu" or self.stage_host_grads
+            self._slot_events[device] = [None] * self.slots
+            self._transports[device] = transport_for(device)
+            self._busy[device] = threading.Lock()
+            self._rings[device] = (torch.empty(self.slots * 2 * self.chunk_bytes, dtype=torch.uint8,
+                                               pin_memory=device.type == "cuda") if staged else None)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held (the CUDA rings; nothing else is pinned)."""
+        return sum(r.numel() for d, r in self._rings.items() if r is not None and d.type == "cuda")
+
+    def transport(self, device: torch.device) -> Transport:
+        self.reserve(device)
+        return self._transports[device]
+
+    def ring(self, device: torch.device) -> Optional[torch.Tensor]:
+        self.reserve(device)
+        return self._rings[device]
+
+    def slot_events(self, device: torch.device) -> list:
+        return self._slot_events[device]
+
+    def staged_copies(self, device: torch.device) -> list[tuple[int, int, Any]]:
+        return self._staged_out.get(device, [])
+
+    def record_staged_copies(self, device: torch.device, copies: list[tuple[int, int, Any]]) -> None:
+        """Delayed update: the copies out of host staging just issued (their byte ranges and
+        events); a later run rewrites those bytes only after the copies ran."""
+        self._staged_out[device] = copies
+
+    def holding(self, device: torch.device) -> Any:
+        """Context manager: hold ``device``'s ring for one run."""
+        self.reserve(device)
+        return self._busy[device]
+
+    def _workers(self) -> cf.ThreadPoolExecutor:
+        with self._reserving:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self.threads, thread_name_prefix="fo-host")
+            return self._pool
+
+    def _pin(self) -> None:
+        """Pin the calling pool thread, the first time it works, to the next CPU of ``cpus``."""
+        ident = threading.get_ident()
+        if self.cpus and ident not in self._pinned:
+            with self._reserving:
+                self._pinned[ident] = self.cpus[len(self._pinned) % len(self.cpus)]
+            os.sched_setaffinity(0, {self._pinned[ident]})
+
+    def start_workers(self, q: Any, threads: int) -> list[cf.Future]:
+        """Put ``threads`` workers in ``q``'s loop (see :mod:`functional_offload.kernels.work`)."""
+        pool = self._workers()
+
+        def loop(i: int) -> None:
+            self._pin()
+            q.work(i)
+
+        return [pool.submit(loop, i) for i in range(min(threads, self.threads))]
+
+    @staticmethod
+    def join_workers(workers: list[cf.Future]) -> None:
+        cf.wait(workers)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ---- runs -----------------------------------------------------------------------------
+    def ready(self, device: torch.device) -> Any:
+        """An event marking the work queued so far on this thread's stream (None on the CPU)."""
+        return self.transport(device).ready()
+
+    def order_after_copies(self, device: torch.device) -> None:
+        """Make this thread's stream wait for every param copy issued for ``device``."""
+        if device in self._transports:
+            self._transports[device].end()
+
+    def open(self, device: torch.device, kernel: Kernel, threads: Optional[int] = None,
+             chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None) -> Run:
+        """Start a run for leaves whose grads are on ``device``; feed it with ``add``."""
+        self.reserve(device)
+        return Run(self, device, kernel, min(threads or self.threads, self.threads), chunk_done)
+
+    def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
+        """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered
+        after the copies out. Errors re-raise (:class:`~functional_offload.executor.run.HostStepError`
+        naming the leaf, or an interrupt as itself)."""
+        if not leaves:
+            return
+        device = leaves[0].grad.device
+        ready = self.ready(device)
+        r = self.open(device, kernel, threads)
+        r.add_all(list(leaves), ready)
+        r.close()
+        r.wait()
+        if r.error is not None:
+            raise r.error
+        self.order_after_copies(device)
+
+
+_default: Optional[HostExecutor] = None
+_default_lock = threading.Lock()
+
+
+def default_executor() -> HostExecutor:
+    """The process-wide executor optimizers share unless given one (created on first use).
+
+    One thread per physical core of this local rank's share of the node, pinned when several
+    local ranks share the node; the staging bytes of the node (1 GiB) are divided among them,
+    at most 256 MiB per rank.
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _, size, cpus = node_share()
+            chunk = max(4 << 20, min(32 << 20, _NODE_STAGING_BYTES // (size * 8)))
+            _default = HostExecutor(chunk_bytes=chunk, slots=4, threads=len(cpus),
+                                    cpus=cpus if size > 1 else None)
+        return _default
+

@@ -1,0 +1,102 @@
+"""The chunk planner: host leaves laid end to end, cut into chunks of at most ``chunk_bytes``.
+
+A chunk takes what has arrived (all leaves at once for a plain update; leaf by leaf with grad
+streaming) up to ``chunk_bytes`` of grads, segment offsets aligned to 64 bytes; it waits for an
+arrival only while it holds nothing, so a chunk never waits for leaves to fill it.
+"""
+
+from __future__ import annotations
+
+import math
+import queue as queue_mod
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
+
+import torch
+
+__all__ = ["HostLeaf", "Segment", "cut", "arrived", "block_size", "ALIGN"]
+
+ALIGN = 64  # bytes; segment offsets in a slot are aligned to this
+_MIN_BLOCK = 1 << 14  # elements: smaller blocks cost more to claim than they compute
+_BLOCKS_PER_THREAD = 4
+
+
+class HostLeaf(NamedTuple):
+    """One host-resident leaf of a run, flattened to 1-D views."""
+
+    path: str
+    grad: torch.Tensor  # 1-D, on the device the copies come from (a GPU, or the CPU)
+    param: Optional[torch.Tensor]  # 1-D: where the new param goes (the param, host staging or
+    #                                 device scratch); None: the value is the param itself
+    state: tuple[torch.Tensor, ...]  # host tensors, 1-D: (value fp32, moments...)
+    hyper: Any  # per-leaf scalars handed to the kernel
+    targets: tuple[torch.Tensor, ...] = ()  # new (value, moments...) go here; () = in place
+    ema: Optional[torch.Tensor] = None  # fp32 EMA of the value (1-D), or None
+    ema_decay: float = 0.0
+    ema_target: Optional[torch.Tensor] = None  # the new EMA goes here; None = in place
+
+
+class Segment(NamedTuple):
+    leaf: int
+    start: int
+    stop: int
+    offset: int  # byte offset in the slot half
+
+
+def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
+        ready: list[Any]) -> Iterator[list[Segment]]:
+    """Chunks of the leaves coming from ``arrivals`` (``(leaf, ready event)`` items, or lists of
+    them that arrive together; ``None`` at the end), appending each leaf to ``leaves`` and its
+    event to ``ready`` as it arrives."""
+    pos: Optional[tuple[int, int]] = None  # (leaf, first element) of the leaf being cut
+    ended = False
+    batch: list[tuple[HostLeaf, Any]] = []  # the rest of a list that arrived together
+    while True:
+        cur: list[Segment] = []
+        used = 0
+        while True:
+            if pos is None:
+                if batch:
+                    item = batch.pop(0)
+                elif ended:
+                    break
+                else:
+                    try:
+                        item = arrivals.get(block=not cur)
+                    except queue_mod.Empty:
+                        break
+                    if item is None:
+                        ended = True
+                        break
+                    if isinstance(item, list):
+                        batch = item
+                        continue
+                leaves.append(item[0])
+                ready.append(item[1])
+                pos = (len(leaves) - 1, 0)
+            i, start = pos
+            n, size = leaves[i].grad.numel(), leaves[i].grad.element_size()
+            room = (chunk_bytes - used) // size
+            if start < n and room < min(n - start, ALIGN):  # slot full
+                break
+            stop = min(n, start + room)
+            if stop > start:
+                cur.append(Segment(i, start, stop, used))
+                used += -(-(stop - start) * size // ALIGN) * ALIGN
+            pos = None if stop == n else (i, stop)
+        if not cur:
+            return
+        yield cur
+
+
+def arrived(leaves: Sequence[HostLeaf], ready: Any) -> "queue_mod.Queue":
+    """``leaves`` as arrivals that have all come, each with the event ``ready``."""
+    q: "queue_mod.Queue" = queue_mod.Queue()
+    q.put([(leaf, ready) for leaf in leaves])
+    q.put(None)
+    return q
+
+
+def block_size(chunk: Sequence[Segment], threads: int) -> int:
+    """Elements per claimed block: about ``1 / (4·threads)`` of the chunk."""
+    size = max(_MIN_BLOCK, math.ceil(sum(s.stop - s.start for s in chunk) / (threads * _BLOCKS_PER_THREAD)))
+    return -(-size // ALIGN) * ALIGN

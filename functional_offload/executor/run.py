@@ -1,0 +1,284 @@
+"""One run of the host pipeline: chunked D2H → CPU kernel → H2D through the device's staging ring.
+
+A :class:`Run` is fed host leaves (:meth:`Run.add`, all at once or as autograd produces their
+grads) and driven by a thread of its own, so that nothing the caller's thread does — including
+a ``KeyboardInterrupt`` landing in it — can leave the pipeline's bookkeeping half-done. The
+driver cuts chunks from what has arrived (:mod:`~functional_offload.executor.plan`); chunk ``k``
+takes ring slot ``k mod S``, which holds its grads (copied in) and its output params (copied
+out). While the workers run the kernel on chunk ``k``, the grads of chunks ``k+1 … k+S-1`` copy
+in and the params of chunk ``k-1`` copy out:
+
+    D2H stream:  [g k+1][g k+2]…            (up to S chunks in flight)
+    CPU workers:        [kernel k  ]         (claiming blocks, GIL released)
+    H2D stream:                     [p k]    (issued as soon as chunk k is done)
+
+A lander thread marks each chunk ready once its grads have landed and its slot's output half is
+free. A slot's grad half is refilled only once every block of its chunk ran, its output half
+only after the copy out that read it completed. Grads already in host memory are read where
+they are, and host params are written in place: no staging, no copies.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from functional_offload.executor import faults
+from functional_offload.executor.plan import HostLeaf, Segment, block_size, cut
+from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
+
+__all__ = ["Run", "HostStepError"]
+
+
+class HostStepError(RuntimeError):
+    """A host step failed on some leaves (the message names them; ``__cause__`` is the error)."""
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+class Run:
+    """One run for leaves of one device. Made by
+    :meth:`~functional_offload.executor.HostExecutor.open`; see the module docstring.
+
+    ``chunk_done(leaves, segments)`` is called (from the driver thread) as each chunk's kernel
+    completes, in chunk order, and ``chunk_done(leaves, None)`` when the run ends.
+    :meth:`wait` blocks until the run ended (its error, if any, is then in :attr:`error`);
+    :attr:`started` says whether any chunk's kernel may have run (the leaves may be changed).
+    """
+
+    def __init__(self, executor: Any, device: torch.device, kernel: Kernel, threads: int,
+                 chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None):
+        self.ex, self.device, self.kernel, self.threads = executor, device, kernel, threads
+        self.chunk_done = chunk_done
+        self.started = False
+        self.error: Optional[BaseException] = None
+        self._arrivals: "queue_mod.Queue" = queue_mod.Queue()
+        self._cancelled = False
+        self._done = threading.Event()
+        self._queue: Any = None
+        self._lock = threading.Lock()
+        self._driver = threading.Thread(target=self._drive, name="fo-run", daemon=True)
+        self._driver.start()
+
+    # ---- the caller's side ------------------------------------------------------------
+    def add(self, leaf: HostLeaf, ready: Any) -> None:
+        """Hand over a leaf whose grad is complete once ``ready`` (an event, or None) is."""
+        self._arrivals.put((leaf, ready))
+
+    def add_all(self, leaves: list[HostLeaf], ready: Any) -> None:
+        """Hand over several leaves at once (chunks are cut across them as if they had all
+        arrived together)."""
+        if leaves:
+            self._arrivals.put([(leaf, ready) for leaf in leaves])
+
+    def close(self) -> None:
+        """No more leaves: the run ends after those handed over."""
+        self._arrivals.put(None)
+
+    def cancel(self) -> None:
+        """Start no further chunk; the run ends as soon as the chunks under way are done."""
+        with self._lock:
+            self._cancelled = True
+            if self._queue is not None:
+                self._queue.cancel()
+        self._arrivals.put(None)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the run ended (True) or ``timeout`` passed (False)."""
+        return self._done.wait(timeout)
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # ---- the driver thread ----------------------------------------------------------------
+    @torch.no_grad()  # grad mode is per thread: views of params are cut and written here
+    def _drive(self) -> None:
+        leaves: list[HostLeaf] = []
+        ready: list[Any] = []
+        try:
+            packer = cut(self._arrivals, self.ex.chunk_bytes, leaves, ready)
+            first = next(packer, None)
+            if first is not None and not self._cancelled:
+                with self.ex.holding(self.device):  # the device's ring serves one run at a time
+                    _Pipeline(self, leaves, ready).run(first, packer)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
+            self.error = e
+        finally:
+            if self.chunk_done is not None:
+                self.chunk_done(leaves, None)
+            self._done.set()
+
+    def _set_queue(self, q: Any) -> bool:
+        with self._lock:
+            self._queue = q
+            return not self._cancelled
+
+
+class _Pipeline:
+    """The state of one run once its first chunk is cut and the device's ring is held."""
+
+    def __init__(self, run: Run, leaves: list[HostLeaf], ready: list[Any]):
+        ex = run.ex
+        self.run_, self.leaves, self.ready = run, leaves, ready
+        self.device = run.device
+        self.t = ex.transport(run.device)
+        self.ring = ex.ring(run.device)
+        self.slot_events = ex.slot_events(run.device)
+        self.S, self.half = ex.slots, ex.chunk_bytes
+        self.tl = ex.timeline
+        self.staged = ex.staged_copies(run.device)  # host params a copy out may still read
+        self.before = list(self.slot_events)  # copies out of the previous run, per slot
+        self.q = queue_for(run.kernel, run.threads, self.tl is not None)
+        self.chunks: list[list[Segment]] = []
+        self.in_events: list[Any] = []
+        self.frees: list[Any] = []  # per chunk: the event its host params wait for
+        self.out_events: list[Any] = []  # per chunk: its slot's last copy out once it is done
+        self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
+        self.failures: list[tuple[int, BaseException]] = []
+
+    # ---- helpers -------------------------------------------------------------------------
+    def staged_free(self, pieces: list[Piece]) -> Any:
+        """The event after which these pieces' host params are no longer read by a copy out."""
+        mine = [_byte_range(p.out) for p in pieces if p.out is not None and p.out.device.type == "cpu"]
+        last = None  # events complete in the order recorded: the last overlapping one will do
+        for a, b, event in self.staged:
+            if any(a < hi and lo < b for lo, hi in mine):
+                last = event
+        return last
+
+    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
+        base = (2 * (k % self.S) + which) * self.half + seg.offset
+        return self.ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
+
+    def staged_grad(self, leaf: HostLeaf) -> bool:
+        return self.ring is not None and (leaf.grad.device.type != "cpu" or self.run_.ex.stage_host_grads)
+
+    def leaf_events(self, segments: list[Segment]) -> list[Any]:
+        return list(dict.fromkeys(self.ready[seg.leaf] for seg in segments))
+
+    # ---- stages --------------------------------------------------------------------------
+    def issue_in(self, k: int) -> None:
+        t, tl, chunk = self.t, self.tl, self.chunks[k]
+        copied = [seg for seg in chunk if self.staged_grad(self.leaves[seg.leaf])]
+        grads: dict[int, torch.Tensor] = {}
+        if copied:
+            for event in self.leaf_events(copied):
+                t.wait_in(event)
+            s0 = tl.stamp(self.device, t.stream_in) if tl else None
+            for seg in copied:
+                leaf = self.leaves[seg.leaf]
+                grads[id(seg)] = g = self.view(k, 0, seg, leaf.grad.dtype)
+                t.copy_in(g, leaf.grad[seg.start:seg.stop])
+            if tl:
+                tl.span("D2H", f"grads c{k}", s0, tl.stamp(self.device, t.stream_in))
+        self.in_events.append(t.mark_in() if copied else None)
+        pieces = []
+        for seg in chunk:
+            leaf = self.leaves[seg.leaf]
+            out = None
+            if leaf.param is not None:
+                out = (leaf.param[seg.start:seg.stop] if leaf.param.device.type == "cpu"  # in place
+                       else self.view(k, 1, seg, leaf.param.dtype))
+            cut_ = slice(seg.start, seg.stop)
+            pieces.append(Piece(grads.get(id(seg), leaf.grad[cut_]), tuple(x[cut_] for x in leaf.state),
+                                out, leaf.hyper, tuple(x[cut_] for x in leaf.targets),
+                                None if leaf.ema is None else leaf.ema[cut_], leaf.ema_decay,
+                                None if leaf.ema_target is None else leaf.ema_target[cut_]))
+        self.frees.append(self.staged_free(pieces) if self.staged else None)
+        self.out_events.append(None)
+        self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
+        self.landing.put(k)
+
+    def land(self) -> None:
+        """The lander thread: mark each chunk ready once its inputs are in place."""
+        t, k = self.t, -1
+        try:
+            while (k := self.landing.get()) is not None:
+                t.wait_host(self.in_events[k])  # grads landed
+                t.wait_host(self.out_events[k - self.S] if k >= self.S else self.before[k % self.S])
+                t.wait_host(self.frees[k])  # a copy out may still read this chunk's host params
+                if faults.active():
+                    if k > 0:
+                        self.q.wait(k - 1)
+                    faults.before_chunk(k, list(dict.fromkeys(
+                        self.leaves[s.leaf].path for s in self.chunks[k])))
+                self.run_.started = True
+                self.q.ready(k)
+        except BaseException as e:  # noqa: BLE001 - surfaced by the driver
+            self.failures.append((k, e))
+            self.q.cancel()
+
+    def complete(self, k: int) -> None:
+        """Chunk ``k``'s kernel is done: copy its params out."""
+        t, tl = self.t, self.tl
+        error = self.q.wait(k)
+        if error is not None:
+            raise self.failures[0][1] if self.failures else error
+        out = [seg for seg in self.chunks[k]
+               if self.leaves[seg.leaf].param is not None and self.leaves[seg.leaf].param.device.type != "cpu"]
+        if out:
+            for event in self.leaf_events(out):
+                t.wait_out(event)
+            s0 = tl.stamp(self.device, t.stream_out) if tl else None
+            for seg in out:
+                leaf = self.leaves[seg.leaf]
+                t.copy_out(leaf.param[seg.start:seg.stop], self.view(k, 1, seg, leaf.param.dtype))
+            if tl:
+                tl.span("H2D", f"params c{k}", s0, tl.stamp(self.device, t.stream_out))
+            self.slot_events[k % self.S] = t.mark_out()
+        self.out_events[k] = self.slot_events[k % self.S]  # no copy out: the out half is as it was
+        if self.run_.chunk_done is not None:
+            self.run_.chunk_done(self.leaves, self.chunks[k])
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self, first: list[Segment], packer: Iterator[list[Segment]]) -> None:
+        run = self.run_
+        if not run._set_queue(self.q):
+            return
+        lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
+        lander.start()
+        workers = run.ex.start_workers(self.q, run.threads)
+        done = at = 0  # chunks completed; the chunk being issued or completed
+        try:
+            chunk: Optional[list[Segment]] = first
+            while chunk is not None and not run._cancelled:
+                at = len(self.chunks)
+                self.chunks.append(chunk)
+                self.issue_in(at)
+                if at + 1 >= self.S:  # the next chunk takes slot (at+1) mod S: its last user is done
+                    at = done
+                    self.complete(done)
+                    done += 1
+                chunk = next(packer, None)
+            self.q.close()
+            while done < len(self.chunks) and not run._cancelled:
+                at = done
+                self.complete(done)
+                done += 1
+        except BaseException as e:  # noqa: BLE001 - raised below, naming the chunk's leaves
+            if not self.failures:  # else this follows from the lander's failure (recorded first)
+                self.failures.append((at, e))
+            self.q.cancel()
+        finally:
+            self.q.close()
+            self.landing.put(None)
+            lander.join()
+            run.ex.join_workers(workers)
+            for ev in self.in_events:  # never return while a copy in still reads the grads
+                self.t.wait_host(ev)
+            if self.tl:
+                for w, k, waiting, a, b in self.q.spans():
+                    self.tl.span(f"fo-host_{w}", f"{'wait' if waiting else 'kernel'} c{k}", a, b)
+        if self.failures and not run._cancelled:
+            k, e = self.failures[0]
+            if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as themselves
+                raise e
+            names = ", ".join(dict.fromkeys(repr(self.leaves[s.leaf].path) for s in self.chunks[k]))
+            raise HostStepError(f"host optimizer step failed on leaf {names}: "
+                                f"{type(e).__name__}: {e}") from e

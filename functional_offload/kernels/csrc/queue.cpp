@@ -1,0 +1,334 @@
+// The native queue of one executor run: chunks of element-wise work for worker threads that stay
+// in native code, and the Python bindings. Knows no optimizer: each chunk names a registered op
+// (math.cpp) whose per-element step it runs.
+//
+// A chunk holds pieces (1-D runs of leaves, laid end to end), cut into blocks of `block` elements
+// per piece. Worker threads enter `Queue::work` once per run, GIL released: they take the chunks
+// in order, wait until the executor marks one ready (its grads have landed), claim its blocks one
+// at a time with an atomic counter until none is left, and move on. A thread slowed by others on
+// its core claims fewer blocks; no thread returns to Python between chunks.
+//
+// Per piece, optionally: `targets` (the new value and moments go there instead of in place: the
+// old state stays intact until the caller commits), an `ema` of the value updated in the same
+// pass, and `out` (the param in the grad's dtype). Blocks are processed in sub-blocks small
+// enough to stay in cache, so the copy to targets and the EMA reread nothing from memory.
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "ops.h"
+
+namespace fo {
+
+std::unordered_map<std::string, Op>& registry() {
+  static std::unordered_map<std::string, Op> ops;
+  return ops;
+}
+
+void register_op(const std::string& name, const Op& op) { registry()[name] = op; }
+
+const Op& find_op(const std::string& name) {
+  auto it = registry().find(name);
+  TORCH_CHECK(it != registry().end(), "no native op named '", name, "'");
+  return it->second;
+}
+
+namespace {
+
+constexpr int64_t kSub = 4096;  // elements per cache-resident sub-block
+
+int grad_index(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: TORCH_CHECK(false, "unsupported grad dtype ", t); return -1;
+  }
+}
+
+int moment_index(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    default: TORCH_CHECK(false, "unsupported moment dtype ", t); return -1;
+  }
+}
+
+void check(const at::Tensor& t, const char* name, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, expected ", n);
+}
+
+int64_t now_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linux
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct Piece {
+  at::Tensor grad, out, ema, ema_target;  // ema_target undefined: in place
+  std::vector<at::Tensor> state, targets;  // (value, moments...); targets empty: in place
+  BlockFn fn;
+  std::vector<float> scalars;
+  float ema_weight;  // 1 - decay
+};
+
+struct Chunk {
+  std::vector<Piece> pieces;
+  int64_t block;
+  std::vector<int64_t> first;        // first block of each piece, then the total
+  std::atomic<int64_t> next{0};      // the next unclaimed block
+  std::atomic<int64_t> finished{0};  // blocks computed (or skipped after an error)
+  bool ready = false, done = false;  // under the queue's mutex
+  std::string error;                 // under the queue's mutex; the first error wins
+
+  int64_t total() const { return first.back(); }
+
+  bool claim(size_t& piece, int64_t& start, int64_t& len) {
+    const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+    if (j >= total()) return false;
+    piece = size_t(std::upper_bound(first.begin(), first.end(), j) - first.begin() - 1);
+    start = (j - first[piece]) * block;
+    len = std::min(block, pieces[piece].grad.numel() - start);
+    return true;
+  }
+
+  void compute(size_t i, int64_t a, int64_t len) const {
+    const Piece& p = pieces[i];
+    const size_t k = p.state.size() - 1;  // moments
+    const int64_t gsize = p.grad.element_size();
+    for (int64_t off = a; off < a + len; off += kSub) {
+      const int64_t n = std::min(kSub, a + len - off);
+      const std::vector<at::Tensor>& dst = p.targets.empty() ? p.state : p.targets;
+      if (!p.targets.empty()) {
+        for (size_t j = 0; j <= k; ++j) {
+          const int64_t es = p.state[j].element_size();
+          std::memcpy(static_cast<char*>(dst[j].data_ptr()) + off * es,
+                      static_cast<const char*>(p.state[j].data_ptr()) + off * es, size_t(n * es));
+        }
+      }
+      Block b;
+      b.value = dst[0].data_ptr<float>() + off;
+      b.grad = static_cast<const char*>(p.grad.data_ptr()) + off * gsize;
+      for (int j = 0; j < kMaxMoments; ++j) {
+        b.moments[j] = size_t(j) < k
+            ? static_cast<void*>(static_cast<char*>(dst[j + 1].data_ptr()) + off * dst[j + 1].element_size())
+            : nullptr;
+      }
+      b.out = p.out.defined() ? static_cast<char*>(p.out.data_ptr()) + off * gsize : nullptr;
+      b.n = n;
+      b.scalars = p.scalars.data();
+      p.fn(b);
+      if (p.ema.defined()) {
+        const float* e = p.ema.data_ptr<float>() + off;
+        float* d = (p.ema_target.defined() ? p.ema_target : p.ema).data_ptr<float>() + off;
+        const float* __restrict v = b.value;
+        const float w = p.ema_weight;
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) d[t] = lerp(e[t], v[t], w);
+      }
+    }
+  }
+};
+
+// Checks every argument (so that computing cannot fail) and numbers the blocks.
+std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tensor> grads,
+                                  std::vector<std::vector<at::Tensor>> states,
+                                  std::vector<std::vector<at::Tensor>> targets,
+                                  std::vector<at::Tensor> outs, std::vector<at::Tensor> emas,
+                                  std::vector<at::Tensor> ema_targets, const at::Tensor& scalars,
+                                  int64_t block) {
+  const Op& op = find_op(name);
+  const size_t np = grads.size();
+  TORCH_CHECK(block > 0, "block must be > 0");
+  TORCH_CHECK(states.size() == np && targets.size() == np && outs.size() == np && emas.size() == np &&
+              ema_targets.size() == np, "grad, state, target, out and ema lists differ in length");
+  TORCH_CHECK(scalars.device().is_cpu() && scalars.scalar_type() == at::kDouble && scalars.is_contiguous() &&
+              scalars.dim() == 2 && scalars.size(0) == int64_t(np) && scalars.size(1) == op.scalars + 1,
+              "scalars must be a contiguous float64 [pieces, ", op.scalars + 1, "] tensor for op '", name, "'");
+  auto c = std::make_unique<Chunk>();
+  c->block = block;
+  c->first.push_back(0);
+  const double* s = scalars.data_ptr<double>();
+  for (size_t i = 0; i < np; ++i) {
+    Piece p;
+    p.grad = grads[i];
+    const int64_t n = p.grad.numel();
+    check(p.grad, "grad", n);
+    const int gi = grad_index(p.grad.scalar_type());
+    TORCH_CHECK(states[i].size() == size_t(op.moments) + 1, "op '", name, "' takes a value and ",
+                op.moments, " moments per piece, got ", states[i].size(), " state tensors");
+    TORCH_CHECK(states[i][0].scalar_type() == at::kFloat, "value must be fp32");
+    int mi = 0;
+    for (size_t j = 0; j < states[i].size(); ++j) {
+      check(states[i][j], j ? "moment" : "value", n);
+      if (j > 0) {
+        TORCH_CHECK(states[i][j].scalar_type() == states[i][1].scalar_type(), "moments must share a dtype");
+        mi = moment_index(states[i][j].scalar_type());
+      }
+    }
+    if (!targets[i].empty()) {
+      TORCH_CHECK(targets[i].size() == states[i].size(), "targets must mirror the state tensors");
+      for (size_t j = 0; j < targets[i].size(); ++j) {
+        check(targets[i][j], "target", n);
+        TORCH_CHECK(targets[i][j].scalar_type() == states[i][j].scalar_type(), "target dtype must match the state's");
+      }
+    }
+    const bool has_out = outs[i].numel() != 0;
+    if (has_out) {
+      check(outs[i], "out", n);
+      TORCH_CHECK(outs[i].scalar_type() == p.grad.scalar_type(), "out dtype must be the grad dtype");
+      p.out = outs[i];
+    }
+    if (emas[i].numel() != 0) {
+      check(emas[i], "ema", n);
+      TORCH_CHECK(emas[i].scalar_type() == at::kFloat, "ema must be fp32");
+      p.ema = emas[i];
+      if (ema_targets[i].numel() != 0) {
+        check(ema_targets[i], "ema target", n);
+        TORCH_CHECK(ema_targets[i].scalar_type() == at::kFloat, "ema target must be fp32");
+        p.ema_target = ema_targets[i];
+      }
+    }
+    p.state = std::move(states[i]);
+    p.targets = std::move(targets[i]);
+    p.fn = op.fn[gi][mi][has_out ? 1 : 0];
+    p.scalars.assign(s + i * (op.scalars + 1), s + i * (op.scalars + 1) + op.scalars);
+    p.ema_weight = float(1.0 - s[i * (op.scalars + 1) + op.scalars]);
+    c->first.push_back(c->first.back() + (n + block - 1) / block);
+    c->pieces.push_back(std::move(p));
+  }
+  return c;
+}
+
+// The chunks of one run, in order. `add` (GIL held) returns the chunk's index; `ready(k)` lets
+// workers start on it; `wait(k)` (GIL released) blocks until its last block is computed and
+// returns its error ("" for none); `close()` lets workers return after the chunks added so far,
+// `cancel()` at once. With `record`, workers log their spans (kernel, and waits over 100 us).
+struct Queue {
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<std::unique_ptr<Chunk>> chunks;
+  bool closed = false, cancelled = false;
+  bool record;
+  std::vector<std::tuple<int64_t, int64_t, bool, int64_t, int64_t>> log;  // worker, chunk, wait?, start, end
+
+  explicit Queue(bool record_) : record(record_) {}
+
+  int64_t add(std::unique_ptr<Chunk> c) {
+    std::lock_guard<std::mutex> l(m);
+    TORCH_CHECK(!closed, "queue is closed");
+    if (c->total() == 0) c->done = true;
+    chunks.push_back(std::move(c));
+    return int64_t(chunks.size()) - 1;
+  }
+
+  Chunk& at(int64_t k) {  // under m
+    TORCH_CHECK(k >= 0 && k < int64_t(chunks.size()), "no chunk ", k);
+    return *chunks[size_t(k)];
+  }
+
+  void ready(int64_t k) {
+    std::lock_guard<std::mutex> l(m);
+    at(k).ready = true;
+    cv.notify_all();
+  }
+
+  std::string wait(int64_t k) {
+    std::unique_lock<std::mutex> l(m);
+    Chunk& c = at(k);
+    cv.wait(l, [&] { return c.done || cancelled; });
+    return c.done ? c.error : std::string("cancelled");
+  }
+
+  void close() { std::lock_guard<std::mutex> l(m); closed = true; cv.notify_all(); }
+  void cancel() { std::lock_guard<std::mutex> l(m); closed = cancelled = true; cv.notify_all(); }
+
+  void work(int64_t worker) {
+    for (size_t k = 0;; ++k) {
+      Chunk* c;
+      {
+        std::unique_lock<std::mutex> l(m);
+        const int64_t t0 = record ? now_ns() : 0;
+        cv.wait(l, [&] { return cancelled || (k < chunks.size() && chunks[k]->ready) || (closed && k >= chunks.size()); });
+        if (cancelled || k >= chunks.size()) return;
+        c = chunks[k].get();
+        if (record) {
+          const int64_t t1 = now_ns();
+          if (t1 - t0 > 100000) log.emplace_back(worker, int64_t(k), true, t0, t1);
+        }
+      }
+      const int64_t t0 = record ? now_ns() : 0;
+      int64_t mine = 0;
+      size_t i; int64_t a, len;
+      while (c->claim(i, a, len)) {
+        std::string failed;
+        try {
+          c->compute(i, a, len);
+        } catch (const std::exception& e) {
+          failed = e.what();
+        }
+        ++mine;
+        int64_t count = 1;
+        if (!failed.empty()) {  // skip the rest: the blocks nobody claimed yet are counted here
+          const int64_t prev = c->next.exchange(c->total());
+          count += std::max<int64_t>(0, c->total() - prev);
+        }
+        const bool last = c->finished.fetch_add(count, std::memory_order_acq_rel) + count == c->total();
+        if (!failed.empty() || last) {
+          std::lock_guard<std::mutex> l(m);
+          if (!failed.empty() && c->error.empty()) c->error = failed;
+          if (last) { c->done = true; cv.notify_all(); }
+        }
+      }
+      if (record && mine) {
+        std::lock_guard<std::mutex> l(m);
+        log.emplace_back(worker, int64_t(k), false, t0, now_ns());
+      }
+    }
+  }
+
+  std::vector<std::tuple<int64_t, int64_t, bool, int64_t, int64_t>> spans() {
+    std::lock_guard<std::mutex> l(m);
+    auto out = std::move(log);
+    log.clear();
+    return out;
+  }
+};
+
+}  // namespace
+}  // namespace fo
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  using fo::Queue;
+  py::class_<Queue>(mod, "Queue")
+      .def(py::init<bool>(), py::arg("record") = false)
+      .def("add", [](Queue& q, const std::string& op, std::vector<at::Tensor> grads,
+                     std::vector<std::vector<at::Tensor>> states, std::vector<std::vector<at::Tensor>> targets,
+                     std::vector<at::Tensor> outs, std::vector<at::Tensor> emas,
+                     std::vector<at::Tensor> ema_targets, at::Tensor scalars, int64_t block) {
+        return q.add(fo::make_chunk(op, std::move(grads), std::move(states), std::move(targets),
+                                    std::move(outs), std::move(emas), std::move(ema_targets),
+                                    scalars, block));
+      })
+      .def("ready", &Queue::ready)
+      .def("wait", &Queue::wait, py::call_guard<py::gil_scoped_release>())
+      .def("close", &Queue::close)
+      .def("cancel", &Queue::cancel)
+      .def("work", &Queue::work, py::call_guard<py::gil_scoped_release>())
+      .def("spans", &Queue::spans);
+  mod.def("ops", [] {
+    std::vector<std::tuple<std::string, int, int>> out;
+    for (const auto& kv : fo::registry()) out.emplace_back(kv.first, kv.second.moments, kv.second.scalars);
+    return out;
+  }, "(name, moments, scalars) of every registered element-wise op");
+}

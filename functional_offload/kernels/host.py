@@ -1,0 +1,68 @@
+"""The host kernel of a run: the native op of an optimizer's spec, or its torch reference.
+
+Both compute a piece's new value and moments (in place, or into ``targets`` so the old state
+stays intact until the caller commits), then the param in the grad's dtype (``out``) and the
+EMA of the value. The torch kernel runs the spec's reference math on each claimed block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from functional_offload.kernels import native
+from functional_offload.kernels.work import Kernel, Work
+
+__all__ = ["host_kernel", "torch_kernel"]
+
+_NATIVE_STATE = (torch.float32, torch.bfloat16)
+
+
+def torch_kernel(reference: Callable[..., None]) -> Callable[[Work], None]:
+    """A Python kernel running ``reference(values, grads, [moment lists], hyper)`` per block."""
+
+    @torch.no_grad()
+    def kernel(work: Work) -> None:
+        for p, a, b in work.claims():
+            state = [x[a:b] for x in p.state]
+            if p.targets:
+                dst = [x[a:b] for x in p.targets]
+                for d, s in zip(dst, state):
+                    d.copy_(s)
+                state = dst
+            reference([state[0]], [p.grad[a:b]], [[m] for m in state[1:]], p.hyper)
+            if p.out is not None:
+                p.out[a:b].copy_(state[0])
+            if p.ema is not None:
+                if p.ema_target is None:
+                    p.ema[a:b].lerp_(state[0], 1 - p.ema_decay)
+                else:
+                    torch.lerp(p.ema[a:b], state[0], 1 - p.ema_decay, out=p.ema_target[a:b])
+
+    return kernel
+
+
+def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[float]]],
+                reference: Callable[..., None], states: Sequence[Sequence[torch.Tensor]],
+                mode: str) -> Kernel:
+    """The kernel for host leaves whose state tensors are ``states`` (value, moments...).
+
+    ``mode``: ``"native"`` (raise if it cannot run), ``"torch"``, or ``"auto"`` (native when
+    the op is registered, the build exists and every leaf has an fp32 value and fp32/bf16
+    moments; torch otherwise).
+    """
+    if mode == "torch" or op is None:
+        if mode == "native":
+            raise RuntimeError("cpu_kernel='native' but this optimizer has no native op; use 'auto'")
+        return torch_kernel(reference)
+    mod = native.module()
+    fits = all(st[0].dtype == torch.float32 and all(m.dtype in _NATIVE_STATE for m in st[1:])
+               for st in states)
+    if mod is not None and fits:
+        return native.NativeKernel(mod, op, scalars)
+    if mode == "native":
+        raise RuntimeError("cpu_kernel='native' but the native CPU kernel " +
+                           ("could not be built here (needs a C++ compiler and ninja)" if mod is None
+                            else "takes fp32 values and fp32/bf16 moments only") + "; use 'auto'")
+    return torch_kernel(reference)

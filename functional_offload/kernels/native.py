@@ -1,0 +1,135 @@
+"""The native host kernels (``csrc/``), built once per CPU capability and cached.
+
+:func:`module` builds and loads the extension on first use: ``queue.cpp`` (the run's queue,
+optimizer-agnostic), ``math.cpp`` (one struct per element-wise op, registered by name) and the
+headers. Compiler flags follow the architecture and the CPU capability torch reports
+(``torch.backends.cpu.get_cpu_capability()``); the build directory's name holds the capability
+and a hash of sources and flags, so a cache shared by machines with different CPUs never loads
+a build made for another instruction set. A build prints one line with its time; when no
+compiler is there, a :class:`RuntimeWarning` says so and :func:`module` returns ``None`` (the
+callers then use the torch kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import time
+import warnings
+from types import ModuleType
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from functional_offload.kernels.work import Work
+
+__all__ = ["module", "NativeKernel", "NativeQueue", "ops"]
+
+_DIR = os.path.join(os.path.dirname(__file__), "csrc")
+_SOURCES = ["queue.cpp", "math.cpp"]
+_HEADERS = ["ops.h", "elements.h"]
+_COMMON = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp-simd"]
+
+
+def _flags(capability: str) -> list[str]:
+    """Compiler flags for this architecture and CPU capability (never ``-march=native``: the
+    build must run on every CPU of the capability its directory is named after)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        arch = {"AVX512": ["-march=x86-64-v4", "-mprefer-vector-width=512"],
+                "AVX2": ["-march=x86-64-v3"]}.get(capability, ["-march=x86-64-v2"])
+        return _COMMON + arch + ["-mtune=native"]
+    if machine in ("aarch64", "arm64"):
+        return _COMMON + ["-march=armv8-a"]
+    return list(_COMMON)
+
+
+def _build_dir(capability: str, flags: Sequence[str]) -> str:
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for name in _SOURCES + _HEADERS:
+        with open(os.path.join(_DIR, name), "rb") as f:
+            digest.update(f.read())
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    tag = f"{platform.machine()}-{capability}-{digest.hexdigest()[:12]}"
+    return os.path.join(base, "functional_offload", tag)
+
+
+@functools.lru_cache(maxsize=None)
+def module() -> Optional[ModuleType]:
+    """The compiled module (built on first use), or ``None`` with one warning when it cannot be
+    built here (no compiler, no ninja)."""
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _flags(capability)
+    folder = _build_dir(capability, flags)
+    name = "functional_offload_native"
+    cached = os.path.exists(os.path.join(folder, name + ".so"))
+    start = time.perf_counter()
+    try:
+        os.makedirs(folder, exist_ok=True)
+        mod = cpp_extension.load(name=name, sources=[os.path.join(_DIR, s) for s in _SOURCES],
+                                 extra_cflags=flags, extra_include_paths=[_DIR],
+                                 build_directory=folder, verbose=False)
+    except Exception as e:  # no compiler, no ninja, unsupported flags: fall back, loudly
+        warnings.warn(f"functional_offload: native CPU kernel unavailable ({type(e).__name__}: "
+                      f"{str(e)[:300]}); using the slower torch kernel", RuntimeWarning,
+                      stacklevel=2)
+        return None
+    if not cached:
+        print(f"functional_offload: built the native CPU kernel for {capability} in "
+              f"{time.perf_counter() - start:.1f} s (cached in {folder})", file=sys.stderr)
+    return mod
+
+
+def ops() -> dict[str, tuple[int, int]]:
+    """The registered native element-wise ops: ``{name: (moments, scalars)}`` (empty without
+    a native build)."""
+    mod = module()
+    return {} if mod is None else {name: (m, s) for name, m, s in mod.ops()}
+
+
+_EMPTY = torch.empty(0)  # "no tensor" in the native lists (no param out, no EMA)
+
+
+class NativeQueue:
+    """The native queue of one run (see :class:`~functional_offload.kernels.work.Queue`)."""
+
+    def __init__(self, queue: Any, kernel: "NativeKernel"):
+        self._queue, self._kernel = queue, kernel
+        self.ready, self.close, self.cancel = queue.ready, queue.close, queue.cancel
+        self.work, self.spans = queue.work, queue.spans
+
+    def add(self, work: Work) -> int:
+        pieces = work.pieces
+        rows: dict[int, list[float]] = {}  # pieces of one leaf share their hyper object
+        for p in pieces:
+            if id(p.hyper) not in rows:
+                rows[id(p.hyper)] = list(self._kernel.scalars(p.hyper))
+        scalars = torch.tensor([rows[id(p.hyper)] + [p.ema_decay] for p in pieces],
+                               dtype=torch.float64)
+        return self._queue.add(self._kernel.op, [p.grad for p in pieces],
+                               [list(p.state) for p in pieces], [list(p.targets) for p in pieces],
+                               [_EMPTY if p.out is None else p.out for p in pieces],
+                               [_EMPTY if p.ema is None else p.ema for p in pieces],
+                               [_EMPTY if p.ema_target is None else p.ema_target for p in pieces],
+                               scalars, work.block)
+
+    def wait(self, k: int) -> Optional[BaseException]:
+        error = self._queue.wait(k)
+        return RuntimeError(error) if error else None
+
+
+class NativeKernel:
+    """A native element-wise op for the executor: ``op`` names it, ``scalars(hyper)`` gives the
+    doubles it reads for a piece's hyperparameters. Each run gets its own queue."""
+
+    def __init__(self, mod: ModuleType, op: str, scalars: Callable[[Any], Sequence[float]]):
+        self.mod, self.op, self.scalars = mod, op, scalars
+
+    def queue(self, threads: int, record: bool = False) -> NativeQueue:
+        return NativeQueue(self.mod.Queue(record), self)

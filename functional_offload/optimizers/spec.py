@@ -1,0 +1,138 @@
+"""The declarative definition of a terminal optimizer: :class:`OptimizerSpec`.
+
+A spec says everything that differs between optimizers, once: the state's fields and dtypes
+(:class:`Moment`), the hyperparameters and how each is checked, how they become the math's
+per-step values, and the element-wise math — a torch reference (any device; bit for bit
+``torch.optim``'s single-tensor code where there is one), optionally a fused device path, and
+the name of the native host op that computes the same thing (registered in
+``kernels/csrc/math.cpp``). :func:`~functional_offload.optimizers.terminal.terminal` turns a spec
+into an :class:`~functional_offload.Optimizer`; placement, masters, the host executor, streaming,
+the delayed update, EMA, checkpoints and failure handling come with it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from functional_offload.typing import ScalarOrSchedule
+
+__all__ = ["Moment", "OptimizerSpec", "check_nonneg", "check_positive", "check_beta",
+           "check_schedule", "check_representable", "STATE_FIELDS"]
+
+STATE_FIELDS = ("count", "master", "ema", "params")  # every terminal state has these
+"""Besides its moments, a terminal state has ``count`` (int64 0-d, updates applied), ``master``
+(fp32 values where the param is not its own master), ``ema`` (the EMA of the values, or ``()``)
+and ``params`` (the live params, a :class:`~functional_offload.ParamRefs`)."""
+
+
+class Moment(NamedTuple):
+    """A per-leaf state tensor of an optimizer (e.g. Adam's ``mu``)."""
+
+    name: str  # the state field, e.g. "mu"
+    torch_name: str  # torch.optim's per-param state key, e.g. "exp_avg"
+    option: str  # the constructor's dtype option, e.g. "mu_dtype"
+
+
+# The math's per-step values (a NamedTuple of floats) from the hyperparameters' values at this
+# step and the step t (1 for the first update).
+HyperFn = Callable[[Mapping[str, float], int], Any]
+# In-place math on lists: (values fp32, grads, [one list per moment], hyper) -> None.
+MathFn = Callable[[list, list, list, Any], None]
+
+
+class OptimizerSpec(NamedTuple):
+    """What makes an optimizer itself; everything else is shared.
+
+    Fields:
+      name: the constructor's name (``"adamw"``), used in messages.
+      state: its state NamedTuple: ``count``, the moments' fields, ``master``, ``ema``,
+        ``params``, in that order (a field no moment of this spec fills is ``()``, e.g. SGD's
+        ``momentum`` without momentum).
+      moments: the per-leaf state tensors, each mirroring the params (element-wise state).
+      hyperparameters: ``{name: check}``; each value is a float or a schedule (a callable of
+        the step count), ``check(name, value) -> float`` raises ``ValueError`` naming it.
+      hyper: builds the math's per-step values from ``{name: value at this step}`` and the step.
+      reference: the math in torch ops, in place on lists; runs on any device.
+      device: a faster version of ``reference`` for device-resident groups (fused kernels), or
+        ``None`` to use ``reference``.
+      native: the name of the native element-wise op (``kernels/csrc/math.cpp``), or ``None``.
+      scalars: the native op's scalars (doubles, computed as torch computes them) for a hyper.
+      decay: the hyperparameter a ``weight_decay_mask`` switches off per leaf, or ``None``.
+    """
+
+    name: str
+    state: type
+    moments: tuple[Moment, ...]
+    hyperparameters: Mapping[str, Callable[[str, Any], float]]
+    hyper: HyperFn
+    reference: MathFn
+    device: Optional[MathFn] = None
+    native: Optional[str] = None
+    scalars: Optional[Callable[[Any], Sequence[float]]] = None
+    decay: Optional[str] = "weight_decay"
+
+    def check(self) -> "OptimizerSpec":
+        """Raise ``TypeError`` if the spec is inconsistent (for optimizer authors)."""
+        fields = tuple(self.state._fields)
+        moments = [m.name for m in self.moments]
+        if (fields[:1] != ("count",) or fields[-3:] != ("master", "ema", "params")
+                or [f for f in fields[1:-3] if f in moments] != moments):
+            raise TypeError(f"{self.name}: state fields must be count, the moments {moments} in "
+                            f"order, master, ema, params; got {fields}")
+        if (self.native is None) != (self.scalars is None):
+            raise TypeError(f"{self.name}: a native op needs its scalars function, and only it")
+        if self.decay is not None and self.decay not in self.hyperparameters:
+            raise TypeError(f"{self.name}: decay hyperparameter {self.decay!r} is not declared")
+        return self
+
+
+def check_nonneg(name: str, x: Any) -> float:
+    """A finite number >= 0."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
+    return float(x)
+
+
+def check_positive(name: str, x: Any) -> float:
+    """A finite number > 0."""
+    if check_nonneg(name, x) == 0:
+        raise ValueError(f"{name} must be > 0, got {x!r}")
+    return float(x)
+
+
+def check_beta(name: str, b: Any) -> float:
+    """A number in [0, 1)."""
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+        raise ValueError(f"{name} must be in [0, 1), got {b!r}")
+    return float(b)
+
+
+def check_schedule(name: str, x: ScalarOrSchedule, check: Callable[[str, Any], float]) -> ScalarOrSchedule:
+    """A constant checked now, or a schedule (its values are checked at each step)."""
+    if callable(x):
+        return x
+    if isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number or a schedule (a callable of the step "
+                        f"count), got a tensor; pass float({name}) or a schedule")
+    return check(name, x)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def check_representable(spec: OptimizerSpec, hyper: Any, names: Sequence[str]) -> None:
+    """Raise ``ValueError`` if a native scalar of ``hyper`` is not a finite fp32 (the kernels'
+    compute dtype): e.g. ``lr=1e38`` makes Adam's step size overflow. ``names`` label the
+    hyperparameters in the message."""
+    if spec.scalars is None:
+        values = [float(v) for v in hyper if isinstance(v, (int, float))]
+    else:
+        values = [float(v) for v in spec.scalars(hyper)]
+    bad = [v for v in values if not math.isfinite(v) or abs(v) > _F32_MAX]
+    if bad:
+        raise ValueError(f"{spec.name}: the hyperparameters {', '.join(names)} give a kernel "
+                         f"scalar of {bad[0]!r}, which float32 (the kernels' compute dtype) "
+                         "cannot represent; use smaller values")

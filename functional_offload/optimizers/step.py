@@ -1,0 +1,366 @@
+"""One step of a terminal optimizer (the step protocol of :mod:`functional_offload.base`).
+
+``begin`` checks the state, lands a delayed step still in flight, computes this step's
+hyperparameters and marks the state busy. ``feed`` checks a leaf's grad and, for host-resident
+state, hands the leaf to an executor run at once (grad streaming). ``finish`` checks the other
+grads, then applies everything in a helper thread (:func:`~functional_offload.executor.shield.shielded`):
+device-resident leaves with the spec's fused math, host-resident ones through the executor (or
+in the background, for the delayed update).
+
+The failure contract:
+
+- A step completes, leaves the state as it was, or marks it :data:`~functional_offload.base.FAILED`:
+  errors found before anything changed (bad grads, bad hyperparameters) leave it usable; an error
+  after part of the step was applied in place marks it failed (nothing can then update, stream,
+  save or checkpoint it until a checkpoint is loaded into it).
+- A speculative step (``begin(state, speculative=True)``) writes the host leaves it starts ahead
+  into spare buffers (``ParamRefs.spare``) and their params into device scratch; ``finish``
+  swaps the buffers in (``Tensor.set_``, no copy) and copies the params, so ``abort`` leaves the
+  state as it was.
+- ``KeyboardInterrupt`` / ``SystemExit`` during ``finish`` or a landing: the step is completed
+  first, then the interrupt is raised; the state passed to ``update`` then holds the step (its
+  count says so).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from functional_offload.base import BUSY, CONSUMED, FAILED
+from functional_offload.executor import HostLeaf, Run
+from functional_offload.executor.delayed import Landing
+from functional_offload.executor.shield import shielded
+from functional_offload.kernels.host import host_kernel
+from functional_offload.kernels.work import Kernel
+from functional_offload.tree import check_grad, flatten_like
+
+__all__ = ["Leaf", "TerminalStep"]
+
+
+class Leaf(NamedTuple):
+    """One leaf of a terminal state, as a step sees it."""
+
+    path: str
+    live: torch.Tensor  # the param as in the params tree (nn.Parameter, DTensor...)
+    param: torch.Tensor  # its local tensor (the data updated)
+    value: torch.Tensor  # master or the param itself
+    moments: tuple[torch.Tensor, ...]
+    ema: Optional[torch.Tensor]
+    staging: Optional[torch.Tensor]  # delayed: the host buffer the new param waits in
+    has_master: bool
+    decay: bool  # weight decay applies
+
+    @property
+    def on_host(self) -> bool:
+        return self.value.device.type == "cpu"
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange the storages of ``a`` and ``b`` in place (both keep their identity)."""
+    held = torch.empty(0, dtype=a.dtype)
+    held.set_(a)
+    a.set_(b)
+    b.set_(held)
+
+
+class _Pending:
+    """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
+    waits for it and drops its result (before a checkpoint is loaded over the state)."""
+
+    def __init__(self, landing: Landing, count: torch.Tensor):
+        self.landing, self.count = landing, count
+        self.done = False
+        self.error: Optional[BaseException] = None
+
+    def land(self) -> None:
+        if self.done:
+            if self.error is not None:
+                raise self.error
+            return
+        ex, device = self.landing.ex, self.landing.device
+        ready = ex.ready(device)  # the caller's reads of the old params come first
+        try:
+            _, interrupt = shielded(self.landing.land, ready)
+        except BaseException as e:
+            self.done, self.error = True, e
+            self.count.fill_(FAILED)
+            raise
+        finally:
+            ex.order_after_copies(device)
+        self.done = True
+        if interrupt is not None:
+            raise interrupt
+
+    def settle(self) -> None:
+        self.done = True
+        _, interrupt = shielded(self.landing.run.wait)
+        if interrupt is not None:
+            raise interrupt
+
+
+class TerminalStep:
+    """A step of a :class:`~functional_offload.optimizers.terminal.Terminal` (see the module)."""
+
+    def __init__(self, t: Any, state: Any, speculative: bool):
+        t.check_state(state, "update")
+        self.t, self.state, self.speculative = t, state, bool(speculative)
+        self.n = int(state.count)
+        self.hyper, self.hyper0 = t.hyper_at(self.n)
+        self.leaves: list[Leaf] = t.layout(state)
+        self.ex = t.executor
+        self.fed: dict[int, torch.Tensor] = {}
+        self.ahead: set[int] = set()  # fed host leaves already handed to a run
+        self.scratch: dict[int, torch.Tensor] = {}  # speculative: new params awaiting commit
+        self.runs: dict[torch.device, Run] = {}
+        self._kernel: Optional[Kernel] = None
+        self.finished = False
+        self.delayed = t.delayed
+        state.count.fill_(BUSY)
+
+    # ---- the protocol ---------------------------------------------------------------------
+    def feed(self, index: int, grad: torch.Tensor) -> None:
+        if self.finished:
+            raise RuntimeError("this step already finished; begin a new one for each update")
+        leaf = self.leaves[index]
+        if index in self.fed:
+            raise RuntimeError(f"param {leaf.path!r} got a second gradient in one step; stream "
+                               "only the last backward of an accumulation")
+        g = check_grad(leaf.path, grad, leaf.param)
+        if g is None:
+            return
+        self.fed[index] = g
+        if self._starts_ahead(leaf):
+            self._land_previous()
+            self._run(g.device).add(self._host_leaf(index, g, ahead=True), self.ex.ready(g.device))
+            self.ahead.add(index)
+
+    def finish(self, grads: Any = None) -> tuple[Any, Any]:
+        if self.finished:
+            raise RuntimeError("this step already finished; begin a new one for each update")
+        try:
+            gs = self._grads(grads)
+            self._land_previous()
+        except BaseException:
+            self.abort()
+            raise
+        self.finished = True
+        devices = {g.device for g in gs if g is not None and g.device.type == "cuda"}
+        streams = {d: torch.cuda.current_stream(d) for d in devices}
+        ready = {g.device: self.ex.ready(g.device) for i, g in enumerate(gs)
+                 if g is not None and self.leaves[i].on_host and i not in self.ahead}
+        new, interrupt = shielded(self._apply, gs, streams, ready)
+        if interrupt is not None:  # the step is applied: the state passed in now holds it
+            if new.params.pending is not None:
+                try:
+                    new.params.pending.land()
+                finally:
+                    self.state.count.copy_(new.count)
+                raise interrupt
+            self.state.count.fill_(self.n + 1)
+            raise interrupt
+        self.state.count.fill_(CONSUMED)
+        return self.state.params.tree, new
+
+    def abort(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        for run in self.runs.values():
+            run.cancel()
+        shielded(self._wait_runs, self.runs)
+        started = any(run.started for run in self.runs.values())
+        self.state.count.fill_(FAILED if started and not self.speculative else self.n)
+        self.scratch.clear()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _land_previous(self) -> None:
+        """A delayed step still in flight lands before this one changes anything (not at begin:
+        a streamed step begins after the forward, which read the params it would change)."""
+        pending = self.state.params.pending
+        if pending is not None:
+            try:
+                pending.land()
+            except BaseException:
+                self.finished = True  # the state is failed (marked by the landing)
+                raise
+
+    def _starts_ahead(self, leaf: Leaf) -> bool:
+        """A fed leaf starts at once if its state is on the host (and, speculatively, if its new
+        value can go to spare buffers: it has a master); the delayed update starts at finish."""
+        return leaf.on_host and not self.t.delayed and (leaf.has_master or not self.speculative)
+
+    def _grads(self, grads: Any) -> list[Optional[torch.Tensor]]:
+        """Every leaf's grad: the fed ones, the others from ``grads`` (checked)."""
+        params = self.state.params.tree
+        given = [None] * len(self.leaves) if grads is None else flatten_like(grads, params, "grads")
+        return [self.fed[i] if i in self.fed else check_grad(leaf.path, given[i], leaf.param)
+                for i, leaf in enumerate(self.leaves)]
+
+    def _kernel_for_run(self) -> Kernel:
+        if self._kernel is None:
+            spec = self.t.spec
+            self._kernel = host_kernel(spec.native, spec.scalars, spec.reference,
+                                       [(lf.value, *lf.moments) for lf in self.leaves if lf.on_host],
+                                       self.t.cpu_kernel)
+        return self._kernel
+
+    def _run(self, device: torch.device, runs: Optional[dict] = None) -> Run:
+        runs = self.runs if runs is None else runs
+        if device not in runs:
+            runs[device] = self.ex.open(device, self._kernel_for_run(), self.t.threads)
+        return runs[device]
+
+    def _spare(self, index: int) -> tuple[torch.Tensor, ...]:
+        """Host buffers like the leaf's (value, moments..., ema), kept for later steps."""
+        spares = self.state.params.spare
+        leaf = self.leaves[index]
+        if index not in spares:
+            spares[index] = tuple(torch.empty_like(x) for x in (leaf.value, *leaf.moments)
+                                  + ((leaf.ema,) if leaf.ema is not None else ()))
+        return spares[index]
+
+    def _host_leaf(self, index: int, g: torch.Tensor, ahead: bool) -> HostLeaf:
+        leaf = self.leaves[index]
+        hyper = self.hyper if leaf.decay else self.hyper0
+        targets: tuple[torch.Tensor, ...] = ()
+        ema_target = None
+        if not leaf.has_master:
+            out = None  # the value is the param
+        elif self.t.delayed:
+            out = leaf.staging
+        elif ahead and self.speculative:
+            spare = self._spare(index)
+            k = 1 + len(leaf.moments)
+            targets = tuple(x.view(-1) for x in spare[:k])
+            ema_target = spare[k].view(-1) if leaf.ema is not None else None
+            out = self.scratch[index] = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype,
+                                                    device=leaf.param.device)
+            if out.is_cuda:  # freed on abort while a copy out may still write it
+                out.record_stream(self.ex.transport(out.device).stream_out)
+        else:
+            out = leaf.param.view(-1)
+        return HostLeaf(leaf.path, g.detach().reshape(-1), out,
+                        (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)), hyper, targets,
+                        None if leaf.ema is None else leaf.ema.view(-1), self.t.ema_decay or 0.0,
+                        ema_target)
+
+    @staticmethod
+    def _wait_runs(runs: dict) -> None:
+        for run in runs.values():
+            run.close()
+        for run in runs.values():
+            run.wait()
+
+    @staticmethod
+    def _raise_run_errors(runs: dict) -> None:
+        for run in runs.values():
+            if run.error is not None:
+                raise run.error
+
+    def _device_math(self, gs: list, streams: dict) -> bool:
+        """Device-resident leaves with a grad, grouped by device, dtypes and hyper; whether any
+        was updated."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (leaf, g) in enumerate(zip(self.leaves, gs)):
+            if g is not None and not leaf.on_host:
+                key = (leaf.value.device, leaf.value.dtype, tuple(m.dtype for m in leaf.moments), leaf.decay)
+                groups.setdefault(key, []).append(i)
+        spec, tl = self.t.spec, self.ex.timeline
+        math = spec.device or spec.reference
+        for (device, *_, decay), idx in groups.items():
+            stream = streams.get(device)
+            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+                s0 = tl.stamp(device) if tl else None
+                values = [self.leaves[i].value for i in idx]
+                math(values, [gs[i] for i in idx],
+                     [[self.leaves[i].moments[j] for i in idx] for j in range(len(spec.moments))],
+                     self.hyper if decay else self.hyper0)
+                written = [i for i in idx if self.leaves[i].has_master]
+                if written:
+                    torch._foreach_copy_([self.leaves[i].param for i in written],
+                                         [self.leaves[i].value for i in written])
+                emas = [i for i in idx if self.leaves[i].ema is not None]
+                if emas:
+                    torch._foreach_lerp_([self.leaves[i].ema for i in emas],
+                                         [self.leaves[i].value.float() for i in emas],
+                                         1 - (self.t.ema_decay or 0.0))
+                if tl:
+                    tl.span("GPU update", f"{len(idx)} leaves", s0, tl.stamp(device))
+        return bool(groups)
+
+    @torch.no_grad()
+    def _apply(self, gs: list, streams: dict, ready: dict) -> Any:
+        """Apply the step (in a helper thread); the new state, or raise after marking this one:
+        failed if anything may have been written in place, else as it was."""
+        state, t = self.state, self.t
+        touched = False
+        rest_runs: dict[torch.device, Run] = {}  # a speculative step's in-place leaves
+        try:
+            if self.speculative and self.runs:  # what ran ahead must have succeeded first
+                self._wait_runs(self.runs)
+                self._raise_run_errors(self.runs)
+            touched = self._device_math(gs, streams)
+            rest = [i for i, g in enumerate(gs)
+                    if g is not None and self.leaves[i].on_host and i not in self.ahead]
+            new_count = torch.tensor(self.n + 1, dtype=torch.int64)
+            refs = state.params
+            if rest and t.delayed:
+                touched = True
+                device = gs[rest[0]].device
+                with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
+                    landing = Landing(self.ex, [self._host_leaf(i, gs[i], False) for i in rest],
+                                      self._kernel_for_run(),
+                                      [self.leaves[i].param.view(-1) if self.leaves[i].has_master else None
+                                       for i in rest], t.threads)
+                refs = refs._replace(pending=_Pending(landing, new_count))
+            else:
+                runs = rest_runs if self.speculative else self.runs
+                by_device: dict[torch.device, list[int]] = {}
+                for i in rest:
+                    by_device.setdefault(gs[i].device, []).append(i)
+                for device, idx in by_device.items():
+                    self._run(device, runs).add_all([self._host_leaf(i, gs[i], False) for i in idx],
+                                                    ready[device])
+                self._wait_runs(runs)
+                self._raise_run_errors(runs)
+            for device in {*self.runs, *rest_runs}:
+                with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
+                    self.ex.order_after_copies(device)
+            if self.speculative and self.ahead:
+                touched = True
+                self._commit(streams)
+            return state._replace(count=new_count, params=refs)
+        except BaseException:
+            every = [*self.runs.values(), *rest_runs.values()]
+            for run in every:
+                run.cancel()
+            for run in every:
+                run.wait()
+            in_place = [*rest_runs.values(), *([] if self.speculative else self.runs.values())]
+            failed = touched or any(run.started for run in in_place)
+            state.count.fill_(FAILED if failed else self.n)
+            raise
+
+    def _commit(self, streams: dict) -> None:
+        """Speculative step: swap the spare buffers in, copy the new params to the device."""
+        spares = self.state.params.spare
+        for i in sorted(self.ahead):
+            leaf = self.leaves[i]
+            mine = (leaf.value, *leaf.moments) + ((leaf.ema,) if leaf.ema is not None else ())
+            for a, b in zip(mine, spares[i]):
+                _swap(a, b)
+        by_device: dict[torch.device, list[int]] = {}
+        for i in self.scratch:
+            by_device.setdefault(self.leaves[i].param.device, []).append(i)
+        for device, idx in by_device.items():
+            with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
+                torch._foreach_copy_([self.leaves[i].param.view(-1) for i in idx],
+                                     [self.scratch[i] for i in idx])
+                for i in idx:
+                    if device.type == "cuda":
+                        self.scratch[i].record_stream(torch.cuda.current_stream(device))
+        self.scratch.clear()
+

@@ -1,0 +1,250 @@
+"""A terminal optimizer from its spec: state layout and placement, hyperparameters, the step.
+
+:func:`terminal` is what every constructor (``adamw``, ``sgd``...) returns through: it validates
+the options, and its ``init`` lays out the state (masters, moments, EMA, staging) where the
+placement puts each leaf. ``update`` and ``begin`` run steps (:mod:`.step`).
+
+Per leaf, the *value* is the tensor the math updates: the fp32 master when there is one (low-
+precision params; params on a GPU whose state lives on the host; delayed host leaves), else the
+param itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import optree
+import torch
+
+from functional_offload.base import Optimizer, ParamRefs, Step, check_usable
+from functional_offload.executor import HostExecutor, default_executor
+from functional_offload.kernels import native
+from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
+from functional_offload.optimizers.step import Leaf, TerminalStep
+from functional_offload.placement import Placement, on_host, previewing, record_plan
+from functional_offload.tree import (check_no_aliasing, check_tensor_leaves, flatten_like,
+                                     leaves_with_paths, local)
+from functional_offload.typing import Params, ScalarOrSchedule
+
+__all__ = ["terminal", "Terminal", "LOW_PRECISION"]
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _check_dtype(name: str, dt: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
+        raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
+    return dt
+
+
+class Terminal:
+    """The machinery of one terminal optimizer (see :func:`terminal`)."""
+
+    def __init__(self, spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
+                 moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement],
+                 master_dtype: torch.dtype, weight_decay_mask: Any, ema_decay: Optional[float],
+                 executor: Optional[HostExecutor], cpu_kernel: str, delayed: bool):
+        if placement is not None and not isinstance(placement, Placement):
+            raise TypeError(f"placement must be a functional_offload.placement.Placement, got "
+                            f"{type(placement).__name__} (e.g. placement.offload_fraction(0.5))")
+        if cpu_kernel not in ("auto", "native", "torch"):
+            raise ValueError(f"cpu_kernel must be 'auto', 'native' or 'torch', got {cpu_kernel!r}")
+        if master_dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype!r}")
+        if executor is not None and not isinstance(executor, HostExecutor):
+            raise TypeError(f"executor must be a HostExecutor, got {type(executor).__name__}")
+        if ema_decay is not None and (isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float))
+                                      or not 0 <= ema_decay < 1):
+            raise ValueError(f"ema_decay must be a number in [0, 1) or None, got {ema_decay!r}")
+        if weight_decay_mask is not None and spec.decay is None:
+            raise TypeError(f"{spec.name} has no weight decay to mask")
+        if not isinstance(delayed, bool):
+            raise TypeError(f"delayed must be True or False, got {delayed!r}")
+        missing = set(spec.hyperparameters) - set(hypers)
+        extra = set(hypers) - set(spec.hyperparameters)
+        if missing or extra:
+            raise TypeError(f"{spec.name}: hyperparameters {sorted(missing)} missing, "
+                            f"{sorted(extra)} unknown")
+        self.spec = spec
+        self.hypers = {k: check_schedule(k, v, spec.hyperparameters[k]) for k, v in hypers.items()}
+        if not any(callable(v) for v in self.hypers.values()):  # constants: check them all now
+            self.hyper_at(0)
+        self.moment_dtypes = {m.name: _check_dtype(m.option, moment_dtypes.get(m.name))
+                              for m in spec.moments}
+        self.placement = placement or on_host()
+        self.master_dtype = master_dtype
+        self.weight_decay_mask = weight_decay_mask
+        self.ema_decay = None if ema_decay is None else float(ema_decay)
+        self._executor = executor
+        self.cpu_kernel = cpu_kernel
+        self.delayed = delayed
+
+    @property
+    def executor(self) -> HostExecutor:
+        return self._executor if self._executor is not None else default_executor()
+
+    @property
+    def threads(self) -> int:
+        """Worker threads per run (one fewer for delayed steps: the training loop runs meanwhile)."""
+        n = self.executor.threads
+        return max(1, n - 1) if self.delayed else n
+
+    # ---- hyperparameters ----------------------------------------------------------------
+    def hyper_at(self, n: int) -> tuple[Any, Any]:
+        """The math's values for step count ``n`` (all leaves, and leaves without decay);
+        raises ``ValueError`` naming a hyperparameter whose value is out of range."""
+        values = {}
+        for k, v in self.hypers.items():
+            if callable(v):
+                x = v(n)
+                try:
+                    values[k] = self.spec.hyperparameters[k](k, float(x) if isinstance(x, torch.Tensor) else x)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"the {k} schedule returned {x!r} at step {n}: {e}") from None
+            else:
+                values[k] = v
+        hyper = self.spec.hyper(values, n + 1)
+        check_representable(self.spec, hyper, sorted(self.hypers))
+        if self.spec.decay is None:
+            return hyper, hyper
+        return hyper, self.spec.hyper({**values, self.spec.decay: 0.0}, n + 1)
+
+    # ---- init -----------------------------------------------------------------------------
+    def _moment_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
+        return self.moment_dtypes[name] or (torch.float32 if p.dtype in LOW_PRECISION else p.dtype)
+
+    def _value_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return self.master_dtype if p.dtype in LOW_PRECISION else p.dtype
+
+    def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
+        """State bytes of a leaf: moments, master (if it gets one there), EMA."""
+        per = sum(self._moment_dtype(m.name, p).itemsize for m in self.spec.moments)
+        if p.dtype in LOW_PRECISION or (host and p.device.type != "cpu"):
+            per += self._value_dtype(p).itemsize
+        if self.ema_decay is not None:
+            per += 4
+        return p.numel() * per
+
+    def init(self, params: Params) -> Any:
+        paths, leaves, spec = leaves_with_paths(params)
+        check_tensor_leaves(leaves, paths, "params")
+        locals_ = [local(p) for p in leaves]  # DTensor params: state for this rank's shard
+        for path, p in zip(paths, locals_):
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"param {path!r} has dtype {p.dtype}; only floating params can "
+                                "be optimized (leave integer buffers out of the params tree)")
+        check_no_aliasing(paths, locals_)
+        tree = optree.tree_unflatten(spec, locals_)
+        plan = self.placement.plan(tree, [self._state_bytes(p, False) for p in locals_],
+                                   host_bytes=[self._state_bytes(p, True) for p in locals_])
+        on_host = plan.host_mask()
+        preview = previewing()
+        if preview:
+            record_plan(plan)
+        for path, p, host in zip(paths, locals_, on_host):
+            if host and not p.is_contiguous():
+                raise ValueError(f"param {path!r} is not contiguous; host-resident state needs "
+                                 "contiguous params (call .contiguous() on it, or keep its state "
+                                 "on the device with placement.select)")
+        if any(on_host) and not preview:
+            if self.cpu_kernel != "torch" and self.spec.native is not None:
+                native.module()  # build now (once per machine and CPU capability), not mid-step
+            for p, host in zip(locals_, on_host):
+                if host:
+                    self.executor.reserve(p.device)
+        masters, emas = [], []
+        moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
+        with torch.no_grad():
+            for p, host in zip(locals_, on_host):
+                where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
+                # delayed: the new param waits in host staging, so the value must be separate
+                need_master = p.dtype in LOW_PRECISION or (host and (p.device.type != "cpu" or self.delayed))
+                master = (p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
+                          if need_master else None)
+                masters.append(master)
+                for m in self.spec.moments:
+                    moments[m.name].append(torch.zeros(p.shape, dtype=self._moment_dtype(m.name, p),
+                                                       device=where))
+                if self.ema_decay is not None:
+                    src = master if master is not None else p.detach()
+                    emas.append(src.to(where, torch.float32, copy=True).contiguous())
+        unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
+        fields = {name: unflat(xs) for name, xs in moments.items()}
+        absent = {f: () for f in self.spec.state._fields
+                  if f not in fields and f not in ("count", "master", "ema", "params")}
+        staging = self._staging(locals_, on_host) if self.delayed and not preview else None
+        return self.spec.state(
+            count=torch.zeros((), dtype=torch.int64), **fields, **absent,
+            master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
+            params=ParamRefs(params, unflat(staging) if staging is not None else None, None, {}),
+        )
+
+    @staticmethod
+    def _staging(leaves: list[torch.Tensor], on_host: list[bool]) -> list[Optional[torch.Tensor]]:
+        """Delayed mode: one host buffer per param dtype (pinned for GPU params), cut into a
+        1-D view per host-resident leaf; the new params wait there until the next update."""
+        out: list[Optional[torch.Tensor]] = [None] * len(leaves)
+        groups: dict[tuple, list[int]] = {}
+        for i, (p, host) in enumerate(zip(leaves, on_host)):
+            if host:
+                groups.setdefault((p.dtype, p.device.type == "cuda"), []).append(i)
+        for (dtype, pin), idx in groups.items():
+            arena = torch.empty(sum(leaves[i].numel() for i in idx), dtype=dtype, pin_memory=pin)
+            offset = 0
+            for i in idx:
+                out[i] = arena[offset: offset + leaves[i].numel()]
+                offset += leaves[i].numel()
+        return out
+
+    # ---- steps ----------------------------------------------------------------------------
+    def check_state(self, state: Any, action: str) -> None:
+        if not isinstance(state, self.spec.state):
+            raise TypeError(f"{self.spec.name}.{action} expects the {self.spec.state.__name__} "
+                            f"from its init, got {type(state).__name__}")
+        check_usable(state, action)
+
+    def layout(self, state: Any) -> list[Leaf]:
+        """The leaves of ``state``, in the params' flatten order."""
+        params = state.params.tree
+        paths, lives, _ = leaves_with_paths(params)
+        masters = flatten_like(state.master, params, "state.master")
+        moms = [flatten_like(getattr(state, m.name), params, f"state.{m.name}") for m in self.spec.moments]
+        emas = flatten_like(state.ema, params, "state.ema") if self.ema_decay is not None else [None] * len(lives)
+        staged = (flatten_like(state.params.staging, params, "staging")
+                  if state.params.staging is not None else [None] * len(lives))
+        decay = self._decay_flags(params)
+        out = []
+        for i, live in enumerate(lives):
+            p = local(live)
+            out.append(Leaf(paths[i], live, p, masters[i] if masters[i] is not None else p,
+                            tuple(m[i] for m in moms), emas[i], staged[i], masters[i] is not None, decay[i]))
+        return out
+
+    def _decay_flags(self, params: Params) -> list[bool]:
+        mask = self.weight_decay_mask
+        n = len(optree.tree_leaves(params))
+        if mask is None:
+            return [True] * n
+        tree = mask(params) if callable(mask) else mask
+        return [bool(m) for m in flatten_like(tree, params, "weight_decay_mask")]
+
+    def begin(self, state: Any, speculative: bool = False) -> Step:
+        return TerminalStep(self, state, speculative)
+
+    def update(self, grads: Any, state: Any) -> tuple[Params, Any]:
+        return self.begin(state).finish(grads)
+
+
+def terminal(spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
+             moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement] = None,
+             master_dtype: torch.dtype = torch.float32, weight_decay_mask: Any = None,
+             ema_decay: Optional[float] = None, executor: Optional[HostExecutor] = None,
+             cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
+    """The :class:`~functional_offload.Optimizer` of ``spec`` with these hyperparameters and
+    options (see :func:`~functional_offload.adamw` for what each option does). Everything is
+    validated here, before any state exists."""
+    t = Terminal(spec, hypers, moment_dtypes=moment_dtypes, placement=placement,
+                 master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
+                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)
+    return Optimizer(t.init, t.update, t.begin)
+

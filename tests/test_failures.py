@@ -1,0 +1,328 @@
+"""The failure contract: every step completes, leaves the state as it was, or marks it failed —
+and nothing uses, streams or checkpoints a failed state. Faults go through fo.testing."""
+
+import _thread
+import threading
+import time
+
+import optree
+import pytest
+import torch
+
+import functional_offload as fo
+from functional_offload.executor import HostExecutor
+from functional_offload.testing import fail_host_kernel, slow_host_kernel
+from conftest import KERNELS, clone, grad_seq, make_params
+
+
+def small_chunks(**kw):
+    return HostExecutor(chunk_bytes=4096, slots=2, threads=2, **kw)
+
+
+def snapshot(state):
+    return {k: v.clone() for k, v in fo.state_dict(state).items()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def run_reference(opt_fn, params, grads):
+    p = clone(params)
+    opt = opt_fn()
+    s = opt.init(p)
+    for g in grads:
+        p, s = opt.update(g, s)
+    fo.flush(s)
+    return p, s
+
+
+def interrupt_after(seconds):
+    """Send the main thread a KeyboardInterrupt (as Ctrl-C does) after ``seconds``."""
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    return timer
+
+
+# ---- a failed host kernel ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_partial_failure_marks_the_state_failed_until_a_checkpoint_is_loaded(kernel, tmp_path):
+    params = make_params(dtype=torch.bfloat16, big=True)
+    grads = grad_seq(params, 4)
+    mk = lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, cpu_kernel=kernel,  # noqa: E731
+                                                                 executor=small_chunks()))
+    opt = mk()
+    state = opt.init(params)
+    params, state = opt.update(grads[0], state)
+    fo.save(state, tmp_path / "good")
+    before = (tmp_path / "good").read_bytes()
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError, match="injected") as e:
+            opt.update(grads[1], state)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    for action in (lambda: opt.update(grads[1], state), lambda: fo.save(state, tmp_path / "good"),
+                   lambda: fo.state_dict(state), lambda: fo.stream(opt, state)):
+        with pytest.raises(fo.StateError, match="failed.*checkpoint"):
+            action()
+    assert (tmp_path / "good").read_bytes() == before  # nothing overwrote the good checkpoint
+    state = fo.load(tmp_path / "good", like=state)  # a failed state recovers by loading
+    for g in grads[1:]:
+        params, state = opt.update(g, state)
+    ref_p, ref_s = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
+    assert same(fo.state_dict(state), fo.state_dict(ref_s))
+
+
+def test_failure_before_any_chunk_ran_leaves_the_state_usable():
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=small_chunks())
+    state = opt.init(params)
+    snap = snapshot(state)
+    with fail_host_kernel(after=0):
+        with pytest.raises(fo.HostStepError):
+            opt.update(grad_seq(params, 1)[0], state)
+    # the first chunk never ran: either nothing changed and the state is usable, or it is failed
+    try:
+        now = snapshot(state)
+    except fo.StateError:
+        pytest.fail("a step that changed nothing must leave the state usable")
+    assert same(now, snap)
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_interrupts_in_the_host_step_reach_the_caller_as_themselves(exc):
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=small_chunks())
+    state = opt.init(params)
+    with fail_host_kernel(after=2, exc=exc):
+        with pytest.raises(exc):
+            opt.update(grad_seq(params, 1)[0], state)
+    with pytest.raises(fo.StateError, match="failed"):  # two chunks were applied: torn
+        fo.save(state, "/nonexistent/never-written")
+
+
+def test_ctrl_c_during_update_completes_the_step_then_raises():
+    params = make_params(dtype=torch.bfloat16, big=True)
+    grads = grad_seq(params, 3)
+    mk = lambda: fo.adamw(1e-2, executor=small_chunks())  # noqa: E731
+    opt = mk()
+    state = opt.init(params)
+    params, state = opt.update(grads[0], state)
+    with slow_host_kernel(0.05):
+        interrupt_after(0.1)
+        with pytest.raises(KeyboardInterrupt):
+            params, state = opt.update(grads[1], state)  # the assignment never happens
+    assert int(state.count) == 2  # the state passed in holds the completed step
+    params, state = opt.update(grads[2], state)
+    _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
+    assert same(fo.state_dict(state), fo.state_dict(ref))
+
+
+# ---- the delayed update ------------------------------------------------------------------
+
+def test_ctrl_c_during_flush_lands_the_step_and_a_second_flush_is_done(tmp_path):
+    params = make_params(dtype=torch.bfloat16, big=True)
+    grads = grad_seq(params, 3)
+    mk = lambda: fo.adamw(1e-2, delayed=True, executor=small_chunks())  # noqa: E731
+    opt = mk()
+    state = opt.init(params)
+    with slow_host_kernel(0.03):
+        for g in grads:
+            params, state = opt.update(g, state)
+        interrupt_after(0.05)
+        with pytest.raises(KeyboardInterrupt):
+            fo.flush(state)
+    fo.flush(state)  # nothing left in flight
+    for p, m in zip(optree.tree_leaves(params), optree.tree_leaves(state.master)):
+        assert torch.equal(p, m.to(p.dtype))  # every param landed
+    fo.save(state, tmp_path / "ck")  # consistent: count and masters agree
+    ref_p, ref_s = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
+    assert same(fo.state_dict(state), fo.state_dict(ref_s))
+    assert all(torch.equal(a, b) for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(ref_p)))
+
+
+def test_background_failure_is_raised_once_and_then_refused(tmp_path):
+    params = make_params(big=True)
+    opt = fo.sgd(0.1, momentum=0.9, delayed=True, executor=small_chunks())
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    fo.save(state, tmp_path / "good")
+    good = (tmp_path / "good").read_bytes()
+    with fail_host_kernel(after=1):
+        params, state = opt.update(grad_seq(params, 1, seed=2)[0], state)  # returns at once
+        with pytest.raises(fo.HostStepError, match="injected"):
+            fo.save(state, tmp_path / "good")
+    with pytest.raises(fo.StateError, match="failed"):  # a retried save refuses too
+        fo.save(state, tmp_path / "good")
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.update(grad_seq(params, 1)[0], state)
+    assert (tmp_path / "good").read_bytes() == good
+
+
+def test_load_waits_for_the_step_in_flight(tmp_path):
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, delayed=True, executor=small_chunks())
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    fo.save(state, tmp_path / "ck")
+    saved = snapshot(state)
+    with slow_host_kernel(0.02):
+        params, state = opt.update(grad_seq(params, 1, seed=3)[0], state)  # still running
+        state = fo.load(tmp_path / "ck", like=state)
+    fo.flush(state)
+    assert same(snapshot(state), saved)
+
+
+# ---- streaming ---------------------------------------------------------------------------
+
+def make_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64),
+                               torch.nn.GELU(), torch.nn.Linear(64, 4)).to(dtype)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("front", ["none", "clip", "guard"])
+def test_exception_in_backward_aborts_the_streamed_step(front):
+    model = make_model(torch.bfloat16)
+    params = dict(model.named_parameters())
+    inner = fo.adamw(1e-2, executor=small_chunks())
+    opt = {"none": inner, "clip": fo.chain(fo.clip_by_global_norm(1e6), inner),
+           "guard": fo.apply_if_finite(inner)}[front]
+    state = opt.init(params)
+    snap = snapshot(state)
+    p_before = clone(params)
+    # the first layer's backward runs last: by then the later layers' grads were handed over
+    model[0].register_full_backward_hook(lambda *a: (_ for _ in ()).throw(Boom()))
+    x = torch.randn(8, 16).to(torch.bfloat16)
+    with pytest.raises(Boom):
+        with fo.stream(opt, state) as s:
+            model(x.requires_grad_()).float().square().mean().backward()
+    assert s.arrived  # some leaves did start
+    if front == "none":  # in place: the state is failed unless nothing had run yet
+        try:
+            ok = same(snapshot(state), snap)
+        except fo.StateError:
+            ok = None
+        assert ok in (None, True)
+        if ok is None:
+            with pytest.raises(fo.StateError, match="failed"):
+                opt.update({k: torch.zeros_like(v) for k, v in params.items()}, state)
+    else:  # speculative: exactly as it was, params too, and usable
+        assert same(snapshot(state), snap)
+        assert all(torch.equal(params[k], p_before[k]) for k in params)
+
+
+def test_a_state_in_a_streamed_step_refuses_other_updates():
+    model = make_model()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    with fo.stream(opt, state) as s:
+        model(torch.randn(4, 16)).sum().backward()
+    g = {k: torch.zeros_like(v) for k, v in params.items()}
+    with pytest.raises(fo.StateError, match="in a step"):
+        opt.update(g, state)
+    params, new = s.finish()
+    assert int(new.count) == 1
+    with pytest.raises(fo.StateError, match="consumed"):
+        opt.update(g, state)
+    with pytest.raises(RuntimeError, match="already finished"):
+        s.finish()
+
+
+def test_stream_of_a_detached_state_refuses_and_works_with_params():
+    model = make_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}  # the README's way
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="params=model"):
+        fo.stream(opt, state)
+    before = clone(params)
+    with fo.stream(opt, state, params=model) as s:
+        model(torch.randn(4, 16)).square().mean().backward()
+    params, state = s.finish()
+    assert len(s.arrived) == 6 and int(state.count) == 1
+    assert all(not torch.equal(params[k], before[k]) for k in params)
+    other = make_model()
+    with pytest.raises(ValueError, match="share its memory"):
+        fo.stream(opt, state, params=other)
+
+
+def test_consumed_guard_state_is_refused_after_a_skipped_step():
+    params = make_params(big=True)
+    opt = fo.apply_if_finite(fo.adamw(1e-2))
+    s0 = opt.init(params)
+    bad = grad_seq(params, 1)[0]
+    bad["scale"][0, 0, 0] = float("nan")
+    params, s1 = opt.update(bad, s0)
+    assert int(s1.total_notfinite) == 1
+    with pytest.raises(fo.StateError, match="consumed"):
+        opt.update(grad_seq(params, 1)[0], s0)
+    params, s2 = opt.update(grad_seq(params, 1)[0], s1)
+    assert int(s2.inner_state.count) == 1
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("wrap", ["clip", "guard", "guard+clip"])
+@pytest.mark.parametrize("bad,msg", [
+    (lambda g: g.to(torch.int64), r"'scale' has dtype torch.int64"),
+    (lambda g: g > 0, r"'scale' has dtype torch.bool"),
+    (lambda g: torch.empty(g.shape, device="meta"), r"'scale' is on meta"),
+    (lambda g: 1.5, r"'scale' is a float"),
+    (lambda g: g.numpy(), r"'scale' is a ndarray"),
+])
+def test_bad_grads_through_transforms_name_the_leaf(wrap, bad, msg):
+    params = make_params(big=True)
+    inner = fo.adamw(1e-2)
+    opt = {"clip": fo.chain(fo.clip_by_global_norm(1.0), inner), "guard": fo.apply_if_finite(inner),
+           "guard+clip": fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), inner))}[wrap]
+    state = opt.init(params)
+    snap = snapshot(state)
+    g = grad_seq(params, 1)[0]
+    g["scale"] = bad(g["scale"])
+    with pytest.raises((TypeError, ValueError), match=msg):
+        opt.update(g, state)
+    assert same(snapshot(state), snap)  # nothing changed, still usable
+
+
+def test_noncontiguous_and_tied_params_are_refused_at_init():
+    w = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="'t' is not contiguous"):
+        fo.adamw(1e-2).init({"w": torch.randn(4), "t": w.t()})
+    with pytest.raises(ValueError, match="'a' and 'b' share memory"):
+        fo.adamw(1e-2).init({"a": w, "b": w})
+    with pytest.raises(ValueError, match="share memory"):
+        fo.adamw(1e-2).init({"a": w[:5], "b": w[4:]})
+    fo.adamw(1e-2).init({"a": w[:4], "b": w[4:]})  # adjacent views are fine
+
+
+def test_grad_tree_mismatch_names_paths_not_tensors():
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    g = {k: torch.zeros_like(v) for k, v in params.items() if k != "3.bias"}
+    g["extra"] = torch.zeros(3)
+    with pytest.raises(ValueError) as e:
+        opt.update(g, state)
+    msg = str(e.value)
+    assert "missing ['3.bias']" in msg and "unexpected ['extra']" in msg and len(msg) < 600
+
+
+@pytest.mark.parametrize("lr", [1e38, float("inf")])
+def test_unrepresentable_hyperparameters_are_refused_before_any_change(lr):
+    with pytest.raises(ValueError, match="lr|float32"):
+        fo.adamw(lr)
+    params = make_params(big=True)
+    opt = fo.adamw(lambda n: 1e-3 if n == 0 else 1e38)
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    snap = snapshot(state)
+    with pytest.raises(ValueError, match="float32"):
+        opt.update(grad_seq(params, 1)[0], state)
+    assert same(snapshot(state), snap)
