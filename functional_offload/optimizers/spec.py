@@ -20,7 +20,7 @@ import torch
 from functional_offload.typing import ScalarOrSchedule
 
 __all__ = ["Moment", "OptimizerSpec", "check_nonneg", "check_positive", "check_beta",
-           "check_schedule", "check_representable", "STATE_FIELDS"]
+           "check_schedule", "check_representable", "torch_state_names", "STATE_FIELDS"]
 
 STATE_FIELDS = ("count", "master", "ema", "params")  # every terminal state has these
 """Besides its moments, a terminal state has ``count`` (int64 0-d, updates applied), ``master``
@@ -86,7 +86,21 @@ class OptimizerSpec(NamedTuple):
             raise TypeError(f"{self.name}: a native op needs its scalars function, and only it")
         if self.decay is not None and self.decay not in self.hyperparameters:
             raise TypeError(f"{self.name}: decay hyperparameter {self.decay!r} is not declared")
+        names = _TORCH_NAMES.setdefault(self.state, {})
+        names.update({m.name: m.torch_name for m in self.moments})
         return self
+
+
+_TORCH_NAMES: dict[type, dict[str, str]] = {}  # state type -> {moment field: torch.optim's key}
+
+
+def torch_state_names(state: Any) -> dict[str, str]:
+    """``{moment field: torch.optim's per-param state key}`` of a terminal state (or its type),
+    e.g. ``{"mu": "exp_avg", "nu": "exp_avg_sq"}`` for an :class:`~functional_offload.AdamState`."""
+    kind = state if isinstance(state, type) else type(state)
+    if kind not in _TORCH_NAMES:
+        raise TypeError(f"{kind.__name__} is not the state of a terminal optimizer")
+    return dict(_TORCH_NAMES[kind])
 
 
 def check_nonneg(name: str, x: Any) -> float:
