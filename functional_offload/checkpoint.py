@@ -116,7 +116,7 @@ def _crc(t: torch.Tensor) -> int:
 
 
 def _locked_temp(path: str) -> tuple[BinaryIO, str]:
-    """Create and lock (``flock``) a new temporary file next to ``path``; ``(file, name)``.
+    """Create and lock a new temporary file next to ``path``; ``(file, name)``.
 
     The lock marks the file as being written until the file is closed: the kernel releases it
     when the writer dies, however it dies, which is how a later save tells a stale file from a
@@ -129,7 +129,10 @@ def _locked_temp(path: str) -> tuple[BinaryIO, str]:
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         except FileExistsError:
             continue
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without locks (Lustre without flock): stale files then stay
         if _names(fd, tmp):
             return os.fdopen(fd, "wb"), tmp
         os.close(fd)  # a cleaner removed it between creation and locking: take another name
@@ -145,22 +148,22 @@ def _names(fd: int, name: str) -> bool:
 
 
 def _remove_stale_temps(path: str) -> None:
-    """Remove the temporary files of saves of ``path`` that died (nobody holds their lock)."""
+    """Remove the temporary files of saves of ``path`` that died (whose lock nobody holds)."""
     folder, base = os.path.split(path)
     for entry in os.listdir(folder):
         if not entry.startswith(f".{base}.tmp-"):
             continue
         name = os.path.join(folder, entry)
         try:
-            fd = os.open(name, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
+            fd = os.open(name, os.O_RDWR)  # writable: NFS locks a file only so
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if _names(fd, name):
                 os.unlink(name)
-        except BlockingIOError:
-            pass  # a live save is writing it
+        except OSError:
+            pass  # a live save holds the lock (or the file system has no locks): keep it
         finally:
             os.close(fd)
 
