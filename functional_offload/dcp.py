@@ -64,7 +64,7 @@ def _sharded(node: Any, prefix: str) -> Any:
             xs = flatten_like(getattr(node, f), params, f"state field {f!r}")
         except ValueError:
             if optree.tree_leaves(getattr(node, f)):
-                raise TypeError(f"state field {prefix}{f!r} holds tensors but does not mirror the "
+                raise TypeError(f"state field {prefix + f!r} holds tensors but does not mirror the "
                                 "params tree, so no shard of a param can be named for them; "
                                 "functional_offload.dcp saves states whose fields mirror the "
                                 "params (mu, nu, master, momentum) and a step count") from None

@@ -2,6 +2,7 @@
 another straight into the state's tensors, training continuing on the same trajectory."""
 
 from datetime import timedelta
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -215,6 +216,19 @@ def test_strict_planner_refuses_casts_and_leftover_entries(runs):
         load_into(fp32, make_opt())
     with pytest.raises(dcp.CheckpointException, match="Missing key"):
         load_into(make_model(), fo.adamw(1e-2))  # another chain: other keys
+
+
+def test_state_fields_must_mirror_the_params():
+    class Odd(NamedTuple):  # a terminal state with a field that is not one tensor per param
+        count: torch.Tensor
+        table: torch.Tensor
+        params: fo.ParamRefs
+
+    params = {"a": torch.zeros(2), "b": torch.zeros(3)}
+    state = (fo.EmptyState(), Odd(torch.zeros((), dtype=torch.int64), torch.zeros(5),
+                                  fo.ParamRefs(params)))
+    with pytest.raises(TypeError, match="'1.table' holds tensors but does not mirror"):
+        fo.dcp.state_dict(state)
 
 
 @pytest.mark.cuda
