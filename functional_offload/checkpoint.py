@@ -2,23 +2,26 @@
 
 The state tree is flattened to dotted-path keys (``"1.mu.layer.weight"``, ``"1.count"``); the
 :class:`~functional_offload.base.ParamRefs` node (the model's own params) is left out. Files are
-safetensors with a CRC-32 per tensor in the header, written to a temporary file and renamed, so
-a crash mid-save leaves the previous checkpoint readable. Restoring is strict and exact: every
-key, shape and dtype must match ``like`` — a fp32 master is never silently cast — and the values
-are copied into ``like``'s tensors, so they keep ``like``'s placement (re-placement on load).
+safetensors with a CRC-32 per tensor in the header. A save writes a temporary file next to the
+target, fsyncs it, renames it over the target and fsyncs the directory, so a crash mid-save
+leaves the previous checkpoint readable; the temporary file of a killed save is removed by the
+next save of that path. A load reads through one open file, so a save renaming a new file over
+the path meanwhile yields the old or the new checkpoint, whole. Restoring is strict and exact:
+every key, shape and dtype must match ``like`` — a fp32 master is never silently cast — and the
+values are copied into ``like``'s tensors, so they keep ``like``'s placement (re-placement on
+load).
 """
 
 from __future__ import annotations
 
-import ctypes
+import fcntl
 import json
+import math
 import os
-import tempfile
+import secrets
 import zlib
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
-import safetensors
-import safetensors.torch
 import torch
 
 from functional_offload.base import BUSY, CONSUMED, ParamRefs, check_usable, flush, terminal_states
@@ -101,14 +104,112 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     return like
 
 
+# safetensors dtype names (the format's spec)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+           "BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def _bytes(t: torch.Tensor) -> Any:
+    """The bytes of a contiguous CPU tensor, as a writable buffer sharing its memory."""
+    return t.view(-1).view(torch.uint8).numpy()
+
+
 def _crc(t: torch.Tensor) -> int:
-    t = t.detach().contiguous().cpu()
-    n = t.numel() * t.element_size()
-    return zlib.crc32((ctypes.c_ubyte * n).from_address(t.data_ptr())) if n else 0
+    return zlib.crc32(_bytes(t.detach().contiguous().cpu()))
+
+
+def _locked_temp(path: str) -> tuple[BinaryIO, str]:
+    """Create and lock a new temporary file next to ``path``; ``(file, name)``.
+
+    The lock marks the file as being written until the file is closed: the kernel releases it
+    when the writer dies, however it dies, which is how a later save tells a stale file from a
+    live one.
+    """
+    folder, base = os.path.split(path)
+    while True:
+        tmp = os.path.join(folder, f".{base}.tmp-{secrets.token_hex(8)}")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # a file system without locks (Lustre without flock): stale files then stay
+        if _names(fd, tmp):
+            return os.fdopen(fd, "wb"), tmp
+        os.close(fd)  # a cleaner removed it between creation and locking: take another name
+
+
+def _names(fd: int, name: str) -> bool:
+    """Whether ``name`` is (still) the file open as ``fd``."""
+    try:
+        st = os.stat(name)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+
+
+def _remove_stale_temps(path: str) -> None:
+    """Remove the temporary files of saves of ``path`` that died (whose lock nobody holds)."""
+    folder, base = os.path.split(path)
+    for entry in os.listdir(folder):
+        if not entry.startswith(f".{base}.tmp-"):
+            continue
+        name = os.path.join(folder, entry)
+        try:
+            fd = os.open(name, os.O_RDWR)  # writable: NFS locks a file only so
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _names(fd, name):
+                os.unlink(name)
+        except OSError:
+            pass  # a live save holds the lock (or the file system has no locks): keep it
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_safetensors(f: BinaryIO, sd: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """Write contiguous CPU tensors to ``f`` as safetensors: the header's length (8 bytes,
+    little-endian), the JSON header padded to 8 bytes, the tensors' bytes (largest elements
+    first, so that every tensor is aligned)."""
+    for k, v in sd.items():
+        if v.dtype not in _NAMES:
+            raise TypeError(f"state leaf {k!r} has dtype {v.dtype}, which a checkpoint cannot hold "
+                            f"(it holds {sorted(map(str, _NAMES))})")
+    order = sorted(sd, key=lambda k: (-sd[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": meta}
+    at = 0
+    for k in order:
+        end = at + sd[k].numel() * sd[k].element_size()
+        header[k] = {"dtype": _NAMES[sd[k].dtype], "shape": list(sd[k].shape),
+                     "data_offsets": [at, end]}
+        at = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for k in order:
+        f.write(_bytes(sd[k]))
 
 
 def save(state: OptState, path: Union[str, os.PathLike]) -> None:
     """Write the state to ``path`` (safetensors), atomically: temp file, fsync, rename.
+
+    The temporary file ``.<name>.tmp-<random>`` sits next to ``path``; temporary files that
+    killed saves of ``path`` left behind are removed first.
 
     Example::
 
@@ -117,41 +218,129 @@ def save(state: OptState, path: Union[str, os.PathLike]) -> None:
     """
     sd = {k: v.detach().cpu().contiguous() for k, v in state_dict(state).items()}
     meta = {"format": _FORMAT, "crc32": json.dumps({k: _crc(v) for k, v in sd.items()})}
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
+    path = os.path.abspath(os.fspath(path))
+    folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        safetensors.torch.save_file(sd, tmp, metadata=meta)
-        with open(tmp, "rb+") as f:
+    _remove_stale_temps(path)
+    f, tmp = _locked_temp(path)
+    with f:  # closing it releases the lock
+        try:
+            _write_safetensors(f, sd, meta)
+            f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+            os.replace(tmp, path)
+            _fsync_dir(folder)
+        except BaseException:
+            if _names(f.fileno(), tmp):
+                os.unlink(tmp)
+            raise
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _read_safetensors(f: BinaryIO, size: int) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of the safetensors file open as ``f`` (``size`` bytes); raises
+    ``ValueError`` saying what is wrong with it."""
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise ValueError(f"{size} bytes, too short to hold the 8-byte header length")
+    n = int.from_bytes(raw, "little")
+    if n > size - 8:
+        raise ValueError(f"header length {n} is more than the {size - 8} bytes after it")
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ValueError(f"the header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    meta = header.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("__metadata__ in the header is not a map of strings")
+    entries = []
+    for key, e in header.items():
+        if not (isinstance(e, dict) and isinstance(e.get("dtype"), str)
+                and isinstance(e.get("shape"), list)
+                and all(_is_int(d) and d >= 0 for d in e["shape"])
+                and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+                and all(_is_int(o) for o in e["data_offsets"])):
+            raise ValueError(f"tensor {key!r} has an invalid header entry {str(e)[:80]}")
+        if e["dtype"] not in _DTYPES:
+            raise ValueError(f"tensor {key!r} has dtype {e['dtype']!r}, which a checkpoint never "
+                             "holds")
+        dtype = _DTYPES[e["dtype"]]
+        begin, end = e["data_offsets"]
+        if end - begin != math.prod(e["shape"]) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r}: data_offsets {e['data_offsets']} do not span its "
+                             f"shape {e['shape']} of {e['dtype']}")
+        entries.append((begin, end, key, dtype, e["shape"]))
+    entries.sort()
+    held, at = size - 8 - n, 0
+    for begin, end, key, _, _ in entries:
+        if begin != at:
+            raise ValueError(f"tensor {key!r} starts at byte {begin} of the data, expected {at} "
+                             "(tensors overlap or leave a gap)")
+        at = end
+    if at != held:
+        raise ValueError(f"the header describes {at} bytes of tensor data but the file holds "
+                         f"{held}")
+    tensors = {}
+    for _, _, key, dtype, shape in entries:
+        t = torch.empty(shape, dtype=dtype)
+        if f.readinto(_bytes(t)) != t.numel() * dtype.itemsize:
+            raise ValueError(f"tensor {key!r} ends past the end of the file (truncated)")
+        tensors[key] = t
+    return meta, tensors
+
+
+def _check_crcs(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless the ``crc32`` metadata holds each tensor's CRC-32."""
+    if "crc32" not in meta:
+        raise ValueError("its metadata has no crc32 entry")
+    try:
+        crcs = json.loads(meta["crc32"])
+    except ValueError as e:
+        raise ValueError(f"its crc32 metadata is not JSON ({e})") from None
+    if not isinstance(crcs, dict) or not all(_is_int(v) for v in crcs.values()):
+        raise ValueError(f"its crc32 metadata is not a map of integers: {meta['crc32'][:80]!r}")
+    if sd.keys() - crcs.keys():
+        raise ValueError(f"its crc32 metadata lacks tensors {sorted(sd.keys() - crcs.keys())[:8]}")
+    if crcs.keys() - sd.keys():
+        raise ValueError(f"its crc32 metadata lists tensors that are not in the file "
+                         f"{sorted(crcs.keys() - sd.keys())[:8]}")
+    for k, v in sd.items():
+        if crcs[k] != _crc(v):
+            raise ValueError(f"leaf {k!r} fails its CRC-32 check")
 
 
 def load(path: Union[str, os.PathLike], like: OptState) -> OptState:
     """Read a checkpoint written by :func:`save` into ``like`` (see :func:`load_state_dict`).
 
-    Raises :class:`CheckpointError` for a truncated, corrupt or foreign file.
+    Raises :class:`CheckpointError` naming the file and what is wrong for a truncated,
+    corrupt or foreign file (``FileNotFoundError`` when there is none); ``like`` is then
+    untouched.
+
+    Example::
+
+        state = fo.load("ckpt/opt.safetensors", like=opt.init(params))
     """
     path = os.fspath(path)
-    try:
-        with safetensors.safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            sd = {k: f.get_tensor(k) for k in f.keys()}
-    except FileNotFoundError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt?): {e}") from e
+    corrupt = "the file is truncated or corrupt; load another copy"
+    with open(path, "rb") as f:  # one open file: a save renaming over the path cannot mix files
+        try:
+            meta, sd = _read_safetensors(f, os.fstat(f.fileno()).st_size)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}; {corrupt}") from None
     if meta.get("format") != _FORMAT:
-        raise CheckpointError(f"{path}: not a functional_offload checkpoint "
-                              f"(format {meta.get('format')!r})")
-    crcs = json.loads(meta["crc32"])
-    for k, v in sd.items():
-        if crcs.get(k) != _crc(v):
-            raise CheckpointError(f"{path}: leaf {k!r} fails its CRC-32 check; the file is corrupt")
-    return load_state_dict(sd, like)
+        raise CheckpointError(f"{path}: not a functional_offload checkpoint (its metadata has "
+                              f"format {meta.get('format')!r}, expected {_FORMAT!r}); write "
+                              "checkpoints with functional_offload.save")
+    try:
+        _check_crcs(meta, sd)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}; {corrupt}") from None
+    try:
+        return load_state_dict(sd, like)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None

@@ -1,6 +1,14 @@
 """Checkpoints: exact, strict, atomic, pickle-free; resume continues bit for bit."""
 
+import errno
+import fcntl
+import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import zlib
 
 import optree
 import pytest
@@ -112,18 +120,31 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     fo.save(state, path)
     before = path.read_bytes()
 
-    def crash(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"partial")
+    def crash(fd):  # the new file is written, not yet renamed over the old one
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", crash)
+    monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(KeyboardInterrupt):
         fo.save(state, path)
-    assert path.read_bytes() == before
-    assert [f for f in os.listdir(tmp_path) if f.startswith(".tmp")] == []
     monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["opt.safetensors"]  # no temporary file left
     fo.load(path, make_opt().init(clone(params)))
+
+
+def test_files_are_plain_safetensors(tmp_path):
+    """Other safetensors readers read the files; files safetensors writes (with the same
+    metadata, as earlier versions did) load."""
+    opt, params, state = trained(2)
+    sd = fo.state_dict(state)
+    fo.save(state, tmp_path / "ours")
+    theirs = safetensors.torch.load_file(tmp_path / "ours")
+    assert theirs.keys() == sd.keys() and all(torch.equal(theirs[k], sd[k]) for k in sd)
+    meta = split((tmp_path / "ours").read_bytes())[0]["__metadata__"]
+    safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, tmp_path / "theirs",
+                                metadata=meta)
+    loaded = fo.state_dict(fo.load(tmp_path / "theirs", opt.init(clone(params))))
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
 
 
 def test_sgd_and_guard_states_round_trip(tmp_path):
@@ -138,3 +159,203 @@ def test_sgd_and_guard_states_round_trip(tmp_path):
                                      *(f"inner_state.momentum.{k}" for k in
                                        ("layer1.bias", "layer1.weight", "layer2.bias",
                                         "layer2.weight", "scale"))}
+
+
+# ---- damaged files ---------------------------------------------------------------------------
+def split(data: bytes) -> tuple[dict, bytes]:
+    """A safetensors file as (header, tensor bytes): 8-byte little-endian length, JSON, data."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8: 8 + n]), data[8 + n:]
+
+
+def pack(header, body: bytes, length=None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return (len(raw) if length is None else length).to_bytes(8, "little") + raw + body
+
+
+def with_meta(header: dict, **meta) -> dict:
+    return dict(header, __metadata__={**header["__metadata__"], **meta})
+
+
+def with_crcs(header: dict, edit) -> dict:
+    crcs = json.loads(header["__metadata__"]["crc32"])
+    return with_meta(header, crc32=json.dumps(edit(crcs)))
+
+
+def damaged(data: bytes) -> dict[str, tuple[bytes, str]]:
+    """Every way a file can be wrong: {case: (bytes, what the error must say)}."""
+    h, body = split(data)
+    raw = json.dumps(h).encode()
+    first = next(k for k in h if k != "__metadata__")
+    meta = h["__metadata__"]
+    flipped = bytearray(data)
+    flipped[-5] ^= 0xFF
+    return {
+        "empty": (b"", "header length"),
+        "shorter than the length field": (data[:5], "header length"),
+        "header length past the end": (pack(h, body, length=2 ** 40), "header length"),
+        "header length too short": (pack(raw, body, length=len(raw) - 3), "header"),
+        "header garbage": (pack(b"\xff\xfe" * (len(raw) // 2), body), "header"),
+        "header not an object": (pack(b"[1, 2]", body), "header"),
+        "truncated data": (data[:-100], "truncated"),
+        "trailing bytes": (data + b"\0" * 16, "bytes"),
+        "tensor entry ill-typed": (pack(dict(h, **{first: "x"}), body), first),
+        "unknown dtype": (pack(dict(h, **{first: dict(h[first], dtype="Q7")}), body), "Q7"),
+        "offsets disagree with the shape":
+            (pack(dict(h, **{first: dict(h[first], shape=[10 ** 6])}), body), first),
+        "metadata missing":
+            (pack({k: v for k, v in h.items() if k != "__metadata__"}, body), "metadata"),
+        "metadata ill-typed": (pack(dict(h, __metadata__=["format"]), body), "metadata"),
+        "format missing": (pack(dict(h, __metadata__={"crc32": meta["crc32"]}), body),
+                           "not a functional_offload"),
+        "crc32 missing": (pack(dict(h, __metadata__={"format": meta["format"]}), body), "crc32"),
+        "crc32 not JSON": (pack(with_meta(h, crc32="{nope"), body), "crc32"),
+        "crc32 not a dict": (pack(with_meta(h, crc32="[1, 2]"), body), "crc32"),
+        "crc32 value not an int":
+            (pack(with_crcs(h, lambda c: {k: str(v) for k, v in c.items()}), body), "crc32"),
+        "crc32 value a bool": (pack(with_crcs(h, lambda c: {k: True for k in c}), body), "crc32"),
+        "crc32 key missing":
+            (pack(with_crcs(h, lambda c: {k: v for k, v in c.items() if k != first}), body), first),
+        "crc32 key extra": (pack(with_crcs(h, lambda c: dict(c, ghost=0)), body), "ghost"),
+        "tensor bytes flipped": (bytes(flipped), "CRC"),
+    }
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    _, params, state = trained(1)
+    path = tmp_path_factory.mktemp("good") / "opt.safetensors"
+    fo.save(state, path)
+    assert set(damaged(path.read_bytes())) == set(CASES)
+    return path.read_bytes(), params
+
+
+CASES = ["empty", "shorter than the length field", "header length past the end",
+         "header length too short", "header garbage", "header not an object", "truncated data",
+         "trailing bytes", "tensor entry ill-typed", "unknown dtype",
+         "offsets disagree with the shape", "metadata missing", "metadata ill-typed",
+         "format missing", "crc32 missing", "crc32 not JSON", "crc32 not a dict",
+         "crc32 value not an int", "crc32 value a bool", "crc32 key missing", "crc32 key extra",
+         "tensor bytes flipped"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_damaged_file_raises_checkpoint_error(tmp_path, good_file, case):
+    data, params = good_file
+    bad, what = damaged(data)[case]
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(bad)
+    like = make_opt().init(clone(params))
+    with pytest.raises(fo.CheckpointError) as err:
+        fo.load(path, like)
+    assert str(path) in str(err.value) and what in str(err.value), str(err.value)
+    untouched = all(torch.equal(x, torch.zeros_like(x)) for x in optree.tree_leaves(like[1].mu))
+    assert untouched
+
+
+def test_extra_tensor_in_file_names_file_and_key(tmp_path):
+    _, params, state = trained(1)
+    sd = {k: v.contiguous() for k, v in fo.state_dict(state).items()}
+    sd["extra"] = torch.zeros(2)
+    path = tmp_path / "extra.safetensors"
+    good = tmp_path / "good.safetensors"
+    fo.save(state, good)
+    meta = split(good.read_bytes())[0]["__metadata__"]
+    crcs = json.loads(meta["crc32"])
+    crcs["extra"] = zlib.crc32(bytes(8))  # two fp32 zeros
+    safetensors.torch.save_file(sd, path, metadata=dict(meta, crc32=json.dumps(crcs)))
+    with pytest.raises(fo.CheckpointError, match=re.escape(str(path)) + ".*unexpected.*extra"):
+        fo.load(path, make_opt().init(clone(params)))
+
+
+def test_missing_file_raises_file_not_found(tmp_path):
+    _, params, _ = trained(1)
+    with pytest.raises(FileNotFoundError):
+        fo.load(tmp_path / "absent.safetensors", make_opt().init(clone(params)))
+
+
+# ---- concurrency ------------------------------------------------------------------------------
+RACING_SAVER = """
+import sys, time
+import torch
+import functional_offload as fo
+
+opt = fo.adamw(1e-2)
+a = opt.init({"w": torch.zeros(1000)})
+_, b = opt.update({"w": torch.ones(1000)}, opt.init({"w": torch.zeros(1000)}))
+fo.save(a, sys.argv[1])
+print("saving", flush=True)
+stop = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < stop:
+    fo.save(b, sys.argv[1])
+    fo.save(a, sys.argv[1])
+"""
+
+
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+
+
+def test_load_racing_saves_reads_whole_files(tmp_path):
+    """Another process renames new files over the path while loads read it: each load sees
+    one whole file, the old or the new, never a mix reported as corrupt."""
+    path = tmp_path / "opt.safetensors"
+    saver = subprocess.Popen([sys.executable, "-c", RACING_SAVER, str(path), "2"],
+                             stdout=subprocess.PIPE, env=child_env(), text=True)
+    try:
+        assert saver.stdout.readline() == "saving\n"
+        counts = set()
+        while saver.poll() is None:
+            counts.add(int(fo.load(path, fo.adamw(1e-2).init({"w": torch.zeros(1000)})).count))
+    finally:
+        saver.kill()
+        saver.wait()
+    assert counts <= {0, 1} and counts
+
+
+SLOW_SAVE = """
+import os, sys, time
+import torch
+import functional_offload as fo
+
+def stalled(fd):  # the temporary file is written, not yet renamed
+    print("writing", flush=True)
+    time.sleep(600)
+
+os.fsync = stalled
+fo.save({"w": torch.zeros(3)}, sys.argv[1])
+"""
+
+
+def test_killed_save_leaves_no_temp_file_behind_the_next_save(tmp_path):
+    """A save killed mid-write leaves its temporary file; the next save of that path removes
+    it, but never the file of a save still running."""
+    path = tmp_path / "opt.safetensors"
+    fo.save({"w": torch.ones(3)}, path)
+    child = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, str(path)], stdout=subprocess.PIPE,
+                             env=child_env(), text=True)
+    try:
+        assert child.stdout.readline() == "writing\n"
+        fo.save({"w": torch.ones(3)}, path)  # the child is alive: its file stays
+        assert len(os.listdir(tmp_path)) == 2
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    fo.save({"w": torch.full((3,), 2.0)}, path)
+    assert os.listdir(tmp_path) == ["opt.safetensors"]
+    assert torch.equal(fo.load(path, {"w": torch.zeros(3)})["w"], torch.full((3,), 2.0))
+
+
+def test_saves_work_on_file_systems_without_locks(tmp_path, monkeypatch):
+    """Where flock fails (Lustre without flock), saves and loads work; nothing that might be a
+    live save's file is removed."""
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = tmp_path / "opt.safetensors"
+    (tmp_path / ".opt.safetensors.tmp-0123456789abcdef").write_bytes(b"partial")
+    fo.save({"w": torch.ones(3)}, path)
+    fo.save({"w": torch.full((3,), 2.0)}, path)
+    assert torch.equal(fo.load(path, {"w": torch.zeros(3)})["w"], torch.full((3,), 2.0))
+    assert len(os.listdir(tmp_path)) == 2
