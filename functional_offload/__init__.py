@@ -24,6 +24,15 @@ from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``fo.dcp`` is imported on first use: it imports torch.distributed.checkpoint (~1 s)."""
+    if name == "dcp":
+        import importlib
+        return importlib.import_module("functional_offload.dcp")
+    raise AttributeError(f"module 'functional_offload' has no attribute {name!r}")
+
+
 __all__ = [
     "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
     "chain", "params_of", "flush", "plan", "HostStepError",
@@ -32,5 +41,5 @@ __all__ = [
     "ApplyIfFiniteState", "schedules",
     "placement", "HostExecutor", "placement_report", "PlacementReport",
     "compat", "TorchOptimizer", "activations", "ActivationOffload",
-    "save", "load", "state_dict", "load_state_dict", "CheckpointError",
+    "save", "load", "state_dict", "load_state_dict", "CheckpointError", "dcp",
 ]

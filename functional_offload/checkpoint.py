@@ -14,6 +14,7 @@ load).
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import math
@@ -48,10 +49,10 @@ def _state_leaves(state: OptState) -> tuple[list[str], list[Any]]:
     return [p for p, _ in keep], [x for _, x in keep]
 
 
-def _settle(like: OptState) -> None:
+def ready_for_load(like: OptState) -> None:
     """Make ``like`` ready to be overwritten: wait for a delayed step in flight (its result is
     dropped); a failed state may be loaded into (that is how it recovers), a consumed one or
-    one in a step may not."""
+    one in a step may not (:class:`~functional_offload.StateError`)."""
     for s in terminal_states(like):
         n = int(s.count) if isinstance(s.count, torch.Tensor) and s.count.dim() == 0 else 0
         if n in (CONSUMED, BUSY):
@@ -71,6 +72,12 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     check_usable(state, "take a state_dict")
     flush(state)  # a delayed update still in flight lands first
     check_usable(state, "take a state_dict")
+    return state_tensors(state)
+
+
+def state_tensors(state: OptState) -> dict[str, torch.Tensor]:
+    """:func:`state_dict` without its checks and without landing work in flight (for loading
+    into the state, after :func:`ready_for_load`)."""
     paths, leaves = _state_leaves(state)
     if len(set(paths)) != len(paths):
         raise ValueError("two state leaves share a dotted path; use keys without dots")
@@ -97,7 +104,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
                                   f"{(tuple(x.shape), x.dtype)}; values are never cast on load")
-    _settle(like)
+    ready_for_load(like)
     with torch.no_grad():
         for p, x in zip(paths, leaves):
             x.copy_(sd[p])
@@ -114,7 +121,7 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 def _bytes(t: torch.Tensor) -> Any:
     """The bytes of a contiguous CPU tensor, as a writable buffer sharing its memory."""
-    return t.view(-1).view(torch.uint8).numpy()
+    return (ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())
 
 
 def _crc(t: torch.Tensor) -> int:

@@ -34,7 +34,7 @@ __all__ = ["state_dict", "StrictLoadPlanner"]
 
 def _is_terminal(x: Any) -> bool:
     """A terminal optimizer's state: a NamedTuple holding its params (``AdamState``, ...)."""
-    return isinstance(x, tuple) and isinstance(getattr(x, "params", None), ParamRefs)
+    return isinstance(getattr(x, "params", None), ParamRefs)
 
 
 def _as_dtensor(x: Any, p: Any, path: str) -> Any:
@@ -89,7 +89,7 @@ def _check_ranks_agree(sd: dict[str, torch.Tensor]) -> None:
                                   "rank must apply the same updates before a checkpoint")
 
 
-def state_dict(state: OptState) -> dict[str, torch.Tensor]:
+def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor]:
     """The state for ``torch.distributed.checkpoint``: ``{dotted path: tensor}``, sharing the
     state's tensors.
 
@@ -101,9 +101,12 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     ``dcp.load`` into ``state_dict(like)`` copies the checkpoint into ``like``'s tensors in place,
     from a checkpoint saved at any world size, through host memory only.
 
-    A delayed update in flight is finished first. Collective when a process group is up: call
-    it on every rank, as ``dcp.save``. The scalar leaves (step counts) must agree across ranks,
-    else :class:`~functional_offload.CheckpointError`.
+    For ``dcp.save``, a delayed update in flight is finished first, and a consumed, failed or
+    busy state is refused. With ``loading=True`` (for ``dcp.load``), a delayed update in flight
+    is waited for and dropped, and a failed state is accepted: loading is how it recovers.
+    Collective when a process group is up: call it on every rank, as ``dcp.save``. The scalar
+    leaves (step counts) must agree across ranks when saving, else
+    :class:`~functional_offload.CheckpointError`.
 
     Example (one process here; under FSDP2 every rank makes the same calls, and the model's
     ``get_model_state_dict`` can go in the same ``dcp.save``)::
@@ -116,16 +119,20 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
         path = tempfile.mkdtemp()
         dcp.save({"optim": fo.dcp.state_dict(state)}, checkpoint_id=path)
         like = opt.init({"w": torch.zeros(2)})
-        dcp.load({"optim": fo.dcp.state_dict(like)}, checkpoint_id=path,
+        dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id=path,
                  planner=fo.dcp.StrictLoadPlanner())
         assert int(like.count) == 1  # loaded in place
     """
-    checkpoint.state_dict(state)  # lands a delayed update; refuses a consumed state
+    if loading:
+        checkpoint.ready_for_load(state)
+    else:
+        checkpoint.state_dict(state)  # lands a delayed update; refuses a consumed or failed state
     paths, nodes, spec = leaves_with_paths(state, is_leaf=_is_terminal)
     view = spec.unflatten([_sharded(n, "" if p == "<root>" else f"{p}.") if _is_terminal(n) else n
                            for p, n in zip(paths, nodes)])
-    sd = checkpoint.state_dict(view)
-    _check_ranks_agree(sd)
+    sd = checkpoint.state_tensors(view)
+    if not loading:
+        _check_ranks_agree(sd)
     return sd
 
 

@@ -87,7 +87,7 @@ def save(model, state, path):
 def resume(path, mesh=None):
     """A new model and state (sharded over ``mesh``, or plain), loaded from ``path``."""
     model, opt, like = start(mesh)
-    sd = {"model": get_model_state_dict(model), "optim": fo.dcp.state_dict(like)}
+    sd = {"model": get_model_state_dict(model), "optim": fo.dcp.state_dict(like, loading=True)}
     dcp.load(sd, checkpoint_id=path, planner=fo.dcp.StrictLoadPlanner())
     set_model_state_dict(model, sd["model"])
     return model, opt, like
@@ -190,7 +190,7 @@ def test_counts_must_agree_across_ranks(runs):
 def test_load_lands_in_the_state_tensors(runs):
     model, opt, like = start()
     before = {k: v.data_ptr() for k, v in fo.state_dict(like).items()}
-    dcp.load({"optim": fo.dcp.state_dict(like)}, checkpoint_id=runs["folder"] / "two")
+    dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id=runs["folder"] / "two")
     after = fo.state_dict(like)
     assert {k: v.data_ptr() for k, v in after.items()} == before
     assert all(torch.equal(after[k], v) for k, v in runs["two"]["saved"]["state"].items())
@@ -202,7 +202,7 @@ def test_strict_planner_refuses_casts_and_leftover_entries(runs):
     def load_into(model, opt):
         like = opt.init(dict(model.named_parameters()))
         try:
-            dcp.load({"optim": fo.dcp.state_dict(like)}, checkpoint_id=path,
+            dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id=path,
                      planner=fo.dcp.StrictLoadPlanner())
         finally:
             assert all(not v.any() for k, v in fo.state_dict(like).items() if ".mu." in k)
@@ -253,7 +253,7 @@ def test_load_into_host_state_allocates_no_device_memory(tmp_path):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         peak = torch.cuda.max_memory_allocated()
-        dcp.load({"optim": fo.dcp.state_dict(like)}, checkpoint_id=tmp_path / "ckpt",
+        dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id=tmp_path / "ckpt",
                  planner=fo.dcp.StrictLoadPlanner())
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() - peak < 2**20  # a staged leaf is 4 MiB

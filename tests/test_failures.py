@@ -326,3 +326,21 @@ def test_unrepresentable_hyperparameters_are_refused_before_any_change(lr):
     with pytest.raises(ValueError, match="float32"):
         opt.update(grad_seq(params, 1)[0], state)
     assert same(snapshot(state), snap)
+
+
+def test_a_failed_state_recovers_through_dcp(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=small_chunks())
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    dcp.save({"optim": fo.dcp.state_dict(state)}, checkpoint_id=tmp_path / "ck")
+    saved = snapshot(state)
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError):
+            opt.update(grad_seq(params, 1, seed=5)[0], state)
+    with pytest.raises(fo.StateError, match="failed"):
+        fo.dcp.state_dict(state)
+    dcp.load({"optim": fo.dcp.state_dict(state, loading=True)}, checkpoint_id=tmp_path / "ck",
+             planner=fo.dcp.StrictLoadPlanner())
+    assert same(snapshot(state), saved)
