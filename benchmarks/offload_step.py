@@ -1,24 +1,38 @@
-"""E2E step time with host-resident optimizer state, side by side with the anchors.
+"""E2E training step of the GPT model (``gpt.py``) with host-resident optimizer state, beside the
+anchors and peers, each system in a fresh process; the host floor is measured in the same run.
 
-The model is DESIGN §3's: ``blocks`` residual blocks ``x -> x + W2·gelu(W1·x)``, bias-free,
-bf16, loss ``mean(out²)``. Each system runs in a fresh process (host memory and allocator state
-do not leak between systems); the driver prints a table and writes JSON.
+    python benchmarks/offload_step.py --size 1.3b --tokens 16384 --out e2e.json
+    python benchmarks/offload_step.py --size 1.3b --systems fwdbwd,stream:1,delayed:1   # a subset
+    python benchmarks/offload_step.py --one stream:1 --size 1.3b      # one system, this process
+    python benchmarks/offload_step.py --smoke                         # tiny model on the CPU
 
-    python benchmarks/offload_step.py --tokens 16384 --out results.json
-    python benchmarks/offload_step.py --one ours:0.5 --tokens 16384      # a single system
+Systems (``F``: offload fraction, Megatron's semantics):
+  ``fwdbwd``       forward + backward only; gives the fwd and bwd columns (timed apart).
+  ``gpu``          torch ``AdamW(fused=True)`` on the bf16 params, no master.
+  ``gpu32``        fp32 masters on the GPU: fp32 grads copied from the bf16 ones, torch fused
+                   AdamW on the masters, params copied back.
+  ``plain:F``      ours: ``loss.backward()``, then ``opt.update({path: p.grad}, state)``.
+  ``stream:F``     ours with ``fo.stream`` around backward.
+  ``delayed:F``    ours with ``delayed=True`` (ZeRO-Offload's delayed parameter update).
+  ``stream16:F`` / ``delayed16:F``   the same with bf16 moments (fp32 masters kept).
+  ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
+  ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
+Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
+of the optimizer; torch and Megatron: ``torch.nn.utils.clip_grad_norm_`` before ``step``) except
+torchao, whose CPU steps start during backward and so cannot clip: it runs unclipped, marked
+``no*``. ``--no-clip`` turns clipping off everywhere. Peers that are not installed are reported
+as unavailable. FSDP2's own CPU offload is in ``fsdp2_step.py``.
 
-Systems: ``gpu`` (torch fused AdamW on bf16 params, no master), ``fwdbwd`` (no optimizer: the
-forward+backward time subtracted to get optimizer overhead), ``ours:F`` (fo.adamw with
-offload_fraction F), ``hdo:F`` (Megatron's HybridDeviceOptimizer, overlap on, fp32 update),
-``delayed:F`` (ours with the delayed parameter update), ``delayed16:F`` (the same with bf16
-moments; fp32 masters kept), ``stream:F`` / ``stream16:F`` (grad streaming during backward, fp32 /
-bf16 moments), ``streamtail:F`` (streaming with ``offload_fraction(F, from_end=True)``: the first
-layers, whose grads come last, keep their state on the GPU), ``clip:F`` / ``streamclip:F``
-(``apply_if_finite(chain(clip_by_global_norm(1.0), adamw))``, through ``update`` / through
-``fo.stream``, which runs that update after backward), ``torchao`` (CPUOffloadOptimizer,
-fused AdamW, bf16 states). A ``@spin`` suffix (e.g. ``stream:1@spin``) makes our workers wait on
-default CUDA events, which spin, instead of blocking-sync ones (an A/B of that choice). Missing
-peers are reported as such.
+Reported per system: step (median, the training stream synced after each step), mean wall per
+step over all timed steps including the final flush (``fo.flush(state)``) and a device sync,
+peak GPU memory and its part above the bf16 model, pinned host memory (the CUDA caching host
+allocator's bytes; it rounds blocks up to powers of two), host state. The floor process (first,
+fresh) times our CPU kernel through the public API on the model's leaf shapes and the host DRAM
+bandwidth (``host_floor.py``); a system's floor = its offloaded params / the kernel rate (bf16
+moments: that kernel's rate; torchao, whose CPU step is torch's AdamW on bf16 params and states,
+gets the bf16-moment rate as a stand-in). Bounds: ``fwd + bwd + floor`` for plain and Megatron (host step
+after backward), ``fwd + 1.1·max(bwd, floor)`` for streamed and torchao, ``1.1·max(fwd + bwd,
+floor)`` for delayed, ``fwd + bwd`` for the all-on-GPU systems. Ratios use the mean wall time.
 """
 
 from __future__ import annotations
@@ -30,210 +44,293 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable, Optional
 
 import torch
 
-HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+import gpt
+import host_floor
+from ours import HYPER, Timeline, build_ours, fo
+
+LossFn = Callable[[], torch.Tensor]
+Step = Callable[[LossFn], None]
+
+OURS = ("plain", "stream", "delayed", "stream16", "delayed16")
+DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
+SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,delayed16:1,hdo:1,torchao"
 
 
-def build(d: int, ffn: int, blocks: int) -> list[torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ps = []
-    for _ in range(blocks):
-        for shape in ((ffn, d), (d, ffn)):
-            w = torch.randn(shape, device="cuda", generator=g, dtype=torch.float32) / shape[1] ** 0.5
-            ps.append(w.to(torch.bfloat16).requires_grad_())
-    return ps
+class Unavailable(Exception):
+    """A peer that is not installed, or does not import here."""
 
 
-def loss_fn(ps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    for w1, w2 in zip(ps[0::2], ps[1::2]):
-        x = x + torch.nn.functional.gelu(x @ w1.t()) @ w2.t()
-    return x.float().square().mean()
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def run_one(system: str, args: argparse.Namespace) -> dict:
-    torch.manual_seed(0)
-    ps = build(args.d, args.ffn, args.blocks)
-    model_bytes = sum(p.numel() * p.element_size() for p in ps)
-    x = torch.randn(args.tokens, args.d, device="cuda", dtype=torch.bfloat16)
-    info: dict = {"system": system}
-    system_name, _, variant = system.partition("@")
-    spin = variant == "spin"
-    name, _, frac = system_name.partition(":")
-    pinned = timeline = None
+def pinned_bytes(device: torch.device) -> Optional[int]:
+    """Bytes the CUDA caching host allocator holds (``pin_memory=True`` tensors), or None."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.host_memory_stats().get("allocated_bytes.current")
+
+
+def torch_clip(params: list[torch.Tensor]) -> None:
+    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+
+
+def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namespace, info: dict,
+           timeline: Optional[Timeline] = None) -> tuple[Step, Callable[[], None]]:
+    """``(step, flush)`` for a system: ``step(loss_fn)`` runs one training step, ``flush()``
+    lands whatever is still in flight. Fills ``info`` (offloaded params, clipping, ...); ours
+    record into ``timeline``."""
+    ps = list(model.parameters())
+    clip = not args.no_clip
+    info.update(clip="yes" if clip else "no", offloaded=0)
+
+    def zero() -> None:
+        for p in ps:
+            p.grad = None
+
     if name == "fwdbwd":
-        def step():
-            loss_fn(ps, x).backward()
-            for p in ps:
-                p.grad = None
-    elif name == "gpu":
+        info["clip"] = "-"
+
+        def step(loss_fn: LossFn) -> None:
+            loss_fn().backward()
+            zero()
+        return step, lambda: None
+    if name == "gpu":
         opt = torch.optim.AdamW(ps, fused=True, **HYPER)
 
-        def step():
-            loss_fn(ps, x).backward()
+        def step(loss_fn: LossFn) -> None:
+            loss_fn().backward()
+            if clip:
+                torch_clip(ps)
             opt.step()
-            opt.zero_grad(set_to_none=True)
-    elif name in ("ours", "delayed", "delayed16", "stream", "stream16", "streamtail", "clip",
-                  "streamclip"):
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import functional_offload as fo
-        from functional_offload.executor import HostExecutor, Timeline, physical_cores
-        from functional_offload.executor.transport import CudaTransport
+            zero()
+        return step, lambda: None
+    if name == "gpu32":
+        masters = [p.detach().to(torch.float32, copy=True) for p in ps]
+        for m in masters:
+            m.grad = torch.empty_like(m)
+        opt = torch.optim.AdamW(masters, fused=True, **HYPER)
 
-        if spin:  # A/B: the workers wait on default (spinning) CUDA events
-            CudaTransport._record = staticmethod(lambda stream: stream.record_event())
-
-        timeline = Timeline() if args.timeline else None
-        threads = args.threads or (  # as fo.adamw(delayed=True) picks by default
-            max(1, physical_cores() - 1) if name.startswith("delayed") else None)
-        ex = HostExecutor(chunk_bytes=args.chunk_mb << 20, slots=args.slots, threads=threads,
-                          timeline=timeline)
-        low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if name.endswith("16") else {}
-        where = fo.placement.offload_fraction(float(frac), from_end=name.endswith("tail"))
-        opt = fo.adamw(placement=where, executor=ex,
-                       delayed=name.startswith("delayed"), **low, **HYPER)
-        if name.endswith("clip"):  # what LLM loops run: the guard around clipping
-            opt = fo.apply_if_finite(fo.chain(fo.clip_by_global_norm(1.0), opt))
-        tree = {str(i): p for i, p in enumerate(ps)}
-        state = opt.init(tree)
-        holder = [state]
-        info["threads"] = ex.threads
-
-        def step():
-            loss = loss_fn(ps, x)
-            if name.startswith("stream"):
-                with fo.stream(opt, holder[0]) as s:
-                    loss.backward()
-                _, holder[0] = s.finish()
-            else:
-                loss.backward()
-                _, holder[0] = opt.update({k: p.grad for k, p in tree.items()}, holder[0])
-            for p in ps:
-                p.grad = None
-        pinned = lambda: ex.pinned_bytes  # noqa: E731
-    elif name == "hdo":
+        def step(loss_fn: LossFn) -> None:
+            loss_fn().backward()
+            torch._foreach_copy_([m.grad for m in masters], [p.grad for p in ps])
+            if clip:
+                torch_clip(masters)
+            opt.step()
+            with torch.no_grad():
+                torch._foreach_copy_(ps, masters)
+            zero()
+        return step, lambda: None
+    if name in OURS:
+        ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac, clip=clip,
+                          bf16_moments=name.endswith("16"), threads=args.threads,
+                          chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
+        info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
+                    threads=ours.executor.threads)
+        return ours.step, ours.flush
+    plan = fo.placement.offload_fraction(frac).plan(dict(model.named_parameters()))
+    if name == "hdo":
         try:
             from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
-        except Exception as e:  # noqa: BLE001
-            return {"system": system, "error": f"megatron-core unavailable: {e}"}
-        opt = HybridDeviceOptimizer(ps, offload_fraction=float(frac), cpu_optimizer_cls=torch.optim.AdamW,
+        except Exception as e:  # noqa: BLE001 - missing, or failing to import: reported as such
+            raise Unavailable(f"megatron-core: {type(e).__name__}: {e}") from e
+        opt = HybridDeviceOptimizer(ps, offload_fraction=frac, cpu_optimizer_cls=torch.optim.AdamW,
                                     gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True,
                                     overlap_cpu_optimizer_d2h_h2d=True, fused=True, **HYPER)
+        info["offloaded"] = sum(n for n, h in zip(plan.numels, plan.on_host) if h)
 
-        def step():
-            loss_fn(ps, x).backward()
+        def step(loss_fn: LossFn) -> None:
+            loss_fn().backward()
+            if clip:
+                torch_clip(ps)
             opt.step()
             opt.zero_grad()
-    elif name == "torchao":
+        return step, lambda: None
+    if name == "torchao":
         try:
             from torchao.optim import CPUOffloadOptimizer
         except Exception as e:  # noqa: BLE001
-            return {"system": system, "error": f"torchao unavailable: {e}"}
+            raise Unavailable(f"torchao: {type(e).__name__}: {e}") from e
         opt = CPUOffloadOptimizer(ps, torch.optim.AdamW, fused=True, **HYPER)
+        # its default minimal_size: smaller params stay on the GPU
+        info.update(clip="no*", offloaded=sum(p.numel() for p in ps if p.numel() >= 4096))
 
-        def step():
-            loss_fn(ps, x).backward()
+        def step(loss_fn: LossFn) -> None:
+            loss_fn().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    else:
-        raise SystemExit(f"unknown system {system}")
+        return step, lambda: None
+    raise SystemExit(f"unknown system {name!r}")
+
+
+def run_one(spec: str, args: argparse.Namespace) -> dict:
+    """Build the model, run ``spec``'s warm-up and timed steps; the row of results."""
+    if spec == "floor":
+        shapes = host_floor.leaf_shapes(args.size, args.floor_max_numel)
+        return {"system": "floor", **host_floor.measure(shapes, args.threads, args.floor_reps,
+                                                        args.dram_numel)}
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model = gpt.build(args.size, device, dtype)
+    inputs, targets = gpt.batch(model.cfg, args.tokens, device)
+    name, _, frac = spec.partition(":")
+    info: dict = {"system": spec, "params": gpt.count_params(model), "leaves": gpt.count_leaves(model)}
+    timeline = Timeline() if args.timeline and name in OURS else None
+    try:
+        step, flush = system(name, float(frac or 0), model, args, info, timeline)
+    except Unavailable as e:
+        return {"system": spec, "error": f"unavailable: {e}"}
+
+    def loss_fn() -> torch.Tensor:
+        return gpt.loss(model, inputs, targets)
 
     for _ in range(args.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+        step(loss_fn)
+    flush()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     # Per step: until the training stream's work is done (what a loop reading the loss waits
-    # for; background copies of a delayed step still running are not waited on). Over all steps:
-    # wall time with a device-wide sync at the end, so nothing is left out of the mean.
+    # for; a delayed step's host part may still run). Mean: wall time of all timed steps with the
+    # final flush and a device-wide sync, so nothing in flight is left out.
     times = []
-    stream = torch.cuda.current_stream()
     start = time.perf_counter()
     for i in range(args.steps):
         if timeline is not None and i == args.steps - 1:
             timeline.clear()  # keep the last step only
         t0 = time.perf_counter()
-        step()
-        stream.synchronize()
+        step(loss_fn)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    info["mean_wall_s"] = (time.perf_counter() - start) / args.steps
-    if name == "fwdbwd":  # forward alone, for the streamed target fwd + max(bwd, floor)
-        fwd = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                loss_fn(ps, x)
-            torch.cuda.synchronize()
-            fwd.append(time.perf_counter() - t0)
-        info["fwd_s"] = statistics.median(fwd)
-    info.update(step_s=statistics.median(times), step_min_s=min(times),
-                peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                peak_extra_gib=(torch.cuda.max_memory_allocated() - model_bytes) / 2**30,
-                params=sum(p.numel() for p in ps), pinned_bytes=pinned() if pinned else None)
+    flush()
+    sync(device)
+    info["mean_s"] = (time.perf_counter() - start) / args.steps
+    info.update(step_s=statistics.median(times), step_min_s=min(times), pinned_bytes=pinned_bytes(device))
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30)
     if timeline is not None:
         os.makedirs(args.timeline, exist_ok=True)
-        stem = os.path.join(args.timeline, "timeline_" + system.replace(":", "-"))
+        stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))
         timeline.to_chrome(stem + ".json")
-        timeline.plot(stem + ".png", title=f"{system}, {args.tokens} tokens: one update (last step)")
+        timeline.plot(stem + ".png", title=f"{spec}, GPT {args.size}, {args.tokens} tokens: last step")
+    if name == "fwdbwd":  # forward (graph built) and backward timed apart, synced in between
+        fwd, bwd = [], []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            loss = loss_fn()
+            sync(device)
+            t1 = time.perf_counter()
+            loss.backward()
+            sync(device)
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+            for p in model.parameters():
+                p.grad = None
+        info.update(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd))
     return info
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--d", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=16384)
-    ap.add_argument("--blocks", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--chunk-mb", type=int, default=32)
-    ap.add_argument("--slots", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--kernel-gelems", type=float, default=4.0,
-                    help="CPU-kernel throughput (G elem/s) for the floor column; see cpu_kernel.py")
-    ap.add_argument("--systems", default="fwdbwd,gpu,ours:0,ours:0.25,ours:0.5,ours:0.75,ours:1,"
-                                         "hdo:0.5,hdo:1,torchao")
-    ap.add_argument("--timeline", default="", help="folder for a Chrome trace and PNG per ours:F system")
+def bound(name: str, fwd: float, bwd: float, floor: float) -> float:
+    if name.startswith("stream") or name == "torchao":
+        return fwd + 1.1 * max(bwd, floor)
+    if name.startswith("delayed"):
+        return 1.1 * max(fwd + bwd, floor)
+    return fwd + bwd + floor  # gpu, gpu32 (floor 0), plain, hdo: the host step after backward
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
+    """The summary lines: the floor, fwd/bwd, then one row per system."""
+    fl = next((r for r in rows if r["system"] == "floor" and "kernel_gelems" in r), None)
+    fb = next((r for r in rows if r["system"] == "fwdbwd" and "fwd_s" in r), None)
+    out = [f"\nE2E GPT {args.size}, {args.tokens} tokens, device {args.device}; median of "
+           f"{args.steps} steps after {args.warmup}; ratios use the mean wall time (incl. flush)"]
+    if fl:
+        out.append(f"host: kernel {fl['kernel_gelems']:.2f} G elem/s (bf16 moments "
+                   f"{fl['kernel16_gelems']:.2f}) on {fl['numel']:,} elements, {fl['threads']} "
+                   f"threads; DRAM copy {fl['copy_gbs']:.1f} GB/s, triad {fl['triad_gbs']:.1f} GB/s")
+    if fb:
+        out.append(f"forward {fb['fwd_s']:.3f} s, backward {fb['bwd_s']:.3f} s, fwd+bwd step "
+                   f"{fb['step_s']:.3f} s")
+    out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'mean s':>7} {'x fb':>6} {'floor s':>8} "
+               f"{'ovh/flr':>7} {'bound s':>8} {'x bound':>7} {'peak GiB':>9} {'extra':>6} {'pin MiB':>8}")
+    nan = float("nan")
+    for r in rows:
+        if r["system"] == "floor":
+            continue
+        if "step_s" not in r:
+            out.append(f"{r['system']:<12} {r.get('error', '')[-150:]}")
+            continue
+        name = r["system"].partition(":")[0]
+        rate = (fl or {}).get("kernel16_gelems" if name.endswith("16") or name == "torchao"
+                              else "kernel_gelems")
+        floor = r["offloaded"] / (rate * 1e9) if rate else nan
+        fbs = fb["fwd_s"] + fb["bwd_s"] if fb else nan
+        ovh = (r["mean_s"] - fbs) / floor if r["offloaded"] and floor == floor else nan
+        b = bound(name, fb["fwd_s"], fb["bwd_s"], floor if r["offloaded"] else 0.0) if fb else nan
+        pin = f"{r['pinned_bytes'] / 2**20:.0f}" if r.get("pinned_bytes") is not None else "-"
+        out.append(f"{r['system']:<12} {r['clip']:>4} {r['step_s']:>7.3f} {r['mean_s']:>7.3f} "
+                   f"{r['mean_s'] / fbs:>6.2f} {floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
+                   f"{b:>8.3f} {r['mean_s'] / b:>7.2f} {r.get('peak_gib', nan):>9.2f} "
+                   f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8}")
+    out.append("x fb = mean / (fwd+bwd); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
+               "extra = peak GiB above the bf16 model; no* = cannot clip")
+    return out
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="1.3b", help="GPT size (gpt.py): tiny, 125m, ..., 6.7b")
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch x seq)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--systems", default=DEFAULT)
+    ap.add_argument("--no-clip", action="store_true", help="no gradient clipping anywhere")
+    ap.add_argument("--chunk-mb", type=int, default=32, help="our executor's chunk size")
+    ap.add_argument("--slots", type=int, default=4, help="our executor's ring slots")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="host threads (ours and the floor); 0: physical cores (one fewer for delayed)")
+    ap.add_argument("--floor-max-numel", type=int, default=1 << 31,
+                    help="cap on the elements the floor's kernel updates (16 B/elem of host memory)")
+    ap.add_argument("--floor-reps", type=int, default=3)
+    ap.add_argument("--dram-numel", type=int, default=1 << 28, help="fp32 elements per DRAM array")
+    ap.add_argument("--timeline", default="",
+                    help="folder for a Chrome trace and a PNG of the last step of each of ours")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model on the CPU, 1+2 steps, a small floor (sets the options above)")
     ap.add_argument("--one", help="run one system in this process and print its JSON")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="write the rows and arguments as JSON")
     args = ap.parse_args()
+    if args.smoke:
+        args.size, args.tokens, args.device, args.warmup, args.steps = "tiny", 128, "cpu", 1, 2
+        args.floor_reps, args.dram_numel = 1, 1 << 20
+        if args.systems == DEFAULT:
+            args.systems = SMOKE
+    return args
+
+
+def main() -> None:
+    args = parse()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
         return
     rows = []
-    common = [f"--{k.replace('_', '-')}={getattr(args, k)}"
-              for k in ("d", "ffn", "blocks", "tokens", "warmup", "steps", "chunk_mb", "slots", "threads",
-                        "timeline")]
-    for system in args.systems.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", system, *common]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+    for spec in ["floor", *args.systems.split(",")]:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--one", spec],
+                              capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        row = json.loads(line[-1][7:]) if line else {"system": system, "error": proc.stderr[-800:]}
+        row = json.loads(line[-1][7:]) if line else {"system": spec, "error": proc.stderr[-800:]}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    fb = next((r["step_s"] for r in rows if r["system"] == "fwdbwd" and "step_s" in r), None)
-    fwd = next((r["fwd_s"] for r in rows if "fwd_s" in r), None)
-    if fwd is not None:
-        print(f"\nforward {fwd:.3f} s, backward {fb - fwd:.3f} s (no-grad forward, from fwdbwd)")
-    print(f"\nE2E d={args.d} ffn={args.ffn} blocks={args.blocks} tokens={args.tokens} "
-          f"(step: median of {args.steps} steps; mean: wall / steps; overhead = step - fwd/bwd; "
-          f"floor = offloaded params / "
-          f"{args.kernel_gelems} G elem/s)")
-    print(f"{'system':<12} {'step s':>8} {'mean s':>7} {'overhead s':>11} {'ovh/floor':>10} "
-          f"{'peak GiB':>9} {'extra GiB':>10} {'pinned MiB':>11}")
-    for r in rows:
-        if "step_s" not in r:
-            print(f"{r['system']:<12} error: {r.get('error', '')[-200:]!r}")
-            continue
-        ovh = r["step_s"] - fb if fb is not None and r["system"] != "fwdbwd" else None
-        name, _, frac = r["system"].partition("@")[0].partition(":")
-        floor = float(frac) * r["params"] / (args.kernel_gelems * 1e9) if frac and float(frac) > 0 else None
-        pin = f"{r['pinned_bytes'] / 2**20:.0f}" if r.get("pinned_bytes") is not None else "-"
-        print(f"{r['system']:<12} {r['step_s']:>8.3f} {r['mean_wall_s']:>7.3f} "
-              f"{ovh if ovh is not None else float('nan'):>11.3f} "
-              f"{(ovh / floor) if ovh is not None and floor else float('nan'):>10.2f} "
-              f"{r['peak_gib']:>9.2f} {r['peak_extra_gib']:>10.2f} {pin:>11}")
+    print("\n".join(table(rows, args)))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)

@@ -1,0 +1,130 @@
+"""Fixed cost per update with many small leaves: ours (state on the device / on the host) against
+torch's fused AdamW, each system and leaf count in a fresh process.
+
+    python benchmarks/fixed_costs.py --out fixed.json                 # 4, 64, 292 leaves x 256
+    python benchmarks/fixed_costs.py --leaves 292 --numel 4096 --dtype float32
+    python benchmarks/fixed_costs.py --smoke                          # on the CPU, few updates
+
+Leaves of ``--numel`` elements on the GPU in ``--dtype`` (bf16 by default: ours then keeps fp32
+masters, torch updates the bf16 params directly), fixed random grads, no forward or backward.
+Systems: ``torch`` (``torch.optim.AdamW(fused=True)``, grads set on the params), ``device``
+(``fo.adamw(placement=on_device())``), ``host`` (``fo.adamw(placement=on_host())``: D2H, CPU
+kernel, H2D per update). After ``--warmup`` updates: ``mean ms`` = wall time of ``--updates``
+back-to-back updates with one sync at the end, divided by their number; ``median ms`` = the
+median of as many updates each followed by a sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from ours import HYPER, fo
+
+SYSTEMS = ("torch", "device", "host")
+
+
+def updater(system: str, params: dict[str, torch.Tensor],
+            grads: dict[str, torch.Tensor]) -> Callable[[], None]:
+    """One update of ``params`` with ``grads`` by ``system``."""
+    if system == "torch":
+        for k, p in params.items():
+            p.requires_grad_(True).grad = grads[k]
+        opt = torch.optim.AdamW(list(params.values()), fused=True, **HYPER)
+        return opt.step
+    if system not in SYSTEMS:
+        raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    where = fo.placement.on_device() if system == "device" else fo.placement.on_host()
+    opt = fo.adamw(placement=where, **HYPER)
+    holder = [opt.init(params)]
+
+    def update() -> None:
+        _, holder[0] = opt.update(grads, holder[0])
+    return update
+
+
+def run_one(system: str, leaves: int, args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    params = {f"p{i}": torch.randn(args.numel, device=device, generator=g).to(dtype) for i in range(leaves)}
+    grads = {k: torch.randn(args.numel, device=device, generator=g).to(dtype) for k in params}
+    update = updater(system, params, grads)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(args.warmup):
+        update()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.updates):
+        update()
+    sync()
+    mean = (time.perf_counter() - t0) / args.updates
+    each = []
+    for _ in range(args.updates):
+        t0 = time.perf_counter()
+        update()
+        sync()
+        each.append(time.perf_counter() - t0)
+    return {"system": system, "leaves": leaves, "mean_ms": 1e3 * mean,
+            "median_ms": 1e3 * statistics.median(each)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--leaves", default="4,64,292", help="leaf counts, comma-separated")
+    ap.add_argument("--numel", type=int, default=256, help="elements per leaf")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--updates", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="on the CPU, 5 updates (sets the options)")
+    ap.add_argument("--one", help="SYSTEM:LEAVES, run in this process and print its JSON")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.smoke:
+        args.device, args.updates, args.warmup = "cpu", 5, 1
+    if args.one:
+        system, _, leaves = args.one.partition(":")
+        print("RESULT " + json.dumps(run_one(system, int(leaves), args)), flush=True)
+        return
+    rows = []
+    for leaves in [int(n) for n in args.leaves.split(",")]:
+        for system in args.systems.split(","):
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:],
+                                   "--one", f"{system}:{leaves}"], capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            row = (json.loads(line[-1][7:]) if line
+                   else {"system": system, "leaves": leaves, "error": proc.stderr[-800:]})
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\nfixed cost per update, leaves of {args.numel} {args.dtype} elements on {args.device} "
+          f"({args.updates} updates; ratio: mean over torch's)")
+    print(f"{'system':<8} {'leaves':>6} {'mean ms':>8} {'median ms':>10} {'x torch':>8}")
+    for r in rows:
+        if "mean_ms" not in r:
+            print(f"{r['system']:<8} {r['leaves']:>6} error: {r['error'][-200:]!r}")
+            continue
+        ref = next((t["mean_ms"] for t in rows if t["system"] == "torch" and t["leaves"] == r["leaves"]
+                    and "mean_ms" in t), float("nan"))
+        print(f"{r['system']:<8} {r['leaves']:>6} {r['mean_ms']:>8.3f} {r['median_ms']:>10.3f} "
+              f"{r['mean_ms'] / ref:>8.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Our optimizer and training step, built in one place for every benchmark script.
+
+:func:`build_ours` is the only code in ``benchmarks/`` that constructs a functional_offload
+optimizer for a training loop and runs its step (``offload_step.py`` and ``fsdp2_step.py`` use
+it); when the streaming or step API changes, this is the function to adapt. Imported, not run.
+
+Modes: ``plain`` (``loss.backward()``, then ``opt.update({path: p.grad}, state)``), ``stream``
+(``with fo.stream(opt, state) as s: loss.backward()``, then ``s.finish()``), ``delayed``
+(``fo.adamw(..., delayed=True)``; :attr:`Ours.flush` lands the last step). With ``clip`` the
+optimizer is ``fo.chain(fo.clip_by_global_norm(1.0), adamw)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import functional_offload as fo  # noqa: E402
+from functional_offload.executor import HostExecutor, Timeline, physical_cores  # noqa: E402
+
+__all__ = ["HYPER", "MODES", "Ours", "Timeline", "build_ours", "fo"]
+
+HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MODES = ("plain", "stream", "delayed")
+
+
+class Ours(NamedTuple):
+    step: Callable[[Callable[[], torch.Tensor]], None]  # step(loss_fn): forward, backward, update
+    flush: Callable[[], None]  # land a delayed update still in flight (a no-op otherwise)
+    executor: HostExecutor
+    offloaded: int  # elements whose state lives in host memory (this rank's shards)
+    host_state_bytes: int  # bytes of state (masters, moments) in host memory
+
+
+def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *, clip: bool = True,
+               bf16_moments: bool = False, threads: Optional[int] = None, chunk_mb: int = 32,
+               slots: int = 4, timeline: Optional[Timeline] = None) -> Ours:
+    """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
+    tensors that require grad), with ``fraction`` of the elements' state in host memory.
+
+    ``threads`` defaults to the library's choice (physical cores; one fewer for ``delayed``, whose
+    host step runs beside the training loop). ``bf16_moments``: mu and nu in bf16 (fp32 masters
+    kept)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    delayed = mode == "delayed"
+    threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
+    ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
+    low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
+    where = fo.placement.offload_fraction(fraction)
+    opt = fo.adamw(placement=where, executor=ex, delayed=delayed, **low, **HYPER)
+    if clip:
+        opt = fo.chain(fo.clip_by_global_norm(1.0), opt)
+    holder = [opt.init(params)]
+    report = fo.placement_report(holder[0])
+    offloaded = sum(math.prod(r["shape"]) for r in report.rows
+                    if r["device"] == "cpu" and "mu" in r["path"].split("."))
+
+    def step(loss_fn: Callable[[], torch.Tensor]) -> None:
+        loss = loss_fn()
+        if mode == "stream":
+            with fo.stream(opt, holder[0]) as s:
+                loss.backward()
+            _, holder[0] = s.finish()
+        else:
+            loss.backward()
+            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+        for p in params.values():
+            p.grad = None
+
+    def flush() -> None:
+        fo.flush(holder[0])
+
+    return Ours(step, flush, ex, offloaded, report.host_bytes)
