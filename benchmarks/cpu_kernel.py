@@ -41,16 +41,16 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     from functional_offload.executor import physical_cores
-    from functional_offload.kernels import cpu
-    from functional_offload.kernels.reference import AdamHyper
+    from functional_offload.kernels import native
     from functional_offload.kernels.work import Piece, Work
+    from functional_offload.optimizers.adam import AdamHyper, scalars
 
     n = args.numel
     threads = args.threads or physical_cores()
     torch.set_num_threads(threads)
     rows = {}
 
-    mod = cpu.native()
+    mod = native.module()
     p = torch.randn(n)
     g = torch.randn(n).to(torch.bfloat16)
     m, v = torch.zeros(n), torch.zeros(n)
@@ -58,7 +58,7 @@ def main() -> None:
     h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 10, True)
     pool = cf.ThreadPoolExecutor(threads)
 
-    kernel = cpu.NativeKernel(mod, cpu.add_adam)
+    kernel = native.NativeKernel(mod, "adam", scalars)
 
     def run_chunks(outs):  # as the executor runs: `threads` workers in one queue's loop
         q = kernel.queue(threads)
