@@ -328,6 +328,7 @@ def test_unrepresentable_hyperparameters_are_refused_before_any_change(lr):
     assert same(snapshot(state), snap)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_failed_state_recovers_through_dcp(tmp_path):
     import torch.distributed.checkpoint as dcp
     params = make_params(big=True)

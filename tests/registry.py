@@ -1,0 +1,53 @@
+"""The optimizers under test: one entry each, with its oracle. ``test_registry.py`` runs every
+entry through the properties every optimizer must have; a new optimizer gets them all by
+adding its entry here."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import optree
+import torch
+
+import functional_offload as fo
+
+Oracle = Callable[[Any, list], Any]  # (params, grads per step) -> params after the steps
+
+
+class Entry(NamedTuple):
+    name: str
+    make: Callable[..., fo.Optimizer]  # make(**hypers, **options)
+    hypers: dict  # the hyperparameters of this entry
+    oracle: Oracle
+    exact: bool  # the torch kernel gives the oracle's bits (same ops in the same order)
+
+
+def torch_oracle(cls: type, **kwargs: Any) -> Oracle:
+    """``torch.optim`` itself: ``cls(params, **kwargs)`` stepped on the grads."""
+    def run(params: Any, grads: list) -> Any:
+        ps = optree.tree_map(lambda t: t.detach().clone().requires_grad_(), params)
+        leaves = optree.tree_leaves(ps)
+        opt = cls(leaves, **kwargs)
+        for g in grads:
+            for p, gi in zip(leaves, optree.tree_leaves(g)):
+                p.grad = gi.clone()
+            opt.step()
+        return optree.tree_map(lambda t: t.detach(), ps)
+    return run
+
+
+ADAMW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+ADAM = dict(lr=1e-2, betas=(0.8, 0.999), eps=1e-6, weight_decay=0.05)
+SGD = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+SGDM = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+OPTIMIZERS = [
+    Entry("adamw", fo.adamw, ADAMW, torch_oracle(torch.optim.AdamW, **ADAMW), True),
+    Entry("adamw-nowd", fo.adamw, dict(lr=3e-3, weight_decay=0.0),
+          torch_oracle(torch.optim.AdamW, lr=3e-3, weight_decay=0.0), True),
+    Entry("adam", fo.adam, ADAM, torch_oracle(torch.optim.Adam, **ADAM), True),
+    Entry("sgd", fo.sgd, dict(lr=0.05), torch_oracle(torch.optim.SGD, lr=0.05), True),
+    Entry("sgd-momentum", fo.sgd, SGDM, torch_oracle(torch.optim.SGD, **SGDM), True),
+    Entry("sgd-nesterov", fo.sgd, SGD, torch_oracle(torch.optim.SGD, **SGD), True),
+]
