@@ -15,6 +15,7 @@ from functional_offload.checkpoint import CheckpointError, load, load_state_dict
 from functional_offload.executor import HostExecutor, HostStepError
 from functional_offload.compat import TorchOptimizer
 from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.optimizers.lion import LionState, lion
 from functional_offload.placement import plan
 from functional_offload.report import PlacementReport, placement_report
 from functional_offload.streaming import GradStream, stream
@@ -36,7 +37,7 @@ def __getattr__(name: str):
 __all__ = [
     "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
     "chain", "params_of", "flush", "plan", "HostStepError",
-    "adam", "adamw", "sgd", "AdamState", "SGDState", "stream", "GradStream",
+    "adam", "adamw", "sgd", "lion", "AdamState", "SGDState", "LionState", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
     "placement", "HostExecutor", "placement_report", "PlacementReport",

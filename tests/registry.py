@@ -36,11 +36,29 @@ def torch_oracle(cls: type, **kwargs: Any) -> Oracle:
     return run
 
 
+def lion_by_hand(lr: float, betas: tuple, weight_decay: float) -> Oracle:
+    """Lion as the paper writes it (no reference in torch.optim)."""
+    b1, b2 = betas
+
+    def run(params: Any, grads: list) -> Any:
+        ps, ms = [p.clone() for p in optree.tree_leaves(params)], None
+        for g in grads:
+            gs = optree.tree_leaves(g)
+            ms = ms or [torch.zeros_like(p) for p in ps]
+            for p, m, gi in zip(ps, ms, gs):
+                p.mul_(1 - lr * weight_decay)
+                p.add_(torch.sign(m * b1 + gi * (1 - b1)), alpha=-lr)
+                m.copy_(m * b2 + gi * (1 - b2))
+        return optree.tree_unflatten(optree.tree_structure(params), ps)
+    return run
+
+
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 ADAM = dict(lr=1e-2, betas=(0.8, 0.999), eps=1e-6, weight_decay=0.05)
 SGD = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
 
 SGDM = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
+LION = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.3)
 
 OPTIMIZERS = [
     Entry("adamw", fo.adamw, ADAMW, torch_oracle(torch.optim.AdamW, **ADAMW), True),
@@ -50,4 +68,5 @@ OPTIMIZERS = [
     Entry("sgd", fo.sgd, dict(lr=0.05), torch_oracle(torch.optim.SGD, lr=0.05), True),
     Entry("sgd-momentum", fo.sgd, SGDM, torch_oracle(torch.optim.SGD, **SGDM), True),
     Entry("sgd-nesterov", fo.sgd, SGD, torch_oracle(torch.optim.SGD, **SGD), True),
+    Entry("lion", fo.lion, LION, lion_by_hand(**LION), True),
 ]

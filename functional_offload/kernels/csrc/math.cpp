@@ -43,4 +43,17 @@ struct SgdMomentum {
 };
 FO_ELEMENTWISE(sgd_momentum, SgdMomentum)
 
+// Lion. Scalars: 1 - lr*wd, beta1, 1 - beta1, beta2, 1 - beta2, -lr.
+struct Lion {
+  static constexpr int kMoments = 1, kScalars = 6;
+  static inline float step(float p, float g, float& m, float&, const float* s) {
+    p = p * s[0];                               // p *= 1 - lr*wd
+    const float c = m * s[1] + g * s[2];        // c = b1*m + (1 - b1)*g
+    const float sign = float(c > 0.f) - float(c < 0.f);
+    m = m * s[3] + g * s[4];                    // m = b2*m + (1 - b2)*g
+    return p + s[5] * sign;                     // p -= lr * sign(c)
+  }
+};
+FO_ELEMENTWISE(lion, Lion)
+
 }  // namespace fo
