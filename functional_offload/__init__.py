@@ -15,6 +15,7 @@ from functional_offload.checkpoint import CheckpointError, load, load_state_dict
 from functional_offload.executor import HostExecutor, HostStepError
 from functional_offload.compat import TorchOptimizer
 from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.optimizers.adafactor import AdafactorState, adafactor
 from functional_offload.optimizers.lion import LionState, lion
 from functional_offload.placement import plan
 from functional_offload.report import PlacementReport, placement_report
@@ -37,7 +38,8 @@ def __getattr__(name: str):
 __all__ = [
     "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
     "chain", "params_of", "flush", "plan", "HostStepError",
-    "adam", "adamw", "sgd", "lion", "AdamState", "SGDState", "LionState", "stream", "GradStream",
+    "adam", "adamw", "sgd", "lion", "adafactor", "AdamState", "SGDState", "LionState",
+    "AdafactorState", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
     "placement", "HostExecutor", "placement_report", "PlacementReport",

@@ -20,6 +20,8 @@ class Entry(NamedTuple):
     hypers: dict  # the hyperparameters of this entry
     oracle: Oracle
     exact: bool  # the torch kernel gives the oracle's bits (same ops in the same order)
+    native: bool = True  # has a native host op
+    delayed: bool = True  # offers delayed=True
 
 
 def torch_oracle(cls: type, **kwargs: Any) -> Oracle:
@@ -59,6 +61,7 @@ SGD = dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
 
 SGDM = dict(lr=0.05, momentum=0.9, weight_decay=1e-3)
 LION = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.3)
+ADAFACTOR = dict(lr=1e-2, weight_decay=0.1)
 
 OPTIMIZERS = [
     Entry("adamw", fo.adamw, ADAMW, torch_oracle(torch.optim.AdamW, **ADAMW), True),
@@ -69,4 +72,6 @@ OPTIMIZERS = [
     Entry("sgd-momentum", fo.sgd, SGDM, torch_oracle(torch.optim.SGD, **SGDM), True),
     Entry("sgd-nesterov", fo.sgd, SGD, torch_oracle(torch.optim.SGD, **SGD), True),
     Entry("lion", fo.lion, LION, lion_by_hand(**LION), True),
+    Entry("adafactor", fo.adafactor, ADAFACTOR, torch_oracle(torch.optim.Adafactor, **ADAFACTOR), True,
+          native=False, delayed=False),
 ]

@@ -234,3 +234,26 @@ def test_streamed_update_equals_plain_on_gpu(fraction, guarded):
     for k in outs[0][1]:
         assert torch.equal(outs[0][1][k].cpu(), outs[1][1][k].cpu()), k
 
+
+
+@pytest.mark.parametrize("placement", ["on_host", "on_device", "half"])
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov", "lion", "adafactor"])
+def test_registry_optimizers_on_the_gpu(name, placement):
+    """Every optimizer of the registry with GPU params, its state on the host, on the device or
+    half and half, against its oracle run on the GPU."""
+    from registry import OPTIMIZERS
+    e = {x.name: x for x in OPTIMIZERS}[name]
+    where = {"on_host": fo.placement.on_host(), "on_device": fo.placement.on_device(),
+             "half": fo.placement.offload_fraction(0.5)}[placement]
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(64, 48, generator=g).to(DEV), "b": torch.randn(48, generator=g).to(DEV),
+              "m": torch.randn(3, 40, 5, generator=g).to(DEV)}
+    grads = [{k: torch.randn(v.shape, generator=g).to(DEV) for k, v in params.items()} for _ in range(10)]
+    want = e.oracle(params, grads)
+    opt = e.make(**e.hypers, placement=where, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
+    p = {k: v.clone() for k, v in params.items()}
+    s = opt.init(p)
+    for gr in grads:
+        p, s = opt.update(gr, s)
+    torch.cuda.synchronize()
+    close(p, want, atol=1e-5, rtol=1e-5)

@@ -106,6 +106,8 @@ class HostExecutor:
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
+        self._arenas: dict[torch.device, torch.Tensor] = {}  # leaf-granular staging, per device
+        self._arena_free: dict[torch.device, Any] = {}
         self._pinned: dict[int, int] = {}  # pool thread -> its CPU
 
     # ---- resources, allocated once -------------------------------------------------------
@@ -123,8 +125,23 @@ class HostExecutor:
 
     @property
     def pinned_bytes(self) -> int:
-        """Page-locked host bytes held (the CUDA rings; nothing else is pinned)."""
-        return sum(r.numel() for d, r in self._rings.items() if r is not None and d.type == "cuda")
+        """Page-locked host bytes held: the CUDA rings and the leaf-granular arenas."""
+        return (sum(r.numel() for d, r in self._rings.items() if r is not None and d.type == "cuda")
+                + sum(a.numel() for a in self._arenas.values()))
+
+    def leaf_arena(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """Pinned host bytes for leaf-granular runs on ``device`` (grown when too small)."""
+        arena = self._arenas.get(device)
+        if arena is None or arena.numel() < nbytes:
+            arena = self._arenas[device] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return arena
+
+    def leaf_arena_free(self, device: torch.device) -> Any:
+        """The event after which the last leaf-granular run's copies out have read the arena."""
+        return self._arena_free.get(device)
+
+    def set_leaf_arena_free(self, device: torch.device, event: Any) -> None:
+        self._arena_free[device] = event
 
     def transport(self, device: torch.device) -> Transport:
         self.reserve(device)

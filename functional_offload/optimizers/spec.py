@@ -34,6 +34,9 @@ class Moment(NamedTuple):
     name: str  # the state field, e.g. "mu"
     torch_name: str  # torch.optim's per-param state key, e.g. "exp_avg"
     option: str  # the constructor's dtype option, e.g. "mu_dtype"
+    # its shape for a param's shape, or None where the leaf has none (factored state); None:
+    # the param's shape (element-wise state)
+    shape: Optional[Callable[[torch.Size], Optional[tuple[int, ...]]]] = None
 
 
 # The math's per-step values (a NamedTuple of floats) from the hyperparameters' values at this
@@ -61,6 +64,9 @@ class OptimizerSpec(NamedTuple):
       native: the name of the native element-wise op (``kernels/csrc/math.cpp``), or ``None``.
       scalars: the native op's scalars (doubles, computed as torch computes them) for a hyper.
       decay: the hyperparameter a ``weight_decay_mask`` switches off per leaf, or ``None``.
+      elementwise: the math is element-wise (chunks cut across leaves may run it); else each
+        host-resident leaf runs whole (:mod:`functional_offload.executor.leaves`), and the
+        moments may have shapes of their own.
     """
 
     name: str
@@ -73,6 +79,7 @@ class OptimizerSpec(NamedTuple):
     native: Optional[str] = None
     scalars: Optional[Callable[[Any], Sequence[float]]] = None
     decay: Optional[str] = "weight_decay"
+    elementwise: bool = True
 
     def check(self) -> "OptimizerSpec":
         """Raise ``TypeError`` if the spec is inconsistent (for optimizer authors)."""
@@ -84,6 +91,10 @@ class OptimizerSpec(NamedTuple):
                             f"order, master, ema, params; got {fields}")
         if (self.native is None) != (self.scalars is None):
             raise TypeError(f"{self.name}: a native op needs its scalars function, and only it")
+        if self.elementwise and any(m.shape is not None for m in self.moments):
+            raise TypeError(f"{self.name}: element-wise state mirrors the params' shapes")
+        if not self.elementwise and self.native is not None:
+            raise TypeError(f"{self.name}: native ops are element-wise")
         if self.decay is not None and self.decay not in self.hyperparameters:
             raise TypeError(f"{self.name}: decay hyperparameter {self.decay!r} is not declared")
         names = _TORCH_NAMES.setdefault(self.state, {})

@@ -32,6 +32,7 @@ import torch
 from functional_offload.base import BUSY, CONSUMED, FAILED
 from functional_offload.executor import HostLeaf, Run
 from functional_offload.executor.delayed import Landing
+from functional_offload.executor.leaves import LeafItem, run_leaves
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.host import host_kernel
 from functional_offload.kernels.work import Kernel
@@ -189,8 +190,10 @@ class TerminalStep:
 
     def _starts_ahead(self, leaf: Leaf) -> bool:
         """A fed leaf starts at once if its state is on the host (and, speculatively, if its new
-        value can go to spare buffers: it has a master); the delayed update starts at finish."""
-        return leaf.on_host and not self.t.delayed and (leaf.has_master or not self.speculative)
+        value can go to spare buffers: it has a master); the delayed update starts at finish,
+        leaf-granular math at finish too."""
+        return (leaf.on_host and not self.t.delayed and self.t.spec.elementwise
+                and (leaf.has_master or not self.speculative))
 
     def _grads(self, grads: Any) -> list[Optional[torch.Tensor]]:
         """Every leaf's grad: the fed ones, the others from ``grads`` (checked)."""
@@ -246,6 +249,28 @@ class TerminalStep:
                         (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)), hyper, targets,
                         None if leaf.ema is None else leaf.ema.view(-1), self.t.ema_decay or 0.0,
                         ema_target)
+
+    @staticmethod
+    def _by_device(idx: list[int], gs: list) -> dict[torch.device, list[int]]:
+        out: dict[torch.device, list[int]] = {}
+        for i in idx:
+            out.setdefault(gs[i].device, []).append(i)
+        return out
+
+    def _leaf_item(self, index: int, g: torch.Tensor) -> LeafItem:
+        """A host leaf of a leaf-granular optimizer: its math runs on the whole leaf."""
+        leaf = self.leaves[index]
+        hyper = self.hyper if leaf.decay else self.hyper0
+        spec, decay = self.t.spec, self.t.ema_decay
+
+        def fn(grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+            spec.reference([leaf.value], [grad], [[m] for m in leaf.moments], hyper)
+            if out is not None:
+                out.copy_(leaf.value)
+            if leaf.ema is not None:
+                leaf.ema.lerp_(leaf.value, 1 - (decay or 0.0))
+
+        return LeafItem(leaf.path, g, leaf.param if leaf.has_master else None, fn)
 
     @staticmethod
     def _wait_runs(runs: dict) -> None:
@@ -316,12 +341,15 @@ class TerminalStep:
                                       [self.leaves[i].param.view(-1) if self.leaves[i].has_master else None
                                        for i in rest], t.threads)
                 refs = refs._replace(pending=_Pending(landing, new_count))
+            elif rest and not t.spec.elementwise:
+                touched = True
+                for device, idx in self._by_device(rest, gs).items():
+                    run_leaves(self.ex, device, [self._leaf_item(i, gs[i]) for i in idx], ready[device])
+                    with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
+                        self.ex.order_after_copies(device)
             else:
                 runs = rest_runs if self.speculative else self.runs
-                by_device: dict[torch.device, list[int]] = {}
-                for i in rest:
-                    by_device.setdefault(gs[i].device, []).append(i)
-                for device, idx in by_device.items():
+                for device, idx in self._by_device(rest, gs).items():
                     self._run(device, runs).add_all([self._host_leaf(i, gs[i], False) for i in idx],
                                                     ready[device])
                 self._wait_runs(runs)

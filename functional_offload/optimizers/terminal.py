@@ -11,6 +11,7 @@ param itself.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Optional
 
 import optree
@@ -60,6 +61,9 @@ class Terminal:
             raise TypeError(f"{spec.name} has no weight decay to mask")
         if not isinstance(delayed, bool):
             raise TypeError(f"delayed must be True or False, got {delayed!r}")
+        if delayed and not spec.elementwise:
+            raise ValueError(f"{spec.name} does not support delayed=True: its host step runs leaf "
+                             "by leaf; hide it with fo.stream, or keep its state on the device")
         missing = set(spec.hyperparameters) - set(hypers)
         extra = set(hypers) - set(spec.hyperparameters)
         if missing or extra:
@@ -116,14 +120,23 @@ class Terminal:
     def _value_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.master_dtype if p.dtype in LOW_PRECISION else p.dtype
 
+    @staticmethod
+    def _moment_shape(m: Any, p: torch.Tensor) -> Optional[tuple[int, ...]]:
+        return tuple(p.shape) if m.shape is None else m.shape(p.shape)
+
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
         """State bytes of a leaf: moments, master (if it gets one there), EMA."""
-        per = sum(self._moment_dtype(m.name, p).itemsize for m in self.spec.moments)
+        total = 0
+        for m in self.spec.moments:
+            shape = self._moment_shape(m, p)
+            if shape is not None:
+                total += math.prod(shape) * self._moment_dtype(m.name, p).itemsize
+        per = 0
         if p.dtype in LOW_PRECISION or (host and p.device.type != "cpu"):
             per += self._value_dtype(p).itemsize
         if self.ema_decay is not None:
             per += 4
-        return p.numel() * per
+        return total + p.numel() * per
 
     def init(self, params: Params) -> Any:
         paths, leaves, spec = leaves_with_paths(params)
@@ -163,8 +176,9 @@ class Terminal:
                           if need_master else None)
                 masters.append(master)
                 for m in self.spec.moments:
-                    moments[m.name].append(torch.zeros(p.shape, dtype=self._moment_dtype(m.name, p),
-                                                       device=where))
+                    shape = self._moment_shape(m, p)
+                    moments[m.name].append(None if shape is None else torch.zeros(
+                        shape, dtype=self._moment_dtype(m.name, p), device=where))
                 if self.ema_decay is not None:
                     src = master if master is not None else p.detach()
                     emas.append(src.to(where, torch.float32, copy=True).contiguous())
