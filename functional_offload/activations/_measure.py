@@ -68,9 +68,9 @@ class Measure:
 
     def profile(self, saved: Sequence[int], small: Sequence[int], outside_before: int,
                 outside: int) -> Optional[Profile]:
-        """The step's :class:`Profile`; None when a group did not run or backward never began."""
+        """The step's :class:`Profile` (None when a group did not run)."""
         n = len(saved)
-        if any(m is None for m in self.enter + self.exit) or self.bwd[n - 1] is None:
+        if any(m is None for m in self.enter + self.exit):
             return None
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -78,9 +78,10 @@ class Measure:
         for g, a, b in self.gaps:
             gap[n if g is None else g] += self._seconds(a, b)
         fwd = [max(self._seconds(self.enter[i], self.exit[i]) - gap[i], 1e-9) for i in range(n)]
-        outside_s = max(self._seconds(self.exit[n - 1], self.bwd[n - 1]) - gap[n], 0.0)
+        outside_s = 0.0 if self.bwd[n - 1] is None else max(
+            self._seconds(self.exit[n - 1], self.bwd[n - 1]) - gap[n], 0.0)
         beta = 2.0
-        if n > 1 and self.bwd[n - 2] is not None:
+        if n > 1 and self.bwd[n - 1] is not None and self.bwd[n - 2] is not None:
             beta = min(max(self._seconds(self.bwd[n - 1], self.bwd[n - 2]) / fwd[n - 1], 0.5), 4.0)
         rates = []
         for kind in ("d2h", "h2d"):

@@ -17,34 +17,45 @@ import torch
 
 
 class Pool:
-    """Free pinned host buffers by size, each with the event of its last read (or None)."""
+    """Free pinned host buffers by size, each with the event of its last read (or None).
+
+    It keeps, of each size, as many buffers as the busier of the last two steps had in use at
+    once: a profiling step that offloads everything does not leave its buffers pinned for good.
+    """
 
     def __init__(self, cap_bytes: Optional[int]):
         self.cap_bytes = cap_bytes
         self.free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self.bytes = 0  # every buffer the pool made that is still alive
-        self.sizes_used: set[int] = set()
-        self.sizes_before: set[int] = set()
+        self.in_use: dict[int, int] = {}
+        self.most: dict[int, int] = {}  # this step's most in use at once, per size
+        self.most_before: dict[int, int] = {}
 
     def take(self, nbytes: int, pin: bool) -> tuple[Optional[torch.Tensor], Any]:
-        self.sizes_used.add(nbytes)
         free = self.free.get(nbytes)
         if free:
-            return free.pop()
-        if self.cap_bytes is not None and self.bytes + nbytes > self.cap_bytes:
+            buf, last_read = free.pop()
+        elif self.cap_bytes is not None and self.bytes + nbytes > self.cap_bytes:
             return None, None
-        self.bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), None
+        else:
+            self.bytes += nbytes
+            buf, last_read = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), None
+        self.in_use[nbytes] = n = self.in_use.get(nbytes, 0) + 1
+        self.most[nbytes] = max(self.most.get(nbytes, 0), n)
+        return buf, last_read
 
     def give(self, buf: torch.Tensor, last_read: Any) -> None:
+        self.in_use[buf.numel()] -= 1
         self.free.setdefault(buf.numel(), []).append((buf, last_read))
 
     def new_step(self) -> None:
-        """Free the buffers of sizes that neither this step nor the one before used."""
-        keep = self.sizes_used | self.sizes_before
-        for size in [s for s in self.free if s not in keep]:
-            self.bytes -= size * len(self.free.pop(size))
-        self.sizes_before, self.sizes_used = self.sizes_used, set()
+        """Free what neither this step nor the one before needed."""
+        for size, free in self.free.items():
+            keep = max(self.most.get(size, 0), self.most_before.get(size, 0))
+            extra = max(0, min(len(free), self.in_use.get(size, 0) + len(free) - keep))
+            del free[:extra]
+            self.bytes -= size * extra
+        self.most_before, self.most = self.most, dict(self.in_use)
 
 
 class CpuCopy:

@@ -62,7 +62,8 @@ class ActivationOffload:
         offloads or recomputes each group for the least predicted time; on a GPU the next steps
         check the peak and correct the plan (up to three times).
       min_bytes: saved tensors smaller than this stay on the device.
-      prefetch: how many groups ahead of the one in backward to reload (>= 1).
+      prefetch: how many groups ahead of the one in backward to reload (>= 1); with
+        ``budget_bytes`` the plan chooses it.
       max_inflight_bytes: bound on bytes whose copy to the host has not landed (their sources stay
         alive until it has); past it the forward waits for the oldest copy, a host wait counted in
         ``stats``. ``"auto"``: twice the largest group's offloaded bytes. None: no bound.
@@ -226,7 +227,8 @@ class ActivationOffload:
             tensors = [t for t in optree.tree_leaves(exclude) if isinstance(t, torch.Tensor)]
         self._exclude = {p for p in map(_storage_ptr, tensors) if p is not None}
         self._pool.new_step()
-        start = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        start = torch.cuda.memory_allocated() \
+            if self._budget is not None and torch.cuda.is_available() else 0
         self._step = Step(self.num_groups, start, self.prefetch)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -365,7 +367,7 @@ class ActivationOffload:
             for j in range(g, max(g - step.prefetch - 1, -1), -1):
                 for ref in step.records[j]:
                     s = ref()
-                    if s is not None:
+                    if s is not None and s.unpacks_left > 0:  # not yet used up
                         self._mover.reload(s)
             if m is not None and m.bwd[g] is None:
                 m.bwd[g] = m.mark()
