@@ -199,3 +199,13 @@ def test_recompute_groups_with_counts():
         assert torch.equal(a, b)
     assert off.stats["recomputed_groups"] == 2 and off.stats["offloaded_bytes"] > 0
     assert off.plan is None  # counts, not a budget
+
+
+def test_profiling_buffers_are_released_when_the_plan_needs_none():
+    blocks, x = make_blocks(), torch.randn(128, D)
+    off = fo.ActivationOffload(N, budget_bytes=1 << 40, min_bytes=1024, copy_on_cpu=True)
+    grads(blocks, x, off)  # profiling: every group but the last offloaded
+    assert off.pinned_bytes > 0 and set(off.plan.decisions) == {KEEP}
+    for _ in range(3):
+        grads(blocks, x, off)
+    assert off.pinned_bytes == 0  # kept for two steps, then freed
