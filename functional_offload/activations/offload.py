@@ -73,12 +73,15 @@ class ActivationOffload:
 
     Example::
 
-        off = fo.ActivationOffload(len(blocks), budget_bytes=8 << 30)
-        def loss_fn(params, x):
-            for i, block in enumerate(blocks):
-                x = off.run(i, block, params[i], x)
-            return head(params, x)
-        loss, grads = off.value_and_grad(loss_fn)(params, x)
+        blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        off = fo.ActivationOffload(len(blocks), budget_bytes=1 << 20)
+        off.wrap(blocks)  # block i is group i
+        with off.record(exclude=blocks):
+            x = torch.randn(512, 64)
+            for block in blocks:
+                x = torch.tanh(block(x))
+        x.square().mean().backward()
+        print(off.plan)  # made from this first (profiling) step
     """
 
     def __init__(self, num_groups: int, offload: Union[int, float, None] = None, *,

@@ -96,7 +96,13 @@ def inflight_bound(p: Profile, decisions: Sequence[str]) -> int:
 
 def simulate(p: Profile, decisions: Sequence[str], *, max_inflight_bytes: Optional[int] = None,
              prefetch: int = 1) -> Simulation:
-    """Play ``decisions`` (one per group) through the cost model: step time and peak memory."""
+    """Play ``decisions`` (one per group) through the cost model: step time and peak memory.
+
+    Example::
+
+        p = fo.activations.Profile.uniform(8, saved_bytes=1 << 30, forward_s=3e-3)
+        fo.activations.simulate(p, ["recompute"] * 8).peak_bytes  # 1 GiB: one group at a time
+    """
     n, f, beta = p.num_groups, p.forward_s, p.backward_ratio
     if p.d2h_bytes_per_s <= 0:  # nothing moves: offloading keeps, recompute+offload recomputes
         decisions = [{OFFLOAD: KEEP, RECOMPUTE_OFFLOAD: RECOMPUTE}.get(d, d) for d in decisions]
