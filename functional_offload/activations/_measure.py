@@ -42,7 +42,7 @@ class Measure:
     def mark(self) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))
             return ev
         return time.perf_counter()
 
