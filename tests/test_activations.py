@@ -1,8 +1,12 @@
 """Activation offload: gradients identical to no offload, hygiene, and the errors that name fixes.
 
 On the CPU the hooks are a pass-through by default; ``copy_on_cpu=True`` runs the copies through
-the pinned-pool bookkeeping (dedup, prefetch, release) so those are exercised here too.
+the pinned-pool bookkeeping with deferred copies (a copy runs when it is waited for, so sources
+stay in flight as on a GPU): dedup, the in-flight bound, prefetch and release are exercised here.
 """
+
+import gc
+import weakref
 
 import optree
 import pytest
@@ -22,8 +26,7 @@ def make_params(seed=0):
 
 def forward(params, x, off=None):
     for i in range(GROUPS):
-        ctx = off.group(i) if off else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-        with ctx:
+        with off.group(i) if off else torch.enable_grad():
             p = params[f"b{i}"]
             h = torch.nn.functional.gelu(x @ p["w1"].t())
             x = x + h @ p["w2"].t()
@@ -37,6 +40,11 @@ def reference_grads(params, x):
     return loss.detach(), optree.tree_unflatten(spec, list(torch.autograd.grad(loss, inputs)))
 
 
+def assert_same(got, want):
+    for a, b in zip(optree.tree_leaves(got), optree.tree_leaves(want), strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("copy", [False, True])
 @pytest.mark.parametrize("offload", [GROUPS - 1, 0.5, 0])
 def test_value_and_grad_bit_identical(copy, offload):
@@ -45,27 +53,29 @@ def test_value_and_grad_bit_identical(copy, offload):
     loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
     want_loss, want = reference_grads(params, x)
     assert torch.equal(loss, want_loss)
-    for a, b in zip(optree.tree_leaves(grads), optree.tree_leaves(want)):
-        assert torch.equal(a, b)
-    expect = copy and off.offloaded_groups > 0
-    assert (off.stats["offloaded_bytes"] > 0) == expect
-    assert off._records == []  # released at the end of backward
+    assert_same(grads, want)
+    assert (off.stats["offloaded_bytes"] > 0) == (copy and off.offloaded_groups > 0)
+    assert off.held_bytes == 0  # released at the end of backward
 
 
-def test_module_loop_with_backward_and_no_leak():
-    torch.manual_seed(0)
+def blocks_and_input(seed=0):
+    torch.manual_seed(seed)
     blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(D, 4 * D), torch.nn.GELU(),
                                                      torch.nn.Linear(4 * D, D)) for _ in range(GROUPS))
     blocks.register_buffer("scale", torch.full((D,), 0.5))
+    return blocks, torch.randn(16, D)
+
+
+def test_module_loop_with_backward_and_no_leak():
+    blocks, x = blocks_and_input()
     off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True)
-    x = torch.randn(16, D)
 
     def run(offload):
         blocks.zero_grad(set_to_none=True)
-        with (off.record(exclude=blocks) if offload else torch.enable_grad()):
+        with off.record(exclude=blocks) if offload else torch.enable_grad():
             h = x
             for i, b in enumerate(blocks):
-                with (off.group(i) if offload else torch.enable_grad()):
+                with off.group(i) if offload else torch.enable_grad():
                     h = h + b(h) * blocks.scale
             loss = h.square().mean()
         loss.backward()
@@ -74,22 +84,31 @@ def test_module_loop_with_backward_and_no_leak():
     want = run(False)
     for step in range(100):
         got = run(True)
+        assert off.held_bytes == 0
         if step == 0:
             pooled = off.pinned_bytes
-            for a, b in zip(got, want):
-                assert torch.equal(a, b)
-    assert off.pinned_bytes == pooled and off._records == []  # no growth over 100 steps
+            assert_same(got, want)
+    assert off.pinned_bytes == pooled  # no growth over 100 steps
 
 
 def test_params_buffers_and_small_tensors_stay():
-    off = ActivationOffload(2, 1, min_bytes=1024, copy_on_cpu=True)
     w = torch.randn(64, 64, requires_grad=True)
-    with off.record(exclude={"w": w}), off.group(0):
-        assert not off._offloads(w)  # a param
-        assert not off._offloads(torch.randn(8))  # 32 bytes < min_bytes
-        assert off._offloads(torch.randn(64, 64))
+    buf = torch.randn(64, 64)
+    off = ActivationOffload(2, 1, min_bytes=1024, copy_on_cpu=True)
+    with off.record(exclude={"buf": buf}), off.group(0):
+        y = (w * 2).sum() + (w.t() * 3).sum()  # a param and a view of it
+        y = y + (torch.randn(8, requires_grad=True) * buf[0, :8]).sum()  # 32 bytes < min_bytes
+        y = y + (buf * torch.ones(64, 64, requires_grad=True)).sum()  # an excluded buffer
+    assert off.stats["offloaded_bytes"] == 0
+    y.backward()
+    with off.record(), off.group(0):
+        h = w * 2  # an activation of 16 KiB
+        (h * h).sum().backward()
+    assert off.stats["offloaded_bytes"] == 64 * 64 * 4
     with off.record(), off.group(1):
-        assert not off._offloads(torch.randn(64, 64))  # the last group is never offloaded
+        h = w * 2
+        (h * h).sum().backward()  # the last group is never offloaded
+    assert off.stats["offloaded_bytes"] == 64 * 64 * 4
 
 
 def test_views_of_one_storage_are_copied_once():
@@ -98,7 +117,7 @@ def test_views_of_one_storage_are_copied_once():
     with off.record(exclude=[a]), off.group(0):
         h = a * 2
         y = h.sin().sum() + h.view(-1).cos().sum() + h.t().pow(3).sum()  # three views of h saved
-    assert len(off._records) == 1 and off._records[0].nbytes == 32 * 32 * 4
+    assert off.stats["tensors"] == 1 and off.stats["offloaded_bytes"] == 32 * 32 * 4
     y.backward()
     ref = a.detach().requires_grad_()
     h = ref * 2
@@ -106,17 +125,141 @@ def test_views_of_one_storage_are_copied_once():
     assert torch.equal(a.grad, ref.grad)
 
 
+@pytest.mark.parametrize("copy", [False, True])
+def test_inplace_change_of_a_saved_activation_raises(copy):
+    """Plain autograd raises when a saved tensor changes in place; so must offload (it used to
+    return a stale or changed tensor silently: a wrong gradient)."""
+    w = torch.randn(D, D, requires_grad=True)
+    x = torch.randn(8, D)
+    h = x @ w
+    y = h.sin()
+    h.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()  # the oracle
+    off = ActivationOffload(2, 1, min_bytes=0, copy_on_cpu=copy)
+    for change in (lambda h, base: h.add_(1), lambda h, base: base[0].zero_()):
+        with off.record(exclude=[w]):
+            with off.group(0):
+                base = x @ w
+                h = base[:4]  # a view: a change through its base counts too
+                y = h.sin()
+            with off.group(1):
+                loss = y.sum()
+        change(h, base)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation.*group 0"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_forward_without_backward_frees_everything(copy):
+    """An eval forward or a skipped step must not keep its activations (a reference cycle through
+    the pack hook used to), nor grow host memory across repeated forwards."""
+    blocks, _ = blocks_and_input()
+    off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=copy)
+    refs, pooled = [], None
+    gc.collect()
+    gc.disable()  # freed by reference counting: no cycle for the collector to find
+    try:
+        for step in range(20):
+            with off.record(exclude=blocks):
+                h = torch.randn(32, D)
+                for i, b in enumerate(blocks):
+                    with off.group(i):
+                        h = torch.tanh(b(h))
+                        refs.append(weakref.ref(h))
+                loss = h.sum()
+            assert off.held_bytes > 0 or not copy
+            del loss, h
+            assert sum(r() is not None for r in refs) == 0
+            assert off.held_bytes == 0
+            pooled = off.pinned_bytes if step == 0 else pooled
+            assert off.pinned_bytes == pooled
+    finally:
+        gc.enable()
+
+
+def test_two_forwards_then_two_backwards():
+    """Gradient accumulation over recorded forwards: each keeps its own host buffers."""
+    torch.manual_seed(0)
+    w = torch.randn(D, D, requires_grad=True)
+    xs = [torch.randn(8, D) for _ in range(3)]
+
+    def fwd(x, off=None):
+        h = x
+        for i in range(3):
+            with off.group(i) if off else torch.enable_grad():
+                h = torch.tanh(h @ w)
+        return h.square().sum()
+
+    for x in xs:
+        fwd(x).backward()
+    want, w.grad = w.grad.clone(), None
+    off = ActivationOffload(3, 2, min_bytes=0, copy_on_cpu=True, max_inflight_bytes=0)
+    losses = []
+    for x in xs:
+        with off.record(exclude=[w]):
+            losses.append(fwd(x, off))
+    for loss in losses:
+        loss.backward()
+    assert torch.equal(w.grad, want) and off.held_bytes == 0
+
+
 def test_eval_forward_is_harmless():
     params, x = make_params(), torch.randn(8, D)
     off = ActivationOffload(GROUPS, 2, min_bytes=0, copy_on_cpu=True)
     with torch.no_grad(), off.record():
         forward(params, x, off)
-    assert off._records == []
-    with off.record():  # a forward whose backward never runs...
-        forward({k: {n: t.requires_grad_() for n, t in v.items()} for k, v in make_params().items()}, x, off)
-    assert off._records
-    loss, _ = off.value_and_grad(lambda p, x: forward(p, x, off))(make_params(), x)  # ...is dropped
-    assert off._records == [] and torch.isfinite(loss)
+    assert off.stats["tensors"] == 0 and off.held_bytes == 0
+    with torch.no_grad():  # marks outside a recording, without autograd: plain calls
+        forward(params, x, off)
+    loss, _ = off.value_and_grad(lambda p, x: forward(p, x, off))(make_params(), x)
+    assert torch.isfinite(loss) and off.held_bytes == 0
+
+
+def test_inflight_bound_waits_and_holds():
+    """Sources stay alive until their copy lands; past the bound the forward waits for copies."""
+    params, x = make_params(), torch.randn(64, D)
+    want_loss, want = reference_grads(params, x)
+    per_group = (64 * 4 * D * 2) * 4  # pre-gelu and gelu output, fp32 (x is below min_bytes)
+    for bound, waits in ((None, False), ("auto", True), (per_group, True), (1, True)):
+        off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=16 << 10, copy_on_cpu=True,
+                                max_inflight_bytes=bound)
+        loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
+        assert torch.equal(loss, want_loss)
+        assert_same(grads, want)
+        assert (off.stats["waits"] > 0) == waits
+        peak = off.stats["inflight_peak_bytes"]
+        if bound is None:
+            assert peak == (GROUPS - 1) * per_group  # nothing landed: every source still held
+        else:
+            limit = 2 * per_group if bound == "auto" else max(bound, per_group // 2)
+            assert peak <= limit, (bound, peak)
+
+
+def test_host_cap_and_prefetch_keep_grads_identical():
+    params, x = make_params(), torch.randn(64, D)
+    want_loss, want = reference_grads(params, x)
+    for kw in (dict(host_cap_bytes=64 * 4 * D * 4), dict(prefetch=3), dict(prefetch=1)):
+        off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True,
+                                max_inflight_bytes=0, **kw)
+        loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
+        assert torch.equal(loss, want_loss)
+        assert_same(grads, want)
+        # what is still on its way down when backward needs it is used in place, not reloaded
+        assert 0 < off.stats["reloaded_bytes"] <= off.stats["offloaded_bytes"]
+        if "host_cap_bytes" in kw:
+            assert off.pinned_bytes <= kw["host_cap_bytes"]
+
+
+def test_retain_graph_backward_twice():
+    params, x = make_params(), torch.randn(16, D)
+    off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True, max_inflight_bytes=0)
+    leaves = [p.requires_grad_() for p in optree.tree_leaves(params)]
+    with off.record(exclude=leaves):
+        loss = forward(params, x, off)
+    first = torch.autograd.grad(loss, leaves, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves)
+    assert_same(first, second)
 
 
 def test_errors_name_the_fix():
@@ -126,10 +269,20 @@ def test_errors_name_the_fix():
         ActivationOffload(4, 1.5)
     with pytest.raises(ValueError, match="both offloaded and recomputed"):
         ActivationOffload(4, 2, recompute_groups=[1, 3])
-    off = ActivationOffload(4, 2, copy_on_cpu=True)
+    with pytest.raises(ValueError, match="one of offload= .* or budget_bytes="):
+        ActivationOffload(4)
+    off = ActivationOffload(4, 2, copy_on_cpu=True, recompute_groups=[3])
     with pytest.raises(ValueError, match="out of range"):
         with off.group(4):
             pass
+    with pytest.raises(RuntimeError, match="outside off.record"):  # a mode doing nothing
+        with off.group(0):
+            pass
+    with pytest.raises(ValueError, match=r"off.run\(3, fn"):
+        with off.record(), off.group(3):
+            pass
+    with pytest.raises(ValueError, match="already wrapped"):
+        off.wrap(off.wrap([torch.nn.Linear(2, 2)]))
 
     def loss_fn(p, x):
         with off.record():
@@ -138,16 +291,3 @@ def test_errors_name_the_fix():
     with pytest.raises(RuntimeError, match="value_and_grad"):
         torch.func.grad(loss_fn)(make_params(), torch.randn(4, D))
     assert fo.ActivationOffload is ActivationOffload
-
-
-def test_bounded_inflight_and_host_cap_keep_grads_identical():
-    params, x = make_params(), torch.randn(64, D)
-    want_loss, want = reference_grads(params, x)
-    for kw in (dict(max_inflight_bytes=1), dict(host_cap_bytes=64 * 4 * D * 4), dict(prefetch=3)):
-        off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True, **kw)
-        loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
-        assert torch.equal(loss, want_loss)
-        for a, b in zip(optree.tree_leaves(grads), optree.tree_leaves(want)):
-            assert torch.equal(a, b)
-        if "host_cap_bytes" in kw:
-            assert off.pinned_bytes <= kw["host_cap_bytes"]

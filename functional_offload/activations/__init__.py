@@ -1,0 +1,33 @@
+"""Activation memory: keep, offload to pinned host memory, or recompute, per layer group.
+
+The forward marks layer groups. Tensors autograd saves in an offloaded group are copied
+device→host on a side stream into pinned buffers from a reused pool and come back during
+backward, ``prefetch`` groups ahead; a recomputed group runs under ``torch.utils.checkpoint``
+(non-reentrant) and saves only its inputs. The bytes whose copy has not landed are bounded
+(their sources stay alive until then), so offloading ``k`` groups lowers the peak by close to
+their share. With ``budget_bytes`` the first step of each input shape is measured and a plan
+chooses, per group, what meets the budget in the least time (:func:`plan`, :class:`Plan`).
+
+Functional loops use :meth:`ActivationOffload.value_and_grad` (``torch.func.grad`` refuses
+saved-tensor hooks); module loops wrap the forward in :meth:`ActivationOffload.record` and call
+``.backward()``. Saved tensors are checked for in-place changes as autograd checks them.
+
+Example::
+
+    off = fo.activations.ActivationOffload(len(blocks), budget_bytes=8 << 30)
+
+    def loss_fn(params, x):
+        for i, block in enumerate(blocks):
+            x = off.run(i, block, params[i], x)
+        return x.square().mean()
+
+    loss, grads = off.value_and_grad(loss_fn)(params, x)
+    print(off.plan)
+"""
+
+from functional_offload.activations.offload import ActivationOffload
+from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
+                                                    Plan, Profile, plan, simulate)
+
+__all__ = ["ActivationOffload", "Plan", "Profile", "plan", "simulate", "KEEP", "OFFLOAD",
+           "RECOMPUTE", "RECOMPUTE_OFFLOAD"]

@@ -1,0 +1,112 @@
+"""The profiling step: per-group bytes, times and memory, turned into a :class:`Profile`.
+
+On a GPU, times come from CUDA events on the compute and copy streams (read once, when the
+step's backward ends: one synchronization per profiling step) and memory from the caching
+allocator's counters. A host wait for copies puts an event before and after itself; nothing is
+queued on the compute stream between the two, so their distance is time the compute stood idle,
+and it is taken out of the group's forward time. On the CPU, ``time.perf_counter`` gives the times
+and the memory model counts saved bytes only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from functional_offload.activations.planner import KEEP, OFFLOAD, Profile
+
+
+class Measure:
+    """Records one step; :meth:`profile` turns it into a :class:`Profile` after backward."""
+
+    def __init__(self, num_groups: int, device: torch.device, start_bytes: int, can_move: bool):
+        n = num_groups
+        self.cuda = device.type == "cuda"
+        self.device, self.start_bytes, self.can_move = device, start_bytes, can_move
+        self.enter: list[Any] = [None] * n
+        self.exit: list[Any] = [None] * n
+        self.bwd: list[Any] = [None] * n  # first unpack of each group in backward
+        self.gaps: list[tuple[Optional[int], Any, Any]] = []  # (group, before, after)
+        self.copies: dict[str, list] = {"d2h": [], "h2d": []}
+        self.inputs = [0] * n
+        self.recomputable = [False] * n
+        self.group: Optional[int] = None  # the forward's open group
+        # memory minus the plan's bytes, per phase: ("fwd", i), ("head", None), ("bwd", i)
+        self.other: dict[tuple, int] = {}
+        self.top: tuple[int, tuple] = (-1, ("head", None))  # highest raw sample and its phase
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self) -> Any:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            return ev
+        return time.perf_counter()
+
+    copy_begin = mark
+
+    def gap_begin(self) -> tuple:
+        return (self.group, self.mark())
+
+    def gap_end(self, token: tuple) -> None:
+        self.gaps.append((token[0], token[1], self.mark()))
+
+    def _seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+    def sample(self, phase: tuple, plan_bytes: int) -> None:
+        """Memory now, less ``plan_bytes`` (what the decisions hold), is the phase's other."""
+        if not self.cuda:
+            return
+        raw = torch.cuda.memory_allocated(self.device) - self.start_bytes
+        self.other[phase] = max(self.other.get(phase, raw - plan_bytes), raw - plan_bytes)
+        if raw > self.top[0]:
+            self.top = (raw, phase)
+
+    def profile(self, saved: Sequence[int], small: Sequence[int], outside_before: int,
+                outside: int) -> Optional[Profile]:
+        """The step's :class:`Profile` (None when a group did not run)."""
+        n = len(saved)
+        if any(m is None for m in self.enter + self.exit):
+            return None
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        gap = [0.0] * (n + 1)  # per group; the last slot: outside the groups
+        for g, a, b in self.gaps:
+            gap[n if g is None else g] += self._seconds(a, b)
+        fwd = [max(self._seconds(self.enter[i], self.exit[i]) - gap[i], 1e-9) for i in range(n)]
+        outside_s = 0.0 if self.bwd[n - 1] is None else max(
+            self._seconds(self.exit[n - 1], self.bwd[n - 1]) - gap[n], 0.0)
+        beta = 2.0
+        if n > 1 and self.bwd[n - 1] is not None and self.bwd[n - 2] is not None:
+            beta = min(max(self._seconds(self.bwd[n - 1], self.bwd[n - 2]) / fwd[n - 1], 0.5), 4.0)
+        rates = []
+        for kind in ("d2h", "h2d"):
+            log = self.copies[kind]
+            secs = sum(x[1] if len(x) == 2 else self._seconds(x[1], x[2]) for x in log)
+            rates.append(sum(x[0] for x in log) / secs if secs > 0 else 10e9)
+        d2h, h2d = rates if self.can_move else (0.0, 0.0)
+        if self.cuda:
+            peak = torch.cuda.max_memory_allocated(self.device) - self.start_bytes
+            other_fwd = [self.other.get(("fwd", i), 0) for i in range(n)]
+            other_bwd = [self.other.get(("bwd", i), 0) for i in range(n)]
+            head = self.other.get(("head", None), 0)
+            unseen = max(peak - self.top[0], 0)  # above every sample: put it where the top was
+            kind, i = self.top[1]
+            if kind == "head":
+                head += unseen
+            else:
+                (other_fwd if kind == "fwd" else other_bwd)[i] += unseen
+        else:
+            peak, other_fwd, other_bwd, head = None, [outside_before] * n, [outside_before] * n, outside
+        return Profile(list(saved), list(small), list(self.inputs), fwd, list(self.recomputable),
+                       other_fwd, other_bwd, head, beta, outside_s, d2h, h2d, peak)
+
+
+def profiling_decisions(num_groups: int, can_move: bool) -> list[str]:
+    """The profiling step offloads every group but the last (memory stays low; every saved byte
+    is seen by the hooks), or keeps everything where nothing can move."""
+    return [OFFLOAD if can_move and i < num_groups - 1 else KEEP for i in range(num_groups)]

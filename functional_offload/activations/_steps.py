@@ -1,0 +1,118 @@
+"""Per-step state, and budget mode's bookkeeping: one plan per input shape, made from a profiling
+step and, on a GPU, checked against the measured peak of the next steps and corrected."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from functional_offload.activations import planner
+from functional_offload.activations._measure import Measure, profiling_decisions
+from functional_offload.activations.planner import KEEP, OFFLOAD, Plan, Profile
+
+
+class Step:
+    """One recorded forward and its backward: decisions, per-group bytes, the profiling."""
+
+    def __init__(self, n: int, start_bytes: int, prefetch: int):
+        self.decisions: Optional[list[str]] = None
+        self.key: Any = None
+        self.device: Optional[torch.device] = None
+        self.start_bytes, self.prefetch = start_bytes, prefetch
+        self.measure: Optional[Measure] = None
+        self.verify = False
+        self.records: list[list[weakref.ref]] = [[] for _ in range(n)]  # offloaded copies
+        self.saved, self.small, self.moved = [0] * n, [0] * n, [0] * n
+        self.seen: set = set()  # storages counted in the open group (or outside the groups)
+        self.outside_before = self.outside = 0
+        self.entered = False  # a group has begun
+        self.backward_group: Optional[int] = -1  # -1: backward has not begun
+
+    def held(self, below: int) -> int:
+        """Bytes the decisions hold for groups ``0 … below-1``, plus what the copies hold."""
+        inputs = self.measure.inputs if self.measure is not None else [0] * len(self.saved)
+        return sum(planner.held_bytes(self.decisions[j], self.saved[j], self.small[j], inputs[j])
+                   for j in range(below)) + self.device_bytes()
+
+    def device_bytes(self) -> int:
+        """Device bytes this step's copies hold: sources in flight, copies reloaded."""
+        return sum(s.nbytes for recs in self.records for s in (r() for r in recs)
+                   if s is not None and (s.src is not None or s.device_copy is not None))
+
+
+class _PlanState:
+    def __init__(self, profile: Profile):
+        self.profile, self.margin, self.plan = profile, 0, None
+        self.verify_left = 3 if profile.peak_bytes is not None else 0  # GPU: check the peak
+
+
+class Budget:
+    """Plans for ``budget_bytes``, one per input-shape key (the latest few)."""
+
+    def __init__(self, budget_bytes: int, num_groups: int, max_inflight_bytes: Optional[int],
+                 stats: dict):
+        self.budget_bytes, self.num_groups = budget_bytes, num_groups
+        self.bound, self.stats = max_inflight_bytes, stats
+        self.plans: dict[Any, _PlanState] = {}
+        self.last_key: Any = None
+
+    @property
+    def plan(self) -> Optional[Plan]:
+        state = self.plans.get(self.last_key)
+        return state.plan if state is not None else None
+
+    def decide(self, step: Step, can_move: bool) -> Optional[Measure]:
+        """Set ``step``'s decisions: its key's plan, or profiling (returns the recorder)."""
+        self.last_key = step.key
+        state = self.plans.get(step.key)
+        if state is None:
+            step.decisions = profiling_decisions(self.num_groups, can_move)
+            step.measure = Measure(self.num_groups, step.device, step.start_bytes, can_move)
+            return step.measure
+        step.decisions, step.prefetch = list(state.plan.decisions), state.plan.prefetch
+        if state.verify_left > 0 and step.device.type == "cuda":
+            step.verify = True
+            torch.cuda.reset_peak_memory_stats(step.device)
+        return None
+
+    def backward_done(self, step: Step) -> None:
+        """Plan from a profiling step; correct a plan by a measured peak; notice new shapes."""
+        if step.measure is not None:
+            profile = step.measure.profile(step.saved, step.small, step.outside_before, step.outside)
+            if profile is not None:
+                self.stats["measured_steps"] += 1
+                self.plans[step.key] = state = _PlanState(profile)
+                self._replan(state)
+                if len(self.plans) > 8:  # input shapes seen long ago
+                    del self.plans[next(iter(self.plans))]
+            return
+        state = self.plans.get(step.key)
+        if state is None or tuple(step.decisions) != state.plan.decisions:
+            return
+        if step.verify:  # the model's error on this plan becomes its margin
+            measured = torch.cuda.max_memory_allocated(step.device) - step.start_bytes
+            state.margin = max(0, state.margin + measured - state.plan.peak_bytes)
+            before = state.plan.decisions
+            self._replan(state)
+            state.verify_left = 0 if state.plan.decisions == before else state.verify_left - 1
+            return
+        p = state.profile  # shapes changed without a new key (groups marked with group())?
+        for i, d in enumerate(step.decisions):
+            was, now = p.saved_bytes[i] + p.small_bytes[i], step.saved[i] + step.small[i]
+            if d in (KEEP, OFFLOAD) and abs(now - was) > 0.05 * max(was, 1):
+                del self.plans[step.key]  # the next step profiles again
+                return
+
+    def _replan(self, state: _PlanState) -> None:
+        state.plan = p = planner.plan(state.profile, self.budget_bytes,
+                                      max_inflight_bytes=self.bound, margin_bytes=state.margin)
+        self.stats["plans"] += 1
+        if not p.feasible:
+            warnings.warn(f"budget_bytes={self.budget_bytes} cannot be met: the least-memory plan "
+                          f"peaks at {p.peak_bytes} bytes, {p.profile.other_head_bytes} of them "
+                          "outside the layer groups (the loss head, grads): raise the budget or "
+                          "shrink what lies outside the groups (e.g. compute the loss in chunks)",
+                          RuntimeWarning, stacklevel=2)

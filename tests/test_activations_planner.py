@@ -1,0 +1,211 @@
+"""The budget planner: its choices on synthetic profiles, and budget mode end to end on the CPU.
+
+The planner tests use ``Profile.uniform`` shaped like a 24-layer GPT at 16k tokens (1.2 GB saved
+per layer, 2.3 ms forward, 64 MiB of inputs, PCIe at 54 GB/s, a 6 GiB loss head). The end-to-end
+tests check what holds whatever the CPU's timings: grads bit-identical to no offload in every
+step, the budget met by the predicted peak, and when profiling and re-planning happen.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import functional_offload as fo
+from functional_offload.activations import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD, Profile,
+                                            plan, simulate)
+
+GiB = 1 << 30
+GPT = dict(saved_bytes=1200 << 20, forward_s=2.3e-3, input_bytes=64 << 20, head_bytes=6 * GiB,
+           pcie_bytes_per_s=54e9)
+
+
+def test_everything_kept_when_it_fits():
+    p = Profile.uniform(24, **GPT)
+    pl = plan(p, 64 * GiB)
+    assert pl.feasible and set(pl.decisions) == {KEEP} and pl.step_s == pl.keep_step_s
+
+
+def test_budgets_met_at_least_time():
+    p = Profile.uniform(24, **GPT)
+    keep = simulate(p, [KEEP] * 24)
+    ckpt = simulate(p, [RECOMPUTE] * 24)  # torch.utils.checkpoint on every layer
+    last_s = keep.step_s
+    for budget in [keep.peak_bytes, 24 * GiB, 16 * GiB, 12 * GiB, ckpt.peak_bytes]:
+        pl = plan(p, budget)
+        assert pl.feasible and pl.peak_bytes <= budget
+        assert simulate(p, pl.decisions, prefetch=pl.prefetch).peak_bytes <= budget
+        assert pl.step_s >= last_s - 1e-12  # less memory never comes faster
+        assert pl.decisions[-1] in (KEEP, RECOMPUTE)  # the last group is never offloaded
+        last_s = pl.step_s
+    assert pl.step_s <= ckpt.step_s  # at checkpointing's own peak, never slower than it
+    below = plan(p, int(0.9 * ckpt.peak_bytes))  # below it: inputs go to the host
+    assert below.feasible and RECOMPUTE_OFFLOAD in below.decisions
+
+
+def test_offload_where_it_hides_recompute_where_it_does_not():
+    slow, fast = Profile.uniform(8, **GPT), Profile.uniform(8, **{**GPT, "pcie_bytes_per_s": 1e15})
+    budget = 12 * GiB
+    assert OFFLOAD not in plan(slow, budget).decisions[2:]  # copies would stall the step
+    pl = plan(fast, budget)
+    assert RECOMPUTE not in pl.decisions and pl.step_s == pytest.approx(pl.keep_step_s)
+
+
+def test_no_offload_without_a_copy_path_and_marked_groups_never_recompute():
+    p = Profile.uniform(6, **{**GPT, "pcie_bytes_per_s": 0.0})  # the CPU pass-through
+    p.recomputable[:3] = [False] * 3  # marked with off.group()
+    pl = plan(p, 10 * GiB)
+    assert pl.feasible and not {OFFLOAD, RECOMPUTE_OFFLOAD} & set(pl.decisions)
+    assert set(pl.decisions[:3]) == {KEEP} and RECOMPUTE in pl.decisions[3:]
+
+
+def test_infeasible_budget_gives_the_least_memory_plan():
+    p = Profile.uniform(6, **GPT)
+    pl = plan(p, 5 * GiB)  # below the loss head alone
+    assert not pl.feasible and pl.peak_bytes > 5 * GiB
+    assert pl.decisions == (RECOMPUTE_OFFLOAD,) * 5 + (RECOMPUTE,)
+    assert "does NOT fit" in str(pl)
+
+
+def test_inflight_bound_trades_time_for_memory_and_margin_counts():
+    p = Profile.uniform(8, **GPT)
+    offload = [OFFLOAD] * 7 + [KEEP]
+    free, bounded = simulate(p, offload, max_inflight_bytes=1 << 60), simulate(p, offload)
+    assert bounded.peak_bytes < free.peak_bytes and bounded.step_s > free.step_s
+    assert sum(bounded.added_s) > 0  # the compute waited for copies
+    assert plan(p, 12 * GiB, margin_bytes=GiB).peak_bytes == \
+        simulate(p, plan(p, 12 * GiB, margin_bytes=GiB).decisions,
+                 prefetch=plan(p, 12 * GiB, margin_bytes=GiB).prefetch).peak_bytes + GiB
+
+
+def test_plan_prints_a_row_per_group():
+    pl = plan(Profile.uniform(4, **GPT), 9 * GiB)
+    text = str(pl)
+    assert text.count("\n") >= 6 and "budget of 9.00 GiB" in text and "GiB" in text
+    for i, d in enumerate(pl.decisions):
+        assert f"{i:>5} " in text and d in text
+
+
+# ---- budget mode end to end, on the CPU --------------------------------------------------------
+D, N = 32, 5
+
+
+def make_blocks(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(torch.nn.Sequential(
+        torch.nn.LayerNorm(D), torch.nn.Linear(D, 4 * D), torch.nn.GELU(), torch.nn.Linear(4 * D, D))
+        for _ in range(N))
+
+
+def forward(blocks, x, off=None, mark="run"):
+    for i, b in enumerate(blocks):
+        if off is None:
+            x = x + b(x)
+        elif mark == "run":
+            x = x + off.run(i, b, x)
+        else:
+            with off.group(i):
+                x = x + b(x)
+    return torch.nn.functional.cross_entropy(x, torch.arange(x.shape[0]) % D)
+
+
+def grads(blocks, x, off=None, mark="run"):
+    params = list(blocks.parameters())
+    with off.record(exclude=blocks) if off else torch.enable_grad():
+        loss = forward(blocks, x, off, mark)
+    return torch.autograd.grad(loss, params)
+
+
+def keep_peak(blocks, x, copy, mark="run"):
+    """The predicted peak with every group kept, from a profiling step."""
+    off = fo.ActivationOffload(N, budget_bytes=1 << 40, min_bytes=1024, copy_on_cpu=copy)
+    grads(blocks, x, off, mark)
+    return simulate(off.plan.profile, [KEEP] * N).peak_bytes
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_budget_mode_grads_identical_and_budget_met(copy):
+    blocks, x = make_blocks(), torch.randn(256, D)
+    want = grads(blocks, x)
+    budget = keep_peak(blocks, x, copy) // 3
+    off = fo.ActivationOffload(N, budget_bytes=budget, min_bytes=1024, copy_on_cpu=copy)
+    for step in range(3):  # profiling, then the plan
+        for a, b in zip(grads(blocks, x, off), want, strict=True):
+            assert torch.equal(a, b), step
+        assert off.held_bytes == 0
+    pl = off.plan
+    assert pl.feasible and pl.peak_bytes <= budget
+    assert off.stats["measured_steps"] == 1 and off.stats["plans"] == 1
+    assert off.stats["recomputed_groups"] == 2 * sum(d in (RECOMPUTE, RECOMPUTE_OFFLOAD)
+                                                     for d in pl.decisions) > 0
+    assert (OFFLOAD in pl.decisions or RECOMPUTE_OFFLOAD in pl.decisions) <= copy
+
+
+def test_replanned_when_the_sequence_length_changes():
+    blocks = make_blocks()
+    off = fo.ActivationOffload(N, budget_bytes=1 << 40, min_bytes=1024)
+    saved = {}
+    for tokens in (64, 128, 64, 128):
+        x = torch.randn(tokens, D)
+        for a, b in zip(grads(blocks, x, off), grads(blocks, x), strict=True):
+            assert torch.equal(a, b)
+        saved[tokens] = off.plan.profile.saved_bytes  # the plan for this length
+    assert off.stats["measured_steps"] == 2  # one profile per length, then the plans are reused
+    assert saved[128] == [2 * b for b in saved[64]] and min(saved[64]) > 0
+
+
+def test_group_marks_are_never_recomputed_and_shape_changes_replan():
+    blocks = make_blocks()
+    x = torch.randn(256, D)
+    budget = keep_peak(blocks, x, False, mark="group") // 2  # unreachable without recompute
+    off = fo.ActivationOffload(N, budget_bytes=budget, min_bytes=1024)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for a, b in zip(grads(blocks, x, off, "group"), grads(blocks, x), strict=True):
+            assert torch.equal(a, b)
+    assert any("cannot be met" in str(w.message) for w in caught)
+    assert set(off.plan.decisions) == {KEEP} and not off.plan.feasible
+    grads(blocks, x, off, "group")  # the plan
+    grads(blocks, torch.randn(64, D), off, "group")  # new shapes under the old plan: noticed
+    grads(blocks, torch.randn(64, D), off, "group")  # profiled again
+    assert off.stats["measured_steps"] == 2
+
+
+def test_module_loop_with_wrap():
+    blocks, x = make_blocks(), torch.randn(128, D)
+    names = [k for k, _ in blocks.named_parameters()]
+    want = grads(blocks, x)
+    budget = keep_peak(blocks, x, True) // 3
+    off = fo.ActivationOffload(N, budget_bytes=budget, min_bytes=1024, copy_on_cpu=True)
+    off.wrap(blocks)
+    assert [k for k, _ in blocks.named_parameters()] == names  # names and state dict unchanged
+    for _ in range(3):
+        blocks.zero_grad(set_to_none=True)
+        with off.record(exclude=blocks):
+            loss = forward(blocks, x)  # the model calls its blocks as usual
+        loss.backward()
+        for p, w in zip(blocks.parameters(), want, strict=True):
+            assert torch.equal(p.grad, w)
+    with torch.no_grad():
+        forward(blocks, x)  # evaluation: plain calls
+    assert off.stats["recomputed_groups"] > 0 and off.held_bytes == 0
+
+
+def test_recompute_groups_with_counts():
+    blocks, x = make_blocks(), torch.randn(64, D)
+    want = grads(blocks, x)
+    off = fo.ActivationOffload(N, 2, recompute_groups=[2, 4], min_bytes=1024, copy_on_cpu=True)
+    for a, b in zip(grads(blocks, x, off), want, strict=True):
+        assert torch.equal(a, b)
+    assert off.stats["recomputed_groups"] == 2 and off.stats["offloaded_bytes"] > 0
+    assert off.plan is None  # counts, not a budget
+
+
+def test_profiling_buffers_are_released_when_the_plan_needs_none():
+    blocks, x = make_blocks(), torch.randn(128, D)
+    off = fo.ActivationOffload(N, budget_bytes=1 << 40, min_bytes=1024, copy_on_cpu=True)
+    grads(blocks, x, off)  # profiling: every group but the last offloaded
+    assert off.pinned_bytes > 0 and set(off.plan.decisions) == {KEEP}
+    for _ in range(3):
+        grads(blocks, x, off)
+    assert off.pinned_bytes == 0  # kept for two steps, then freed
