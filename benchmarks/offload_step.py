@@ -76,8 +76,11 @@ def pinned_bytes(device: torch.device) -> Optional[int]:
     return torch.cuda.host_memory_stats().get("allocated_bytes.current")
 
 
+MAX_NORM = [1.0]  # --max-norm
+
+
 def torch_clip(params: list[torch.Tensor]) -> None:
-    torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+    torch.nn.utils.clip_grad_norm_(params, MAX_NORM[0], foreach=True)
 
 
 def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namespace, info: dict,
@@ -127,11 +130,12 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
             zero()
         return step, lambda: None
     if name in OURS:
-        ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac, clip=clip,
+        ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac,
+                          clip=args.max_norm if clip else None,
                           bf16_moments=name.endswith("16"), threads=args.threads,
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
-                    threads=ours.executor.threads)
+                    threads=ours.executor.threads, ahead=ours.ahead)
         return ours.step, ours.flush
     plan = fo.placement.offload_fraction(frac).plan(dict(model.named_parameters()))
     if name == "hdo":
@@ -279,7 +283,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         out.append(f"{r['system']:<12} {r['clip']:>4} {r['step_s']:>7.3f} {r['mean_s']:>7.3f} "
                    f"{r['mean_s'] / fbs:>6.2f} {floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
                    f"{b:>8.3f} {r['mean_s'] / b:>7.2f} {r.get('peak_gib', nan):>9.2f} "
-                   f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8}")
+                   f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8}"
+                   + (f"  ahead {r['ahead']}" if name.startswith("stream") and r.get("ahead") else ""))
     out.append("x fb = mean / (fwd+bwd); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
                "extra = peak GiB above the bf16 model; no* = cannot clip")
     return out
@@ -294,6 +299,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--systems", default=DEFAULT)
     ap.add_argument("--no-clip", action="store_true", help="no gradient clipping anywhere")
+    ap.add_argument("--max-norm", type=float, default=1.0,
+                    help="the clipping threshold (a large one never clips: the streamed step's "
+                         "run-ahead is then always kept)")
     ap.add_argument("--chunk-mb", type=int, default=32, help="our executor's chunk size")
     ap.add_argument("--slots", type=int, default=4, help="our executor's ring slots")
     ap.add_argument("--threads", type=int, default=0,
@@ -319,6 +327,7 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    MAX_NORM[0] = args.max_norm
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args)), flush=True)
         return

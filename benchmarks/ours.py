@@ -35,9 +35,11 @@ class Ours(NamedTuple):
     executor: HostExecutor
     offloaded: int  # elements whose state lives in host memory (this rank's shards)
     host_state_bytes: int  # bytes of state (masters, moments) in host memory
+    ahead: dict  # streamed steps with clipping: {"kept": n, "redone": n, "held": n}
 
 
-def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *, clip: bool = True,
+def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
+               clip: Optional[float] = 1.0,
                bf16_moments: bool = False, threads: Optional[int] = None, chunk_mb: int = 32,
                slots: int = 4, timeline: Optional[Timeline] = None) -> Ours:
     """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
@@ -55,11 +57,13 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *, c
     where = fo.placement.offload_fraction(fraction)
     opt = fo.adamw(placement=where, executor=ex, delayed=delayed, **low, **HYPER)
     if clip:
-        opt = fo.chain(fo.clip_by_global_norm(1.0), opt)
+        opt = fo.chain(fo.clip_by_global_norm(clip), opt)
     holder = [opt.init(params)]
     report = fo.placement_report(holder[0])
     offloaded = sum(math.prod(r["shape"]) for r in report.rows
                     if r["device"] == "cpu" and "mu" in r["path"].split("."))
+
+    ahead = {"kept": 0, "redone": 0, "held": 0}
 
     def step(loss_fn: Callable[[], torch.Tensor]) -> None:
         loss = loss_fn()
@@ -67,6 +71,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *, c
             with fo.stream(opt, holder[0]) as s:
                 loss.backward()
             _, holder[0] = s.finish()
+            ahead[{True: "kept", False: "redone", None: "held"}[s.committed]] += 1
         else:
             loss.backward()
             _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
@@ -76,4 +81,4 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *, c
     def flush() -> None:
         fo.flush(holder[0])
 
-    return Ours(step, flush, ex, offloaded, report.host_bytes)
+    return Ours(step, flush, ex, offloaded, report.host_bytes, ahead)

@@ -10,7 +10,7 @@
 from functional_offload import activations, compat, placement
 from functional_offload.activations import ActivationOffload
 from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
-                                     StateError, Step, chain, flush, params_of)
+                                     StateError, Step, chain, ema_params, flush, params_of)
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
 from functional_offload.executor import HostExecutor, HostStepError
 from functional_offload.compat import TorchOptimizer
@@ -37,7 +37,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
-    "chain", "params_of", "flush", "plan", "HostStepError",
+    "chain", "params_of", "ema_params", "flush", "plan", "HostStepError",
     "adam", "adamw", "sgd", "lion", "adafactor", "AdamState", "SGDState", "LionState",
     "AdafactorState", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",

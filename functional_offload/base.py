@@ -25,7 +25,7 @@ from functional_offload.typing import OptState, Params, Updates
 __all__ = [
     "TransformInitFn", "TransformUpdateFn", "OptimizerUpdateFn", "GlobalScaleFn", "BeginFn",
     "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
-    "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "flush", "check_usable",
+    "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "ema_params", "flush", "check_usable",
     "terminal_states",
 ]
 
@@ -135,7 +135,8 @@ class ParamRefs(NamedTuple):
     tree: Params
     staging: Any = None  # delayed mode: host buffers the new params land in (None leaves else)
     pending: Optional["Pending"] = None  # delayed mode: the step in flight
-    spare: Any = None  # speculative steps: a second set of host state buffers
+    spare: Any = None  # speculative steps: a second set of host state buffers, by leaf index
+    notes: Any = None  # what steps learn for the next ones (a dict; e.g. whether to run ahead)
 
 
 class StateError(RuntimeError):
@@ -245,7 +246,10 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
             return _Chained(last.begin(state[-1], speculative), None, state, update) \
                 if last.begin is not None else HeldStep(update, state)
         if last.begin is not None and all(t.global_scale is not None for t in front):
-            return _Chained(last.begin(state[-1], True), front, state, update)
+            notes = terminal_states(state[-1])[0].params.notes
+            ahead = notes is None or notes.get("scale_was_one", True)
+            inner = last.begin(state[-1], True) if ahead else HeldStep(last.update, state[-1])
+            return _Chained(inner, front, state, update)
         return HeldStep(update, state)
 
     return Optimizer(init, update, begin)
@@ -271,7 +275,9 @@ class HeldStep:
         if self.finished:
             raise RuntimeError("this step already finished; begin a new one per step")
         self.finished = True
-        return self.update(merge_grads(self.spec, self.fed, grads), self.state)
+        full = merge_grads(self.spec, self.fed, grads)
+        self.fed.clear()
+        return self.update(full, self.state)
 
     def abort(self) -> None:
         self.finished = True
@@ -289,7 +295,11 @@ def flatten_up_to(spec: optree.PyTreeSpec, tree: Any) -> list[Any]:
 
 class _Chained:
     """A chain's step: the terminal's step fed the raw grads; the front's factors (if any)
-    decide at ``finish`` between committing it and redoing the step through ``update``."""
+    decide at ``finish`` between committing it and redoing the step through ``update``.
+
+    Whether the factors were 1 is noted in the state's ``ParamRefs.notes``: after a step whose
+    factor was not 1 (clipping on) the next step holds its grads instead of running ahead (a
+    step run ahead would be redone), until a factor of 1 is seen again."""
 
     def __init__(self, inner: Step, front: Optional[list], state: tuple, update: OptimizerUpdateFn):
         self.inner, self.front, self.state, self.update = inner, front, state, update
@@ -308,12 +318,19 @@ class _Chained:
             return params, (s,)
         try:
             full = merge_grads(self.spec, self.fed, grads)
+            self.fed.clear()
             factors = [t.global_scale(full, s) for t, s in zip(self.front, self.state)]
             dev = factors[0].device
             ones = bool(torch.stack([f.detach().float().to(dev) for f in factors]).eq(1).all())
         except BaseException:
             self.inner.abort()
             raise
+        notes = terminal_states(self.state[-1])[0].params.notes
+        if notes is not None:
+            notes["scale_was_one"] = ones
+        if isinstance(self.inner, HeldStep):  # nothing ran ahead
+            self.inner.abort()
+            return self.update(full, self.state)
         if ones:  # every factor is 1: the grads the step ran on are the chain's, bit for bit
             self.committed = True
             params, s = self.inner.finish(grads)
@@ -324,6 +341,30 @@ class _Chained:
 
     def abort(self) -> None:
         self.inner.abort()
+
+
+def ema_params(state: OptState) -> Params:
+    """The EMA of the params kept by a terminal optimizer built with ``ema_decay`` (fp32, a tree
+    like the params; host-resident where the state is). A delayed step in flight lands first.
+
+    Example::
+
+        >>> import torch, functional_offload as fo
+        >>> opt = fo.sgd(lr=1.0, ema_decay=0.5)
+        >>> params, state = opt.update({"w": torch.ones(1)}, opt.init({"w": torch.zeros(1)}))
+        >>> params["w"], fo.ema_params(state)["w"]
+        (tensor([-1.]), tensor([-0.5000]))
+    """
+    found = terminal_states(state)
+    if not found:
+        raise ValueError("this state holds no terminal optimizer's state")
+    s = found[0]
+    if isinstance(s.ema, tuple) and not s.ema:
+        raise ValueError(f"this {type(s).__name__} keeps no EMA: build the optimizer with "
+                         "ema_decay=... (e.g. fo.adamw(1e-3, ema_decay=0.999))")
+    check_usable(state, "read its EMA")
+    flush(state)
+    return s.ema
 
 
 def params_of(state: OptState) -> Params:

@@ -204,3 +204,37 @@ def test_plan_shows_what_init_places(name):
     report = fo.placement_report(state)
     assert plan.host_bytes + plan.device_bytes == report.host_bytes - 8  # less the count
     assert 0 < plan.fraction < 1 and plan.host_bytes > 0 and plan.device_bytes > 0
+
+
+@names
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed"])
+def test_ema_follows_its_recursion(name, mode):
+    """``ema_decay=d``: e_0 is the initial params in fp32, e_t = lerp(e_{t-1}, master_t, 1 - d)
+    after each step, in the same pass as the step (host and device), streamed and delayed too."""
+    e = ENTRIES[name]
+    if mode == "delayed" and not e.delayed:
+        pytest.skip("no delayed mode")
+    d = 0.9
+    model = _model()
+    params = dict(model.named_parameters())
+    opt = e.make(**e.hypers, ema_decay=d, executor=small_executor(), delayed=mode == "delayed")
+    state = opt.init(params)
+    want = {k: v.detach().float().clone() for k, v in params.items()}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        loss = model(torch.randn(32, 16, generator=g).to(torch.bfloat16)).float().square().mean()
+        if mode == "stream":
+            with fo.stream(opt, state) as s:
+                loss.backward()
+            params, state = s.finish()
+        else:
+            loss.backward()
+            params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+            fo.flush(state)
+        for k in want:
+            want[k] = torch.lerp(want[k], state.master[k], 1 - d)
+        model.zero_grad(set_to_none=True)
+    got = fo.ema_params(state)
+    assert rel(got, want) <= 1e-6
+    sd = fo.state_dict(state)
+    assert all(torch.equal(sd[f"ema.{k}"], got[k]) for k in want)  # checkpointed with the state

@@ -42,7 +42,7 @@ class Landing:
                                  chunk_done=lambda _, segs: self._chunks.put(segs))
         self.run.add_all(list(leaves), ready)
         self.run.close()
-        self._leaves = list(leaves)
+        self._staged = [leaf.param for leaf in leaves]  # not the leaves: they hold the grads
 
     @property
     def error(self) -> Optional[BaseException]:
@@ -69,9 +69,9 @@ class Landing:
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             ranges = []
             for seg in segments:
-                leaf, target = self._leaves[seg.leaf], self.targets[seg.leaf]
-                if target is not None and leaf.param is not None:
-                    src = leaf.param[seg.start:seg.stop]
+                staged, target = self._staged[seg.leaf], self.targets[seg.leaf]
+                if target is not None and staged is not None:
+                    src = staged[seg.start:seg.stop]
                     t.copy_out(target[seg.start:seg.stop], src)
                     ranges.append(_byte_range(src))
             event = t.mark_out()

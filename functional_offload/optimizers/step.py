@@ -152,7 +152,11 @@ class TerminalStep:
         streams = {d: torch.cuda.current_stream(d) for d in devices}
         ready = {g.device: self.ex.ready(g.device) for i, g in enumerate(gs)
                  if g is not None and self.leaves[i].on_host and i not in self.ahead}
-        new, interrupt = shielded(self._apply, gs, streams, ready)
+        try:
+            new, interrupt = shielded(self._apply, gs, streams, ready)
+        finally:
+            del gs
+            self._release()
         if interrupt is not None:  # the step is applied: the state passed in now holds it
             if new.params.pending is not None:
                 try:
@@ -174,7 +178,14 @@ class TerminalStep:
         shielded(self._wait_runs, self.runs)
         started = any(run.started for run in self.runs.values())
         self.state.count.fill_(FAILED if started and not self.speculative else self.n)
+        self._release()
+
+    def _release(self) -> None:
+        """Drop what the step held (grads, device scratch) once it is over: a finished step
+        object may live on in the caller's hands until the next one."""
+        self.fed.clear()
         self.scratch.clear()
+        self.runs.clear()
 
     # ---- helpers --------------------------------------------------------------------------
     def _land_previous(self) -> None:
@@ -291,7 +302,8 @@ class TerminalStep:
         groups: dict[tuple, list[int]] = {}
         for i, (leaf, g) in enumerate(zip(self.leaves, gs)):
             if g is not None and not leaf.on_host:
-                key = (leaf.value.device, leaf.value.dtype, tuple(m.dtype for m in leaf.moments), leaf.decay)
+                key = (leaf.value.device, leaf.value.dtype,
+                       tuple(None if m is None else m.dtype for m in leaf.moments), leaf.decay)
                 groups.setdefault(key, []).append(i)
         spec, tl = self.t.spec, self.ex.timeline
         math = spec.device or spec.reference

@@ -190,7 +190,7 @@ class Terminal:
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, unflat(staging) if staging is not None else None, None, {}),
+            params=ParamRefs(params, unflat(staging) if staging is not None else None, None, {}, {}),
         )
 
     @staticmethod

@@ -135,6 +135,7 @@ class _Guarded:
     def finish(self, grads: Updates = None) -> tuple[Params, Any]:
         try:
             full = merge_grads(self.spec, self.fed, grads)
+            self.fed.clear()
             ok = bool(all_finite(full))
         except BaseException:
             self.inner.abort()
