@@ -5,6 +5,7 @@ anchors and peers, each system in a fresh process; the host floor is measured in
     python benchmarks/offload_step.py --size 1.3b --systems fwdbwd,stream:1,delayed:1   # a subset
     python benchmarks/offload_step.py --one stream:1 --size 1.3b      # one system, this process
     python benchmarks/offload_step.py --smoke                         # tiny model on the CPU
+    FUNCTIONAL_OFFLOAD_PATH=../old python benchmarks/offload_step.py ...  # "ours" from another checkout
 
 Systems (``F``: offload fraction, Megatron's semantics):
   ``fwdbwd``       forward + backward only; gives the fwd and bwd columns (timed apart).

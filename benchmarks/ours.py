@@ -19,7 +19,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# FUNCTIONAL_OFFLOAD_PATH: run "ours" from another checkout of the library (an A/B of versions)
+sys.path.insert(0, os.environ.get("FUNCTIONAL_OFFLOAD_PATH")
+                or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import functional_offload as fo  # noqa: E402
 from functional_offload.executor import HostExecutor, Timeline, physical_cores  # noqa: E402
 
@@ -71,7 +73,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
             with fo.stream(opt, holder[0]) as s:
                 loss.backward()
             _, holder[0] = s.finish()
-            ahead[{True: "kept", False: "redone", None: "held"}[s.committed]] += 1
+            ahead[{True: "kept", False: "redone", None: "held"}[getattr(s, "committed", None)]] += 1
         else:
             loss.backward()
             _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])

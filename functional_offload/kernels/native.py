@@ -4,8 +4,8 @@
 optimizer-agnostic), ``math.cpp`` (one struct per element-wise op, registered by name) and the
 headers. Compiler flags follow the architecture and the CPU capability torch reports
 (``torch.backends.cpu.get_cpu_capability()``); the build directory's name holds the capability
-and a hash of sources and flags, so a cache shared by machines with different CPUs never loads
-a build made for another instruction set. A build prints one line with its time; when no
+and a hash of sources, flags and the sources' folder, so a cache shared by machines with
+different CPUs never loads a build made for another instruction set. A build prints one line with its time; when no
 compiler is there, a :class:`RuntimeWarning` says so and :func:`module` returns ``None`` (the
 callers then use the torch kernel).
 """
@@ -48,7 +48,8 @@ def _flags(capability: str) -> list[str]:
 
 
 def _build_dir(capability: str, flags: Sequence[str]) -> str:
-    digest = hashlib.sha256(" ".join(flags).encode())
+    # the sources' folder too: the build files name it, so two checkouts share no build
+    digest = hashlib.sha256(" ".join([*flags, os.path.realpath(_DIR)]).encode())
     for name in _SOURCES + _HEADERS:
         with open(os.path.join(_DIR, name), "rb") as f:
             digest.update(f.read())

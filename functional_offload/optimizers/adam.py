@@ -77,6 +77,14 @@ def reference(params: list, grads: list, moments: list, h: AdamHyper) -> None:
     _store(nus, v)
 
 
+def as_fp32(grads: list) -> list:
+    """``grads`` in fp32: low-precision ones cast together (two kernels, not one per grad)."""
+    if all(g.dtype == torch.float32 for g in grads):
+        return grads
+    flat = torch.cat([g.reshape(-1) for g in grads]).float()
+    return [x.view(g.shape) for x, g in zip(flat.split([g.numel() for g in grads]), grads)]
+
+
 def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
     """torch's fused CUDA kernels for fp32 values and moments; the reference otherwise."""
     mus, nus = moments
@@ -85,9 +93,8 @@ def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
         return
     step = torch.full((), float(h.step), dtype=torch.float32, device=params[0].device)
     fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
-    fn(params, [g if g.dtype == torch.float32 else g.float() for g in grads], mus, nus, [],
-       [step] * len(params), lr=h.lr, beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay,
-       eps=h.eps, amsgrad=False, maximize=False)
+    fn(params, as_fp32(grads), mus, nus, [], [step] * len(params), lr=h.lr, beta1=h.beta1,
+       beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
 
 
 def scalars(h: AdamHyper) -> list[float]:

@@ -36,6 +36,8 @@ from functional_offload.executor.leaves import LeafItem, run_leaves
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.host import host_kernel
 from functional_offload.kernels.work import Kernel
+from functional_offload.optimizers.packing import Buffers, Pack, buffers, span
+from functional_offload.optimizers.packing import runs as runs_of
 from functional_offload.tree import check_grad, flatten_like
 
 __all__ = ["Leaf", "TerminalStep"]
@@ -119,6 +121,10 @@ class TerminalStep:
         self._kernel: Optional[Kernel] = None
         self.finished = False
         self.delayed = t.delayed
+        notes = state.params.notes if state.params.notes is not None else {}
+        self.notes = notes
+        self.packs: list[Pack] = notes.get("packs", [])
+        self.packed = {i for pack in self.packs for i in pack.members}
         state.count.fill_(BUSY)
 
     # ---- the protocol ---------------------------------------------------------------------
@@ -133,7 +139,7 @@ class TerminalStep:
         if g is None:
             return
         self.fed[index] = g
-        if self._starts_ahead(leaf):
+        if self._starts_ahead(leaf, index):
             self._land_previous()
             self._run(g.device).add(self._host_leaf(index, g, ahead=True), self.ex.ready(g.device))
             self.ahead.add(index)
@@ -150,8 +156,8 @@ class TerminalStep:
         self.finished = True
         devices = {g.device for g in gs if g is not None and g.device.type == "cuda"}
         streams = {d: torch.cuda.current_stream(d) for d in devices}
-        ready = {g.device: self.ex.ready(g.device) for i, g in enumerate(gs)
-                 if g is not None and self.leaves[i].on_host and i not in self.ahead}
+        ready = {d: self.ex.ready(d) for d in {g.device for i, g in enumerate(gs)
+                 if g is not None and i not in self.ahead and self.leaves[i].on_host}}
         try:
             new, interrupt = shielded(self._apply, gs, streams, ready)
         finally:
@@ -196,22 +202,33 @@ class TerminalStep:
             try:
                 pending.land()
             except BaseException:
-                self.finished = True  # the state is failed (marked by the landing)
-                raise
+                self.finished = True
+                if int(self.state.count) == BUSY:  # landed, then interrupted: the state is fine
+                    self.state.count.fill_(self.n)
+                raise  # else the landing failed and marked the state
 
-    def _starts_ahead(self, leaf: Leaf) -> bool:
+    def _starts_ahead(self, leaf: Leaf, index: int) -> bool:
         """A fed leaf starts at once if its state is on the host (and, speculatively, if its new
         value can go to spare buffers: it has a master); the delayed update starts at finish,
         leaf-granular math at finish too."""
         return (leaf.on_host and not self.t.delayed and self.t.spec.elementwise
-                and (leaf.has_master or not self.speculative))
+                and (leaf.has_master or not self.speculative) and index not in self.packed)
 
     def _grads(self, grads: Any) -> list[Optional[torch.Tensor]]:
         """Every leaf's grad: the fed ones, the others from ``grads`` (checked)."""
         params = self.state.params.tree
         given = [None] * len(self.leaves) if grads is None else flatten_like(grads, params, "grads")
-        return [self.fed[i] if i in self.fed else check_grad(leaf.path, given[i], leaf.param)
-                for i, leaf in enumerate(self.leaves)]
+        out = []
+        for i, (leaf, g) in enumerate(zip(self.leaves, given)):
+            if i in self.fed:
+                out.append(self.fed[i])
+            elif g is None or (type(g) is torch.Tensor and g.shape == leaf.param.shape  # noqa: E721
+                               and g.dtype == leaf.param.dtype and g.device == leaf.param.device
+                               and g.layout == torch.strided):
+                out.append(g)  # the common case, checked quickly
+            else:
+                out.append(check_grad(leaf.path, g, leaf.param))
+        return out
 
     def _kernel_for_run(self) -> Kernel:
         if self._kernel is None:
@@ -260,6 +277,43 @@ class TerminalStep:
                         (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)), hyper, targets,
                         None if leaf.ema is None else leaf.ema.view(-1), self.t.ema_decay or 0.0,
                         ema_target)
+
+    def _packed_leaves(self, gs: list, streams: dict, runs: dict) -> list[tuple[list[int], Buffers, list[int]]]:
+        """Each run of packed members with a grad: grads gathered into the pack's buffer (one
+        multi-tensor copy), handed to ``runs`` as one host leaf over the arenas. Returns
+        ``(members, buffers, positions)`` per run, for :meth:`_scatter`."""
+        out = []
+        for k, pack in enumerate(self.packs):
+            with_grad = [g is not None for g in gs]
+            for first, last in runs_of(pack, with_grad):
+                members = list(pack.members[first:last + 1])
+                lead, g0 = self.leaves[members[0]], gs[members[0]]
+                key = ("pack", k, g0.device, g0.dtype)
+                if key not in self.notes:
+                    self.notes[key] = buffers(pack, g0.device, g0.dtype,
+                                              [self.leaves[i].param.numel() for i in pack.members])
+                bufs = self.notes[key]
+                lo, hi = pack.offsets[first], pack.offsets[last] + self.leaves[members[-1]].param.numel()
+                with torch.cuda.stream(streams[g0.device]) if g0.device in streams else nullcontext():
+                    torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i].reshape(-1) for i in members])
+                    ready = self.ex.ready(g0.device)  # after the gather, on the caller's stream
+                hyper = self.hyper if lead.decay else self.hyper0
+                leaf = HostLeaf(f"{lead.path} (and {len(members) - 1} more small leaves)",
+                                bufs.grad[lo:hi], bufs.out[lo:hi],
+                                tuple(span(x, hi - lo) for x in (lead.value, *lead.moments)), hyper,
+                                (), None if lead.ema is None else span(lead.ema, hi - lo),
+                                self.t.ema_decay or 0.0)
+                self._run(g0.device, runs).add(leaf, ready)
+                out.append((members, bufs, list(range(first, last + 1))))
+        return out
+
+    def _scatter(self, packed: list, streams: dict) -> None:
+        """The packed runs' new params to the params (after the copies out are ordered)."""
+        for members, bufs, positions in packed:
+            device = self.leaves[members[0]].param.device
+            with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
+                torch._foreach_copy_([self.leaves[i].param.view(-1) for i in members],
+                                     [bufs.outs[j] for j in positions])
 
     @staticmethod
     def _by_device(idx: list[int], gs: list) -> dict[torch.device, list[int]]:
@@ -334,6 +388,7 @@ class TerminalStep:
         failed if anything may have been written in place, else as it was."""
         state, t = self.state, self.t
         touched = False
+        packed_out: list = []
         rest_runs: dict[torch.device, Run] = {}  # a speculative step's in-place leaves
         try:
             if self.speculative and self.runs:  # what ran ahead must have succeeded first
@@ -361,7 +416,8 @@ class TerminalStep:
                         self.ex.order_after_copies(device)
             else:
                 runs = rest_runs if self.speculative else self.runs
-                for device, idx in self._by_device(rest, gs).items():
+                packed_out = self._packed_leaves(gs, streams, runs)
+                for device, idx in self._by_device([i for i in rest if i not in self.packed], gs).items():
                     self._run(device, runs).add_all([self._host_leaf(i, gs[i], False) for i in idx],
                                                     ready[device])
                 self._wait_runs(runs)
@@ -369,6 +425,8 @@ class TerminalStep:
             for device in {*self.runs, *rest_runs}:
                 with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
                     self.ex.order_after_copies(device)
+            if packed_out:
+                self._scatter(packed_out, streams)
             if self.speculative and self.ahead:
                 touched = True
                 self._commit(streams)

@@ -20,6 +20,7 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs, Step, check_usable
 from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.kernels import native
+from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
 from functional_offload.optimizers.step import Leaf, TerminalStep
 from functional_offload.placement import Placement, on_host, previewing, record_plan
@@ -182,6 +183,11 @@ class Terminal:
                 if self.ema_decay is not None:
                     src = master if master is not None else p.detach()
                     emas.append(src.to(where, torch.float32, copy=True).contiguous())
+            packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
+                [i for i, (p, m) in enumerate(zip(locals_, masters))
+                 if on_host[i] and m is not None and p.numel() <= PACK_MAX],
+                [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
+                self._decay_flags(tree))
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
@@ -190,7 +196,8 @@ class Terminal:
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, unflat(staging) if staging is not None else None, None, {}, {}),
+            params=ParamRefs(params, unflat(staging) if staging is not None else None, None, {},
+                             {"packs": packs}),
         )
 
     @staticmethod
@@ -218,7 +225,20 @@ class Terminal:
         check_usable(state, action)
 
     def layout(self, state: Any) -> list[Leaf]:
-        """The leaves of ``state``, in the params' flatten order."""
+        """The leaves of ``state``, in the params' flatten order. Built once and kept in the
+        state's notes while its trees are the same objects (an update keeps them)."""
+        notes = state.params.notes
+        key = (state.params.tree, state.master, state.ema, state.params.staging,
+               *(getattr(state, m.name) for m in self.spec.moments))
+        cached = notes.get("layout") if notes is not None else None
+        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+            return cached[1]
+        leaves = self._layout(state)
+        if notes is not None:
+            notes["layout"] = (key, leaves)
+        return leaves
+
+    def _layout(self, state: Any) -> list[Leaf]:
         params = state.params.tree
         paths, lives, _ = leaves_with_paths(params)
         masters = flatten_like(state.master, params, "state.master")

@@ -11,7 +11,7 @@ from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep,
                                      StateError, Step, check_usable, merge_grads, params_of,
                                      terminal_states)
 from functional_offload.transforms.clipping import leaf_norms
-from functional_offload.tree import check_float_leaves, check_grads
+from functional_offload.tree import check_float_leaves, check_grads, is_dtensor, local
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "all_finite"]
@@ -26,10 +26,27 @@ class ApplyIfFiniteState(NamedTuple):
 
 
 def all_finite(updates: Updates) -> torch.Tensor:
-    """A 0-dim bool tensor (on the first leaf's device): every gradient element is finite."""
-    # max |x| per tensor is inf or NaN exactly when the tensor holds an inf or a NaN.
-    maxes = leaf_norms(updates, float("inf"))
-    return torch.isfinite(torch.stack(maxes)).all() if maxes else torch.ones((), dtype=torch.bool)
+    """A 0-dim bool tensor: every gradient element is finite (on every rank, for DTensors).
+
+    Each rank counts its local shards holding an inf or a NaN (max |x| is not finite exactly
+    then; empty shards are finite) and, for DTensor grads, the counts are summed over each mesh:
+    a NaN on one rank skips the step on all of them (a max all-reduce could drop it)."""
+    leaves = [g for g in check_float_leaves(updates, "grad") if g is not None]
+    by_mesh: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for g in leaves:
+        mesh = g.device_mesh if is_dtensor(g) else None
+        by_mesh.setdefault(id(mesh), (mesh, []))[1].append(local(g))
+    bad = []
+    for mesh, shards in by_mesh.values():
+        maxes = leaf_norms([x for x in shards if x.numel()], float("inf"))
+        count = ((~torch.isfinite(torch.stack(maxes))).sum() if maxes
+                 else torch.zeros((), dtype=torch.int64, device=shards[0].device))
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Partial
+            count = DTensor.from_local(count, mesh, [Partial("sum")] * mesh.ndim,
+                                       run_check=False).full_tensor()
+        bad.append(count.to(leaves[0].device if not is_dtensor(leaves[0]) else local(leaves[0]).device))
+    return torch.stack(bad).sum() == 0 if bad else torch.ones((), dtype=torch.bool)
 
 
 AnyT = Union[Optimizer, GradientTransformation]
