@@ -150,6 +150,9 @@ class Slot:
             fresh: dict[str, Any] = {}
             for name, leaf, shown in Slot.leaves(state, keys, params, j):
                 v = e.get(name) if (e and shown) else None
+                if name == MASTER and isinstance(v, torch.Tensor) and v.dtype != leaf.dtype:
+                    v = None  # not a master this layout wrote (torch casts state to the param's
+                    #           dtype on load, and stops updating it): the param is the truth
                 if v is None:
                     if name == MASTER and not shown:
                         if resync_masters or (reset and not e):
