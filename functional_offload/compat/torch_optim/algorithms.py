@@ -190,11 +190,10 @@ class SGDAlgorithm(Algorithm):
             raise ValueError(f"Invalid momentum value: {m}")
         _check_nonneg(v, "weight_decay", "weight_decay")
         dampening = v["dampening"]
-        if v["nesterov"] and (not self._has_momentum(v) or (not callable(m) and m <= 0)
-                              or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         if not isinstance(v["nesterov"], bool):
             raise ValueError(f"nesterov must be True or False, got {v['nesterov']!r}")
+        if v["nesterov"] and (not (callable(m) or m > 0) or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         _check_flags(v)
         if dampening != 0:
             raise _refuse("dampening", dampening, "fo.sgd has no dampening",
