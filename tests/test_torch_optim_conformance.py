@@ -5,8 +5,7 @@ matching torch.optim class as the oracle (fp32 params and cpu_kernel="torch": bi
 import copy
 import io
 import pickle
-import warnings
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -207,7 +206,9 @@ def test_sgd_without_lr_uses_torchs_default():
 def test_matches_torch_optim_with_two_groups(info, kw):
     p = make_params()
     q = clone_params(p)
-    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02, "weight_decay": 0.0}]  # noqa: E731
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02, "weight_decay": 0.0}]
+
     ours, ref = info.ours(groups(p), **fresh(kw)), info.ref(groups(q), **fresh(kw))
     for s in range(5):
         loss_step(ours, p, s)

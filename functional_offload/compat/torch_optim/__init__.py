@@ -52,6 +52,15 @@ class _Run:
         return f"param group {self.index}: "
 
 
+def _apply(state: Any, copies: list, count: Optional[int]) -> None:
+    """Run the copies :meth:`Slot.plan` made and set the count (``None``: keep it)."""
+    with torch.no_grad():
+        for c in copies:
+            c.run()
+        if count is not None:
+            state.count.fill_(count)
+
+
 def _warn_names(where: str, mine: Any, theirs: Any) -> None:
     if mine is None or theirs is None or list(mine) == list(theirs):
         return
@@ -102,8 +111,9 @@ class TorchOptimizer(torch.optim.Optimizer):
     Checkpoints: ``state_dict()`` is torch's format; ``torch.optim.AdamW``'s (``Adam``, ``SGD``)
     loads into the matching adapter and continues the same trajectory, and the adapter's loads
     into torch's class, which keeps ``master`` as unused state (drop it with a
-    ``register_load_state_dict_pre_hook`` if unwanted). Loading also resets the masters of fp32
-    params from the params (the model's values are the truth then). Two differences stay: one
+    ``register_load_state_dict_pre_hook`` if unwanted). On load, a master is taken from the
+    state_dict only at its own dtype; otherwise, and for the fp32 host copies that are not shown,
+    it is set from its param (the model's values are the truth then). Two differences stay: one
     step count per group (torch keeps one per param; a torch state whose params' steps differ
     continues from the largest, with a warning), and params that never had a grad still have
     (zero) state.
@@ -271,11 +281,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         names = run.slot.group.get("param_names")
         copies, count = Slot.plan(state, keys, params, entries, reset=False, resync_masters=False,
                                   where=run.where, names=names)
-        with torch.no_grad():
-            for c in copies:
-                c.run()
-            if count is not None:
-                state.count.fill_(count)
+        _apply(state, copies, count)
         slot.install(state, keys, params, self._fixed(run.options))
         slot.write_views(self.state, entries)
 
@@ -292,11 +298,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                                   resync_masters=False, where=run.where,
                                   names=slot.group.get("param_names"))
         quiesce(slot.state, dropping=False)
-        with torch.no_grad():
-            for c in copies:
-                c.run()
-            if count is not None:
-                slot.state.count.fill_(count)
+        _apply(slot.state, copies, count)
         slot.write_views(self.state, entries)
 
     # ---- the step ---------------------------------------------------------------------------
@@ -491,10 +493,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             if state is not None:
                 if slot.state is not None:
                     quiesce(slot.state, dropping=True)
-                with torch.no_grad():
-                    for c in copies:
-                        c.run()
-                    state.count.fill_(count)
+                _apply(state, copies, count)
             params = g["params"]
             g.clear()
             g.update(new)
