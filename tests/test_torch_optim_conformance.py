@@ -676,3 +676,26 @@ def test_errors_name_the_param():
     other.step()
     with pytest.raises(ValueError, match=r"param 0 \('weight'\): state 'exp_avg' has shape \(4, 5\)"):
         opt.load_state_dict(other.state_dict())
+
+
+def test_state_dicts_of_the_first_adapter_still_load():
+    """The first TorchOptimizer saved names in "params" and the functional state's dotted paths."""
+    g = torch.Generator().manual_seed(0)
+    mu = [torch.randn(2, 3, generator=g), torch.randn(2, generator=g)]
+    nu = [torch.rand(2, 3, generator=g), torch.rand(2, generator=g)]
+    old = {"param_groups": [{"lr": 0.01, "weight_decay": 0.01, "params": ["weight", "bias"]}],
+           "state": {"0.count": torch.tensor(4), "0.mu.weight": mu[0], "0.mu.bias": mu[1],
+                     "0.nu.weight": nu[0], "0.nu.bias": nu[1]}}
+    model = torch.nn.Linear(3, 2)
+    opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw)
+    opt.load_state_dict(old)
+    assert opt.param_groups[0]["lr"] == 0.01
+    for p, m, v in zip(model.parameters(), mu, nu):
+        assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert float(opt.state[p]["step"]) == 4
+    unnamed = fo.TorchOptimizer(list(model.parameters()), fo.sgd, momentum=0.9)
+    unnamed.load_state_dict({"param_groups": [{"lr": 0.1, "momentum": 0.9, "params": ["0", "1"]}],
+                             "state": {"0.count": torch.tensor(1), "0.momentum.0": mu[0],
+                                       "0.momentum.1": mu[1]}})
+    assert "param_names" not in unnamed.param_groups[0]
+    assert torch.equal(unnamed.state[model.bias]["momentum_buffer"], mu[1])

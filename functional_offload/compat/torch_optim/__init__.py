@@ -28,7 +28,8 @@ import torch
 
 from functional_offload.base import FAILED, Optimizer, ParamRefs, flush
 from functional_offload.compat.torch_optim.algorithms import FREE_OPTIONS, algorithm_for
-from functional_offload.compat.torch_optim.views import Slot, mark_error, quiesce, signature, tree_of
+from functional_offload.compat.torch_optim.views import (Slot, mark_error, quiesce, scalar_dtype,
+                                                         signature, tree_of)
 from functional_offload.optimizers import adamw
 from functional_offload.transforms import clip_by_global_norm
 from functional_offload.tree import check_grad, local
@@ -50,6 +51,37 @@ class _Run:
     @property
     def where(self) -> str:
         return f"param group {self.index}: "
+
+
+_EARLIER_KEYS = {"mu": "exp_avg", "nu": "exp_avg_sq", "momentum": "momentum_buffer",
+                 "master": "master", "ema": "ema"}
+
+
+def _from_earlier_format(sd: dict[str, Any]) -> dict[str, Any]:
+    """A state_dict of the first TorchOptimizer (groups' ``params`` were names, ``state`` the
+    functional state's dotted paths: ``"0.count"``, ``"0.mu.<name>"``) in torch's format;
+    others are returned as they are."""
+    groups = sd.get("param_groups", [])
+    if not any(isinstance(x, str) for g in groups for x in g.get("params", [])):
+        return sd
+    old, state, new_groups, start = sd.get("state", {}), {}, [], 0
+    for i, g in enumerate(groups):
+        names = [str(n) for n in g["params"]]
+        ids = list(range(start, start + len(names)))
+        start += len(names)
+        group = {k: v for k, v in g.items() if k != "params"}
+        group["params"] = ids
+        if names != [str(j) for j in range(len(names))]:  # unnamed params were named "0", "1"...
+            group["param_names"] = names
+        count = old.get(f"{i}.count")
+        for pid, name in zip(ids, names):
+            entry = {"step": torch.tensor(float(count), dtype=scalar_dtype())} if count is not None else {}
+            for field, key in _EARLIER_KEYS.items():
+                if f"{i}.{field}.{name}" in old:
+                    entry[key] = old[f"{i}.{field}.{name}"]
+            state[pid] = entry
+        new_groups.append(group)
+    return {**sd, "state": state, "param_groups": new_groups}
 
 
 def _apply(state: Any, copies: list, count: Optional[int]) -> None:
@@ -431,12 +463,13 @@ class TorchOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch.optim's format (this adapter's, or torch's class of the same algorithm).
 
-        Params are matched by position, as torch does (names are kept, not used). Everything is
+        Params are matched by position, as torch does (names are kept, not used); state_dicts
+        of the first TorchOptimizer (params by name) are converted. Everything is
         checked — group sizes, option values, every tensor's shape — before anything is copied.
         The values are copied into the functional state (keeping its placement); masters not in
         the state_dict are set from the params. Runs torch's load-state-dict hooks.
         """
-        state_dict = state_dict.copy()
+        state_dict = _from_earlier_format(state_dict.copy())
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, state_dict)
             if out is not None:
