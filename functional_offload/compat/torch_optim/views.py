@@ -1,0 +1,239 @@
+"""One param group's functional state and ``torch.optim``'s per-param view of it.
+
+``optimizer.state[p]`` is a dict whose entries are the functional state's own leaves under
+torch's names (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``), ``step`` (a float tensor
+shared by the group's params, holding the state's one count), ``master`` where the param is low
+precision and ``ema`` with ``ema_decay``. Keys the layout does not use (``max_exp_avg_sq`` from a
+torch checkpoint, a user's own) stay in the dict untouched, as torch keeps them.
+
+Values written into the views are taken into the functional state before it is used: a tensor
+put in place of a leaf (or a new ``step``) is copied into the leaf, a deleted entry restarts
+that param's state. The same copy loads a state_dict. Everything is checked before anything is
+copied, so a bad value changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from functional_offload.base import BUSY, CONSUMED, FAILED, StateError, flush
+from functional_offload.optimizers.spec import torch_state_names
+from functional_offload.tree import local
+
+__all__ = ["Slot", "Copy", "scalar_dtype", "tree_of", "signature", "quiesce", "mark_error"]
+
+STEP, MASTER, EMA = "step", "master", "ema"
+_ZERO = object()  # a Copy source: fill with zeros
+
+
+def scalar_dtype() -> torch.dtype:
+    """The dtype torch.optim gives ``step`` (float32, or float64 under a float64 default)."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def tree_of(group: dict, params: list) -> tuple[Any, list]:
+    """The params tree of a group's functional state and its keys by position: a dict by name
+    for a group with unique names (errors then name the param), else a list."""
+    names = group.get("param_names")
+    if (isinstance(names, (list, tuple)) and len(names) == len(params)
+            and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)):
+        return dict(zip(names, params)), list(names)
+    return list(params), list(range(len(params)))
+
+
+def signature(params: list) -> tuple:
+    return tuple((p.device, p.dtype, tuple(p.shape)) for p in params)
+
+
+def quiesce(state: Any, dropping: bool) -> None:
+    """Finish a delayed step in flight before the state is written: land it (``flush``), or,
+    when the state is about to be overwritten by a load, wait for it and drop its result."""
+    pending = state.params.pending
+    if pending is None:
+        return
+    if dropping:
+        pending.settle()
+    else:
+        flush(state)
+
+
+def mark_error(state: Any, where: str, action: str) -> Optional[StateError]:
+    """A :class:`StateError` saying what to do if ``state`` holds a mark, else ``None``."""
+    n = int(state.count)
+    if n == FAILED:
+        return StateError(f"{where}cannot {action}: the last step of this group failed part-way "
+                          "(see that error), so its params and state are inconsistent; load a "
+                          "checkpoint with optimizer.load_state_dict(...) to continue")
+    if n in (CONSUMED, BUSY):
+        return StateError(f"{where}cannot {action}: the functional state is in use by another "
+                          "step (another thread, or a fo.stream block not finished)")
+    return None
+
+
+class Copy:
+    """One value to write into a leaf: a tensor (cast to the leaf's dtype and device), zeros,
+    or a param's value."""
+
+    __slots__ = ("dst", "src")
+
+    def __init__(self, dst: torch.Tensor, src: Any):
+        self.dst, self.src = dst, src
+
+    def run(self) -> None:
+        if self.src is _ZERO:
+            self.dst.zero_()
+        elif self.src is not self.dst:
+            self.dst.copy_(self.src)
+
+
+class Slot:
+    """A param group's functional state (``None`` until the first step or load) and the views
+    of it in ``optimizer.state``."""
+
+    def __init__(self, group: dict):
+        self.group = group
+        self.state: Any = None
+        self.keys: list = []  # the params tree's keys by position
+        self.params: list = []  # the params the state was laid out for
+        self.signature: tuple = ()  # their (device, dtype, shape)
+        self.fixed: dict = {}  # the layout options it was laid out with
+        self.mirror = torch.zeros((), dtype=scalar_dtype())  # "step" in the views
+        self.seen = 0.0  # the mirror's value as last written
+        self.views: list[dict] = []  # per param: its dict in optimizer.state
+        self.expected: list[dict] = []  # per param: {key: the object its view holds}
+
+    # ---- the layout -----------------------------------------------------------------------
+    @staticmethod
+    def leaves(state: Any, keys: list, params: list, j: int) -> list[tuple[str, torch.Tensor, bool]]:
+        """``(torch key, leaf, shown in the view)`` of param ``j``: moments, master, EMA. A
+        master is shown where it holds more than the param does (a low-precision param); an fp32
+        param's host copy equals the param after every step and is not."""
+        key, out = keys[j], []
+        for field, name in torch_state_names(state).items():
+            tree = getattr(state, field)
+            if not (isinstance(tree, tuple) and not tree):
+                out.append((name, tree[key], True))
+        master = state.master[key]
+        if master is not None:
+            out.append((MASTER, master, master.dtype != local(params[j]).dtype))
+        if not (isinstance(state.ema, tuple) and not state.ema):
+            out.append((EMA, state.ema[key], True))
+        return out
+
+    @staticmethod
+    def moment_fields(state: Any) -> frozenset:
+        """The state's moment fields that hold buffers (SGD without momentum has none)."""
+        return frozenset(f for f in torch_state_names(state)
+                         if not (isinstance(getattr(state, f), tuple) and not getattr(state, f)))
+
+    # ---- taking values in -----------------------------------------------------------------
+    @staticmethod
+    def plan(state: Any, keys: list, params: list, entries: list[Optional[dict]], *, reset: bool,
+             resync_masters: bool, where: str, names: Optional[list] = None
+             ) -> tuple[list[Copy], Optional[int]]:
+        """The copies that put ``entries`` (torch-format per-param dicts, ``None`` where a param
+        has none) into ``state``, and the count to set (``None``: keep it). Raises ``ValueError``
+        naming the param and key of a value that does not fit; copies nothing.
+
+        ``reset``: leaves an entry lacks get a fresh value (zero moments, the param as master),
+        as for a load. ``resync_masters``: masters not shown in the views are set from their
+        params (the params are the truth after a load)."""
+        copies: list[Copy] = []
+        steps: list[int] = []
+        for j, p in enumerate(params):
+            e = entries[j]
+            label = f"{where}param {j}" + (f" ({names[j]!r})" if names and j < len(names) else "")
+            fresh: dict[str, Any] = {}
+            for name, leaf, shown in Slot.leaves(state, keys, params, j):
+                v = e.get(name) if (e and shown) else None
+                if name == MASTER and isinstance(v, torch.Tensor) and v.dtype != leaf.dtype:
+                    v = None  # not a master this layout wrote (torch casts state to the param's
+                    #           dtype on load, and stops updating it): the param is the truth
+                if v is None:
+                    if name == MASTER and not shown:
+                        if resync_masters or (reset and not e):
+                            copies.append(Copy(leaf, local(p)))
+                    elif reset:
+                        src = (_ZERO if name not in (MASTER, EMA) else
+                               local(p) if name == MASTER else fresh.get(MASTER, local(p)))
+                        copies.append(Copy(leaf, src))
+                    fresh[name] = leaf
+                    continue
+                if not isinstance(v, torch.Tensor):
+                    raise ValueError(f"{label}: state {name!r} is a {type(v).__name__}, expected a "
+                                     f"tensor of shape {tuple(leaf.shape)}")
+                if tuple(v.shape) != tuple(leaf.shape):
+                    raise ValueError(f"{label}: state {name!r} has shape {tuple(v.shape)} but the "
+                                     f"param's state has shape {tuple(leaf.shape)}; was it saved "
+                                     "for another model, or with the params in another order?")
+                if not (v.dtype.is_floating_point and not v.is_meta):
+                    raise ValueError(f"{label}: state {name!r} is a {v.dtype} {v.device} tensor; "
+                                     "expected floating values")
+                copies.append(Copy(leaf, v))
+                fresh[name] = leaf
+            if e and e.get(STEP) is not None:
+                steps.append(_as_step(e[STEP], label))
+        if steps:
+            if len(set(steps)) > 1:
+                warnings.warn(f"{where}the params' steps differ ({min(steps)} to {max(steps)}); "
+                              f"fo.TorchOptimizer keeps one step count per param group and "
+                              f"continues from {max(steps)} (bias corrections of params that "
+                              "were updated less often differ from torch.optim's)", stacklevel=4)
+            return copies, max(steps)
+        return copies, (0 if reset else None)
+
+    def install(self, state: Any, keys: list, params: list, fixed: dict) -> None:
+        self.state, self.keys, self.params = state, keys, list(params)
+        self.signature, self.fixed = signature(self.params), dict(fixed)
+
+    def refresh(self) -> None:
+        """The views' ``step`` follows the state's count (not while the state holds a mark)."""
+        n = int(self.state.count)
+        if n >= 0:
+            self.mirror.fill_(n)
+            self.seen = self.mirror.item()
+
+    def write_views(self, opt_state: Any, entries: list[Optional[dict]]) -> None:
+        """Point each param's dict in ``opt_state`` at the state's leaves; keys of ``entries``
+        the layout does not use stay as they are. A param's existing dict is reused."""
+        self.refresh()
+        self.views, self.expected = [], []
+        for j, p in enumerate(self.params):
+            ours = {STEP: self.mirror}
+            ours.update({name: leaf for name, leaf, shown in
+                         self.leaves(self.state, self.keys, self.params, j) if shown})
+            old = opt_state.get(p) if hasattr(opt_state, "get") else None
+            view = old if isinstance(old, dict) else {}
+            extras = {k: v for k, v in (entries[j] or {}).items() if k not in ours and k != MASTER}
+            view.clear()
+            view.update(ours)
+            view.update(extras)
+            opt_state[p] = view
+            self.views.append(view)
+            self.expected.append(ours)
+
+    def edited(self, opt_state: Any) -> bool:
+        """Whether ``optimizer.state`` no longer shows exactly this state (a tensor or step
+        replaced, the step written in place, an entry deleted)."""
+        get = getattr(opt_state, "get", None)
+        if get is None:
+            return True
+        for p, view, ours in zip(self.params, self.views, self.expected):
+            if get(p) is not view:
+                return True
+            for k, obj in ours.items():
+                if view.get(k) is not obj:
+                    return True
+        return self.mirror.item() != self.seen
+
+
+def _as_step(x: Any, label: str) -> int:
+    v = x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+            or v != int(v):
+        raise ValueError(f"{label}: step {x!r} is not a whole number >= 0")
+    return int(v)

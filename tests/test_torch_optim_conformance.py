@@ -1,0 +1,701 @@
+"""fo.TorchOptimizer keeps torch.optim's contract: one entry per adapter (AdamW, Adam, SGD with
+and without momentum/Nesterov), each driven through the behaviours tools rely on, with the
+matching torch.optim class as the oracle (fp32 params and cpu_kernel="torch": bit for bit)."""
+
+import copy
+import io
+import pickle
+from typing import Callable, NamedTuple
+
+import pytest
+import torch
+from torch.nn import Parameter
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import functional_offload as fo
+
+
+class Info(NamedTuple):
+    """What the tests know of one adapter (in the spirit of torch's OptimizerInfo)."""
+
+    name: str
+    fo: Callable
+    torch_cls: type
+    inputs: list  # constructor kwargs that both accept
+    keys: tuple  # torch's per-param state keys
+    errors: list  # (kwargs, exception, regex) raised at construction
+
+    def ours(self, params, **kw):
+        return fo.TorchOptimizer(params, self.fo, cpu_kernel="torch", **kw)
+
+    def ref(self, params, **kw):
+        return self.torch_cls(params, **kw)
+
+
+COMMON_ERRORS = [
+    (dict(lr=-1), ValueError, "Invalid learning rate: -1"),
+    (dict(lr=torch.tensor([1e-3, 1e-3])), ValueError, "Tensor lr must be 1-element"),
+    (dict(weight_decay=-1), ValueError, "Invalid weight_decay value: -1"),
+    (dict(foreach=True, fused=True), RuntimeError, "`fused` and `foreach` cannot be `True` together"),
+    (dict(differentiable=True), ValueError, "differentiable=True is not supported"),
+    (dict(lr=torch.tensor(1e-3), foreach=True), ValueError, "lr as a Tensor is not supported"),
+]
+ADAM_INPUTS = [
+    {}, {"lr": 0.01}, {"weight_decay": 0.1}, {"weight_decay": 0.1, "maximize": True},
+    {"lr": torch.tensor(0.001)}, {"betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.05},
+]
+ADAM_ERRORS = COMMON_ERRORS + [
+    (dict(betas=(1.0, 0.0)), ValueError, "Invalid beta parameter at index 0: 1.0"),
+    (dict(betas=(0.9, 1.0)), ValueError, "Invalid beta parameter at index 1: 1.0"),
+    (dict(eps=-1), ValueError, "Invalid epsilon value: -1"),
+    (dict(betas=(0.9, torch.tensor(0.99))), ValueError, "betas must be either both floats or both Tensors"),
+    (dict(amsgrad=True), ValueError, "amsgrad=True is not supported"),
+    (dict(capturable=True), ValueError, "capturable=True is not supported"),
+]
+SGD_ERRORS = COMMON_ERRORS + [
+    (dict(momentum=-0.5), ValueError, "Invalid momentum value: -0.5"),
+    (dict(nesterov=True), ValueError, "Nesterov momentum requires a momentum and zero dampening"),
+    (dict(momentum=0.9, dampening=0.5), ValueError, "dampening=0.5 is not supported"),
+]
+INFOS = [
+    Info("adamw", fo.adamw, torch.optim.AdamW, ADAM_INPUTS, ("exp_avg", "exp_avg_sq"), ADAM_ERRORS),
+    Info("adam", fo.adam, torch.optim.Adam, ADAM_INPUTS, ("exp_avg", "exp_avg_sq"), ADAM_ERRORS),
+    Info("sgd", fo.sgd, torch.optim.SGD,
+         [{}, {"lr": 1e-2}, {"lr": torch.tensor(0.01)}, {"weight_decay": 0.5},
+          {"weight_decay": 0.1, "maximize": True}], (), SGD_ERRORS),
+    Info("sgd_momentum", fo.sgd, torch.optim.SGD,
+         [{"momentum": 0.9}, {"momentum": 0.9, "weight_decay": 0.1, "lr": 1e-2},
+          {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1},
+          {"momentum": 0.5, "maximize": True}], ("momentum_buffer",), SGD_ERRORS),
+]
+BY_NAME = {i.name: i for i in INFOS}
+ALL = [pytest.param(i, id=i.name) for i in INFOS]
+EACH_INPUT = [pytest.param(i, kw, id=f"{i.name}-{j}") for i in INFOS for j, kw in enumerate(i.inputs)]
+
+
+def fresh(kw):
+    return copy.deepcopy(kw)  # tensor lrs are written in place by schedulers
+
+
+def make_params(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [Parameter(torch.randn(10, 5, generator=g).to(dtype)),
+            Parameter(torch.randn(10, generator=g).to(dtype)),
+            Parameter(torch.randn(3, 10, generator=g).to(dtype))]
+
+
+def clone_params(params):
+    return [Parameter(p.detach().clone()) for p in params]
+
+
+def set_grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+def loss_step(opt, params, seed, x=None):
+    """A real forward/backward through the params, then the step."""
+    w, b, v = params
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(seed)).to(w.dtype)
+    opt.zero_grad()
+    (torch.tanh(x @ w.t() + b) @ v.t()).square().mean().backward()
+    opt.step()
+
+
+def assert_same_params(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert torch.equal(x, y), f"param {i}: max diff {(x - y).abs().max()}"
+
+
+def assert_same_state(ours, ref, params_ours, params_ref, keys):
+    for i, (p, q) in enumerate(zip(params_ours, params_ref)):
+        for k in keys:
+            assert torch.equal(ours.state[p][k], ref.state[q][k]), (i, k)
+        if "exp_avg" in keys:  # torch's SGD keeps no step (ours does; SGD's math ignores it)
+            assert float(ours.state[p]["step"]) == float(ref.state[q]["step"]), i
+
+
+def state_dicts_equal(a, b, names=True):
+    assert a.keys() == b.keys()
+    ga = [{k: v for k, v in g.items() if names or k != "param_names"} for g in a["param_groups"]]
+    gb = [{k: v for k, v in g.items() if names or k != "param_names"} for g in b["param_groups"]]
+    assert ga == gb
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys(), i
+        for k, v in a["state"][i].items():
+            assert torch.equal(v, b["state"][i][k]), (i, k)
+
+
+# ---- construction ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("info", ALL)
+def test_construction_errors_are_torchs(info):
+    p = make_params()
+    for kw, exc, regex in info.errors:
+        with pytest.raises(exc, match=regex):
+            info.ours(p, **kw)
+        # add_param_group checks the group's values too, and leaves the optimizer as it was
+        opt = info.ours([p[0]])
+        with pytest.raises(exc, match=regex):
+            opt.add_param_group({"params": [p[1]], **kw})
+        assert len(opt.param_groups) == 1
+    with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
+        info.ours(p[0])
+    with pytest.raises(ValueError, match="all optimizer params should be with/without names"):
+        info.ours([("w", p[0]), p[1]])
+    with pytest.raises(ValueError, match="cannot add param group with names"):
+        info.ours([{"params": [p[0]]}, {"params": [("b", p[1])]}])
+    with pytest.raises(ValueError, match="cannot add param group without names"):
+        info.ours([{"params": [("w", p[0])]}, {"params": [p[1]]}])
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        info.ours([{"params": [p[0]]}, {"params": [p[0]]}])
+    with pytest.raises(TypeError, match="does not take"):
+        info.ours(p, not_an_option=1)
+
+
+@pytest.mark.parametrize("info", ALL)
+def test_defaults_are_torchs(info):
+    p = make_params()
+    ours, ref = info.ours(p), info.ref(clone_params(p))
+    for k, v in ref.defaults.items():
+        assert ours.defaults[k] == v, k
+    assert ("betas" in ours.defaults) == ("betas" in ref.defaults)
+    assert ("momentum" in ours.defaults) == ("momentum" in ref.defaults)
+
+
+@pytest.mark.parametrize("info", ALL)
+def test_refused_or_invalid_values_written_later_raise_before_anything_changes(info):
+    p = make_params()
+    opt = info.ours(p, **fresh(info.inputs[0]))
+    set_grads(p, 1)
+    opt.step()
+    bad = ([("amsgrad", True, "amsgrad"), ("capturable", True, "capturable"),
+            ("betas", (0.9, 1.5), "Invalid beta parameter at index 1"), ("eps", -1.0, "epsilon")]
+           if "betas" in opt.defaults else
+           [("dampening", 0.1, "dampening"), ("momentum", -1.0, "Invalid momentum value")])
+    bad += [("lr", -1.0, "Invalid learning rate"), ("differentiable", True, "differentiable")]
+    for key, value, regex in bad:
+        group = opt.param_groups[0]
+        before = [x.detach().clone() for x in p]
+        state = {k: v.clone() for k, v in opt.state[p[0]].items()}
+        old, group[key] = group[key], value
+        with pytest.raises(ValueError, match=f"param group 0: .*{regex}"):
+            opt.step()
+        group[key] = old
+        assert_same_params(p, before)
+        for k, v in state.items():
+            assert torch.equal(opt.state[p[0]][k], v), (key, k)
+    opt.step()
+
+
+def test_sgd_without_lr_uses_torchs_default():
+    p, q = make_params(), make_params()
+    ours, ref = fo.TorchOptimizer(p, fo.sgd, cpu_kernel="torch"), torch.optim.SGD(q)
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-3
+    for s in range(3):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+    assert_same_params(p, q)
+
+
+# ---- the math, against torch.optim -----------------------------------------------------------
+
+@pytest.mark.parametrize("info,kw", EACH_INPUT)
+def test_matches_torch_optim_with_two_groups(info, kw):
+    p = make_params()
+    q = clone_params(p)
+    def groups(ps):
+        return [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.02, "weight_decay": 0.0}]
+
+    ours, ref = info.ours(groups(p), **fresh(kw)), info.ref(groups(q), **fresh(kw))
+    for s in range(5):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+        assert_same_params(p, q)
+    assert_same_state(ours, ref, p, q, info.keys)
+    assert set(ours.state[p[0]]) == {"step", *info.keys}
+
+
+@pytest.mark.parametrize("info", ALL)
+def test_every_group_value_is_read_at_each_step(info):
+    p = make_params()
+    q = clone_params(p)
+    kw = fresh(info.inputs[0])
+    ours, ref = info.ours(p, **kw), info.ref(q, **fresh(kw))
+    changes = ([{"betas": (0.5, 0.9)}, {"eps": 1e-3}, {"weight_decay": 0.3}, {"lr": 0.05}]
+               if "betas" in ours.defaults else
+               [{"momentum": 0.5}, {"nesterov": True}, {"momentum": 0.0, "nesterov": False},
+                {"momentum": 0.9}, {"weight_decay": 0.3}, {"lr": 0.05}])
+    for s, change in enumerate(changes):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+        ours.param_groups[0].update(change)
+        ref.param_groups[0].update(change)
+    loss_step(ours, p, 99)
+    loss_step(ref, q, 99)
+    assert_same_params(p, q)
+
+
+SCHEDULERS = {
+    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=12,
+                                                              cycle_momentum=True),
+    "cyclic": lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-3, max_lr=0.02, step_size_up=3,
+                                                          base_momentum=0.8, max_momentum=0.9,
+                                                          cycle_momentum=True),
+}
+
+
+@pytest.mark.parametrize("sched", list(SCHEDULERS))
+@pytest.mark.parametrize("info", ALL)
+def test_schedulers_that_write_betas_or_momentum_match_torch(info, sched):
+    p = make_params()
+    q = clone_params(p)
+    kw = {k: v for k, v in fresh(info.inputs[0]).items() if k != "lr"}
+    ours, ref = info.ours(p, **kw), info.ref(q, **kw)
+    so, sr = SCHEDULERS[sched](ours), SCHEDULERS[sched](ref)
+    for s in range(10):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+        so.step()
+        sr.step()
+    key = "betas" if "betas" in ours.defaults else "momentum"
+    assert ours.param_groups[0][key] == ref.param_groups[0][key]
+    assert_same_params(p, q)
+    assert_same_state(ours, ref, p, q, info.keys or ("momentum_buffer",))
+
+
+def test_unknown_and_scheduler_keys_in_groups_are_ignored():
+    p = make_params()
+    q = clone_params(p)
+    extra = {"name": "encoder", "layer_id": 3, "initial_lr": 5.0, "max_lr": 9.0, "swa_lr": 1.0}
+    ours = fo.TorchOptimizer([{"params": p, **extra}], fo.adamw, cpu_kernel="torch", lr=1e-2)
+    ref = torch.optim.AdamW([{"params": q, **extra}], lr=1e-2)
+    for s in range(3):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+    assert_same_params(p, q)
+    assert ours.state_dict()["param_groups"][0]["name"] == "encoder"  # kept, as torch keeps it
+
+
+# ---- per-param state -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("info", [BY_NAME["adamw"], BY_NAME["sgd_momentum"]], ids=["adamw", "sgd_momentum"])
+def test_per_param_state_is_the_functional_state(info):
+    p = make_params()
+    names = ["w", "b", "v"]
+    opt = info.ours(list(zip(names, p)), **fresh(info.inputs[0]))
+    assert len(opt.state) == 0  # created at the first step, as torch's
+    loss_step(opt, p, 0)
+    state = opt.fo_states[0]
+    fields = fo.optimizers.spec.torch_state_names(state)
+    for name, param in zip(names, p):
+        view = opt.state[param]
+        assert set(view) == {"step", *info.keys}
+        for field, key in fields.items():
+            assert view[key] is getattr(state, field)[name]  # the very leaf, not a copy
+        assert view["step"] is opt.state[p[0]]["step"]  # one count per group
+        assert float(view["step"]) == int(state.count) == 1
+
+
+@pytest.mark.parametrize("info", [BY_NAME["adamw"], BY_NAME["sgd_momentum"]], ids=["adamw", "sgd_momentum"])
+def test_writes_into_optimizer_state_change_the_math_as_in_torch(info):
+    p = make_params()
+    q = clone_params(p)
+    kw = fresh(info.inputs[0])
+    ours, ref = info.ours(p, **kw), info.ref(q, **fresh(kw))
+    key = info.keys[0]
+    edits = [
+        lambda o, ps: o.state[ps[0]][key].mul_(0.5),  # in place
+        lambda o, ps: o.state[ps[1]].__setitem__(key, torch.ones_like(ps[1])),  # replaced
+        lambda o, ps: [o.state[x].__setitem__("step", torch.tensor(7.0)) for x in ps],
+        lambda o, ps: o.state[ps[2]][key].zero_(),
+    ]
+    for s, edit in enumerate(edits):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+        edit(ours, p)
+        edit(ref, q)
+    loss_step(ours, p, 9)
+    loss_step(ref, q, 9)
+    assert_same_params(p, q)
+    assert_same_state(ours, ref, p, q, info.keys)
+    assert ours.state[p[1]][key] is ours.fo_states[0][1][1]  # taken into the state again
+
+
+def test_a_deleted_entry_restarts_that_params_state():
+    p = make_params()
+    opt = BY_NAME["adamw"].ours(p)
+    loss_step(opt, p, 0)
+    del opt.state[p[1]]
+    with pytest.warns(UserWarning, match="restarts from zero"):
+        loss_step(opt, p, 1)
+    assert float(opt.state[p[0]]["step"]) == 2
+    opt.state.clear()  # a whole reset, as torch: everything starts again
+    loss_step(opt, p, 2)
+    assert float(opt.state[p[0]]["step"]) == 1
+
+
+def test_low_precision_params_show_their_master():
+    p = make_params(dtype=torch.bfloat16)
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2)
+    loss_step(opt, p, 0)
+    view = opt.state[p[0]]
+    assert set(view) == {"step", "exp_avg", "exp_avg_sq", "master"}
+    assert view["master"].dtype == torch.float32
+    assert torch.equal(view["master"].to(torch.bfloat16), p[0].detach())
+    # it loads into torch.optim.AdamW, which keeps the master as unused state and steps
+    q = clone_params(p)
+    ref = torch.optim.AdamW(q, lr=1e-2)
+    ref.load_state_dict(opt.state_dict())
+    loss_step(ref, q, 1)
+    # and torch's bf16 state loads into ours: the masters come from the params
+    ours = fo.TorchOptimizer(clone_params(q), fo.adamw, lr=1e-2)
+    ours.load_state_dict(ref.state_dict())
+    assert torch.equal(ours.state[ours.param_groups[0]["params"][0]]["master"],
+                       q[0].detach().float())
+
+
+# ---- state_dict ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("named1", [False, True], ids=["to-unnamed", "to-named"])
+@pytest.mark.parametrize("named0", [False, True], ids=["unnamed", "named"])
+@pytest.mark.parametrize("info", ALL)
+def test_state_dict_round_trip_named_and_unnamed(info, named0, named1):
+    p = make_params()
+    kw = fresh(info.inputs[-1])
+    named = lambda ps, yes: [(f"p{i}", x) for i, x in enumerate(ps)] if yes else ps  # noqa: E731
+    a = info.ours(named(p, named0), **kw)
+    for s in range(4):
+        loss_step(a, p, s)
+    q = clone_params(p)
+    b = info.ours(named(q, named1), **fresh(info.inputs[0]))
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    sd = a.state_dict()
+    assert all(isinstance(i, int) for g in sd["param_groups"] for i in g["params"])
+    for s in range(4, 8):
+        loss_step(a, p, s)
+        loss_step(b, q, s)
+        assert_same_params(p, q)
+    state_dicts_equal(a.state_dict(), b.state_dict(), names=False)
+    if named0 or named1:
+        assert b.state_dict()["param_groups"][0]["param_names"] == ["p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize("info,kw", EACH_INPUT)
+def test_torch_state_dict_loads_and_continues_bit_exact(info, kw):
+    p = make_params()
+    q = clone_params(p)
+    ref = info.ref(q, **fresh(kw))
+    for s in range(3):
+        loss_step(ref, q, s)
+    ours = info.ours(clone_params(q))  # default options: the state_dict brings torch's values
+    p = ours.param_groups[0]["params"]
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for k in ("lr", "betas", "eps", "momentum", "nesterov", "weight_decay", "maximize"):
+        if k in ref.param_groups[0]:
+            assert ours.param_groups[0][k] == ref.param_groups[0][k], k
+    for s in range(3, 6):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)
+        assert_same_params(p, q)
+    assert_same_state(ours, ref, p, q, info.keys)
+
+
+@pytest.mark.parametrize("info,kw", EACH_INPUT)
+def test_our_state_dict_loads_into_torch_and_continues_bit_exact(info, kw):
+    p = make_params()
+    ours = info.ours(p, **fresh(kw))
+    for s in range(3):
+        loss_step(ours, p, s)
+    q = clone_params(p)
+    ref = info.ref(q)
+    ref.load_state_dict(copy.deepcopy(ours.state_dict()))
+    for s in range(3, 6):
+        loss_step(ours, p, s)
+        loss_step(ref, q, s)  # torch adds to each param's step in place: they must not be shared
+        assert_same_params(p, q)
+    assert_same_state(ours, ref, p, q, info.keys)
+
+
+@pytest.mark.parametrize("info", ALL)
+def test_state_dict_saves_and_loads_with_weights_only(info):
+    p = make_params()
+    opt = info.ours(list(zip("abc", p)), **fresh(info.inputs[-1]))
+    for s in range(3):
+        loss_step(opt, p, s)
+    sd = opt.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    state_dicts_equal(loaded, sd)
+    q = clone_params(p)
+    other = info.ours(list(zip("abc", q)))
+    other.load_state_dict(loaded)
+    loss_step(opt, p, 3)
+    loss_step(other, q, 3)
+    assert_same_params(p, q)
+
+
+def test_non_tensor_step_and_older_state_dicts_load():
+    p = make_params()
+    opt = BY_NAME["adamw"].ours(p, maximize=True)
+    for s in range(3):
+        loss_step(opt, p, s)
+    sd = copy.deepcopy(opt.state_dict())
+    for st in sd["state"].values():
+        st["step"] = st["step"].item()
+    for g in sd["param_groups"]:  # options added to torch after the first release
+        for flag in ("foreach", "differentiable", "maximize", "capturable", "fused"):
+            g.pop(flag)
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["maximize"] is True  # a key the state_dict lacks keeps its value
+    loss_step(opt, p, 3)
+    assert float(opt.state[p[0]]["step"]) == 4
+
+
+def test_a_failed_load_changes_nothing():
+    p = make_params()
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.5}]  # noqa: E731
+    opt = BY_NAME["adamw"].ours(groups(p), lr=1e-2)
+    loss_step(opt, p, 0)
+    other_params = make_params(seed=1)
+    other_params[2] = Parameter(torch.randn(4, 10))  # group 1's param has another shape
+    other = BY_NAME["adamw"].ours(groups(other_params), lr=0.3)
+    for s in range(2):
+        set_grads(other_params, s)
+        other.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"param group 1: param 0: state 'exp_avg' has shape \(4, 10\)"):
+        opt.load_state_dict(other.state_dict())
+    state_dicts_equal(opt.state_dict(), before)  # group 0 was not overwritten (nor its lr)
+
+
+# ---- hooks -----------------------------------------------------------------------------------
+
+def test_state_dict_and_load_state_dict_hooks_run_in_order():
+    p = torch.rand(2, 3, requires_grad=True)
+    opt = fo.TorchOptimizer([p], fo.adamw)
+    opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("test", 1))
+
+    def post(o, sd):
+        sd["ran_pre_hook"] = sd["state"].pop("test", None) == 1
+        return sd
+
+    opt.register_state_dict_post_hook(post)
+    sd = opt.state_dict()
+    assert sd["ran_pre_hook"] is True and "test" not in sd["state"]
+    opt.state.pop("test")
+
+    opt.register_load_state_dict_pre_hook(lambda o, sd: sd["param_groups"][0].__setitem__("lr", 0.002))
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.002
+
+    def replace(o, sd):
+        sd = copy.deepcopy(sd)
+        sd["param_groups"][0]["lr"] = 0.003
+        return sd
+
+    opt.register_load_state_dict_pre_hook(replace, prepend=True)  # runs first: the other wins
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.002
+    opt.register_load_state_dict_post_hook(lambda o: o.state.__setitem__("loaded", True))
+    opt.load_state_dict(opt.state_dict())
+    assert opt.state["loaded"] is True
+
+
+def test_step_hooks_run():
+    p = torch.tensor([1.0, 1.0], requires_grad=True)
+    opt = fo.TorchOptimizer([p], fo.sgd, lr=0.1)
+    seen = []
+    h1 = opt.register_step_pre_hook(lambda o, a, k: seen.append("pre"))
+    h2 = opt.register_step_post_hook(lambda o, a, k: seen.append("post"))
+    g1 = register_optimizer_step_pre_hook(lambda o, a, k: seen.append("gpre"))
+    g2 = register_optimizer_step_post_hook(lambda o, a, k: seen.append("gpost"))
+    try:
+        opt.step()
+    finally:
+        for h in (h1, h2, g1, g2):
+            h.remove()
+    opt.step()
+    assert seen == ["gpre", "pre", "post", "gpost"]
+
+
+# ---- copies ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("info", ALL)
+def test_deepcopy_and_pickle_give_optimizers_that_step(info):
+    p = make_params()
+    opt = info.ours(list(zip("abc", p)), **fresh(info.inputs[-1]))
+    for s in range(3):
+        loss_step(opt, p, s)
+    twin = copy.deepcopy(opt)
+    public = lambda o: {k for k in o.__dict__ if not k.startswith("_")}  # noqa: E731
+    assert public(twin) == public(opt)
+    restored = pickle.loads(pickle.dumps(opt))
+    for other in (twin, restored):
+        q = other.param_groups[0]["params"]
+        assert all(x is not y for x, y in zip(p, q))
+        state_dicts_equal(other.state_dict(), opt.state_dict())
+    for s in range(3, 5):
+        for o in (opt, twin, restored):
+            ps = o.param_groups[0]["params"]
+            set_grads(ps, s)
+            o.step()
+    for other in (twin, restored):
+        assert_same_params(p, other.param_groups[0]["params"])
+
+
+def test_deepcopy_of_model_and_optimizer_together_trains_the_copy():
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw, lr=1e-2, cpu_kernel="torch")
+    x = torch.randn(8, 5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    model2, opt2 = copy.deepcopy((model, opt))
+    for m, o in ((model, opt), (model2, opt2)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    assert_same_params(list(model.parameters()), list(model2.parameters()))
+
+
+# ---- failures and interrupts ---------------------------------------------------------------
+
+def test_a_failed_step_is_recovered_by_load_state_dict():
+    from functional_offload.executor import HostExecutor
+    from functional_offload.testing import fail_host_kernel
+
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    p = [Parameter(torch.randn(64, 48)), Parameter(torch.randn(64))]
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, executor=ex)
+    set_grads(p, 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    good = [x.detach().clone() for x in p]
+    set_grads(p, 1)
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError):
+            opt.step()
+    with pytest.raises(fo.StateError, match="load_state_dict"):
+        opt.step()
+    with pytest.raises(fo.StateError, match="failed part-way"):
+        opt.state_dict()
+    with torch.no_grad():
+        for x, y in zip(p, good):
+            x.copy_(y)
+    opt.load_state_dict(saved)
+    opt.step()
+    assert float(opt.state[p[0]]["step"]) == 2
+
+
+def test_ctrl_c_during_step_completes_every_group_then_raises():
+    import _thread
+    import threading
+
+    from functional_offload.executor import HostExecutor
+    from functional_offload.testing import slow_host_kernel
+
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    mk = lambda ps: fo.TorchOptimizer([{"params": ps[:1]}, {"params": ps[1:]}], fo.adamw,  # noqa: E731
+                                      lr=1e-2, executor=ex, cpu_kernel="torch")
+    p = [Parameter(torch.randn(64, 48)), Parameter(torch.randn(64, 48))]
+    q = clone_params(p)
+    opt, ref = mk(p), mk(q)
+    for s in range(2):
+        set_grads(p, s)
+        set_grads(q, s)
+        ref.step()
+        if s == 0:
+            opt.step()
+            continue
+        with slow_host_kernel(0.05):  # three chunks a leaf: each group's step lasts 0.15 s
+            timer = threading.Timer(0.08, _thread.interrupt_main)
+            timer.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    opt.step()
+            finally:
+                timer.cancel()
+    assert_same_params(p, q)  # both groups finished the interrupted step
+    assert [float(opt.state[x]["step"]) for x in p] == [2.0, 2.0]
+    set_grads(p, 2)
+    set_grads(q, 2)
+    opt.step()
+    ref.step()
+    assert_same_params(p, q)
+    state_dicts_equal(opt.state_dict(), ref.state_dict())
+
+
+# ---- the group changes under the state ----------------------------------------------------
+
+def test_params_cast_after_steps_get_their_state_laid_out_again():
+    model = torch.nn.Linear(5, 3)
+    opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw, lr=1e-2)
+    x = torch.randn(4, 5)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    mu = opt.state[model.weight]["exp_avg"].clone()
+    model.to(torch.bfloat16)  # the same Parameters, now bf16
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], mu)
+    model(x.bfloat16()).float().square().mean().backward()
+    opt.step()
+    view = opt.state[model.weight]
+    assert set(view) == {"step", "exp_avg", "exp_avg_sq", "master"} and float(view["step"]) == 3
+    assert view["exp_avg"].dtype == view["master"].dtype == torch.float32
+
+
+def test_delayed_steps_land_before_state_dict():
+    p, q = make_params(), make_params()
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=True, cpu_kernel="torch")
+    ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, cpu_kernel="torch")
+    for s in range(3):  # grads that do not depend on the params: the delay changes nothing
+        set_grads(p, s)
+        set_grads(q, s)
+        opt.step()
+        ref.step()
+    state_dicts_equal(opt.state_dict(), ref.state_dict())
+    assert_same_params(p, q)
+
+
+def test_errors_name_the_param():
+    model = torch.nn.Linear(5, 3)
+    opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw)
+    model.weight.grad = torch.zeros(3, 5).to_sparse()
+    with pytest.raises(TypeError, match="grad 'weight' has layout torch.sparse_coo"):
+        opt.step()
+    other = fo.TorchOptimizer(torch.nn.Linear(5, 4).named_parameters(), fo.adamw)
+    other.param_groups[0]["params"][0].grad = torch.ones(4, 5)
+    other.step()
+    with pytest.raises(ValueError, match=r"param 0 \('weight'\): state 'exp_avg' has shape \(4, 5\)"):
+        opt.load_state_dict(other.state_dict())
+
+
+def test_state_dicts_of_the_first_adapter_still_load():
+    """The first TorchOptimizer saved names in "params" and the functional state's dotted paths."""
+    g = torch.Generator().manual_seed(0)
+    mu = [torch.randn(2, 3, generator=g), torch.randn(2, generator=g)]
+    nu = [torch.rand(2, 3, generator=g), torch.rand(2, generator=g)]
+    old = {"param_groups": [{"lr": 0.01, "weight_decay": 0.01, "params": ["weight", "bias"]}],
+           "state": {"0.count": torch.tensor(4), "0.mu.weight": mu[0], "0.mu.bias": mu[1],
+                     "0.nu.weight": nu[0], "0.nu.bias": nu[1]}}
+    model = torch.nn.Linear(3, 2)
+    opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw)
+    opt.load_state_dict(old)
+    assert opt.param_groups[0]["lr"] == 0.01
+    for p, m, v in zip(model.parameters(), mu, nu):
+        assert torch.equal(opt.state[p]["exp_avg"], m) and torch.equal(opt.state[p]["exp_avg_sq"], v)
+        assert float(opt.state[p]["step"]) == 4
+    unnamed = fo.TorchOptimizer(list(model.parameters()), fo.sgd, momentum=0.9)
+    unnamed.load_state_dict({"param_groups": [{"lr": 0.1, "momentum": 0.9, "params": ["0", "1"]}],
+                             "state": {"0.count": torch.tensor(1), "0.momentum.0": mu[0],
+                                       "0.momentum.1": mu[1]}})
+    assert "param_names" not in unnamed.param_groups[0]
+    assert torch.equal(unnamed.state[model.bias]["momentum_buffer"], mu[1])
