@@ -86,6 +86,7 @@ def assert_every_param_moved(res: dict, what: str) -> None:
 
 
 def test_plain_update_equals_torch_adamw(ranks):
+    """``opt.update({name: p.grad}, state)`` after backward: each rank updates its shards."""
     for r, (ours, ref) in enumerate(zip(results(ranks, "plain"), results(ranks, "torch"))):
         assert_every_param_moved(ours, f"rank {r}")
         assert_same(ours["params"], ref["params"], oracle_atol(ranks), f"rank {r}")
@@ -125,6 +126,8 @@ def test_clip_factor_is_global_and_equals_clip_grad_norm(ranks, mode, clip):
 
 @pytest.mark.parametrize("mode,oracle", [("clip", "torch clip"), ("no clip", "torch")])
 def test_clipped_chain_equals_torch(ranks, mode, oracle):
+    """``fo.chain(fo.clip_by_global_norm(c), fo.adamw(...))``, with a ``c`` that clips and one
+    that does not, against ``clip_grad_norm_`` and ``AdamW``."""
     for r, (ours, ref) in enumerate(zip(results(ranks, mode), results(ranks, oracle))):
         assert_every_param_moved(ours, f"rank {r}")
         assert_same(ours["params"], ref["params"], oracle_atol(ranks), f"{mode}, rank {r}")
