@@ -1,0 +1,349 @@
+"""The 2-rank FSDP2 job behind ``test_fsdp2.py``: every mode of functional_offload trained next
+to ``torch.optim`` on the same FSDP2 model, in one process group; each rank saves its results.
+
+Imported by the test (``mp.spawn`` pickles :func:`job` by reference) and run in each spawned
+rank. Each mode is an independent run on fresh models built from one seed; a mode that raises
+is recorded with its traceback and the job goes on with the next one. Results are this rank's
+shards (ours and torch's models are sharded alike), so no collective is spent gathering them.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import functional_offload as fo
+from functional_offload.executor import HostExecutor, default_executor, node_share, physical_cores
+
+WORLD = 2
+STEPS = 3
+HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+CLIPS = 0.05  # below every step's grad norm (about 1): clipping scales the grads
+NO_CLIP = 1e3  # above it: the factor is exactly 1
+VOCAB, CTX, D, HEADS, LAYERS = 33, 8, 16, 2, 2  # 33: uneven shards (17 and 16 rows)
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: SDPA causal attention and a GELU MLP, with biases except on
+    ``qkv``: a key bias's grad is pure rounding noise (softmax ignores it), and Adam's normalized
+    step turns noise-level differences between two kernels into differences of order lr."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, d // HEADS).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    """Token and position embeddings, ``blocks.N``, a final LayerNorm and a head (every dim 0
+    is at least 2, so no rank's shard is empty)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(CTX, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f, self.head = nn.LayerNorm(D), nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def build(mesh: DeviceMesh, device: torch.device, dtype: torch.dtype = torch.float32,
+          mp: Optional[MixedPrecisionPolicy] = None) -> TinyGPT:
+    """The model from seed 0 (the same values on every rank and in every mode), sharded with
+    ``fully_shard`` per block, then the root."""
+    torch.manual_seed(0)
+    model = TinyGPT().to(device, dtype)
+    if mp is not None and mp.param_dtype is not None:  # values the low-precision copy holds exactly
+        model.to(mp.param_dtype).to(dtype)
+    kw: dict[str, Any] = {"mesh": mesh} if mp is None else {"mesh": mesh, "mp_policy": mp}
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def batches(rank: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's ``(inputs, targets)`` token ids per step (each rank its own data)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = [torch.randint(VOCAB, (2, 4, CTX), generator=g) for _ in range(STEPS)]
+    return [(x[0].to(device), x[1].to(device)) for x in ids]
+
+
+def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch[0])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[1].flatten())
+
+
+def shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's shard of every param, copied to the CPU (the oracle's model is sharded the
+    same way, so comparing shards rank by rank compares the whole params)."""
+    return {n: p.detach().to_local().cpu().clone() for n, p in model.named_parameters()}
+
+
+def value(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d result (norm, factor) as a plain CPU tensor; replicated DTensors hold it whole."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+# ---- the oracle: torch.optim on the same FSDP2 model ---------------------------------------
+def torch_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[float] = None,
+              delayed: bool = False, mp: Optional[MixedPrecisionPolicy] = None) -> dict:
+    """torch ``AdamW`` (and ``clip_grad_norm_``): this rank's shards after the steps, the norms.
+
+    ``delayed``: the recursion of the delayed update, p[t+1] = AdamW(p[t], grad at p[t-1]) (and
+    the first two grads at p[0]): the grads come from a second model ``lag`` that holds the
+    params one step behind."""
+    model = build(mesh, device, mp=mp)
+    lag = build(mesh, device, mp=mp) if delayed else model
+    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    norms, in_model_order = [], []
+    for batch in xs:
+        loss_of(lag, batch).backward()
+        if clip is not None:
+            # fo's global norm sums the leaves' norms in the params' flatten order: sorted names
+            ordered = [p for _, p in sorted(lag.named_parameters())]
+            in_model_order.append(value(torch.nn.utils.get_total_norm(
+                [p.grad for p in lag.parameters()], foreach=True)))
+            norms.append(value(torch.nn.utils.clip_grad_norm_(ordered, clip, foreach=True)))
+        if delayed:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), lag.parameters()):
+                    p.grad = q.grad
+                    q.grad = None
+                    q.copy_(p)  # lag moves to p[t]; model steps to p[t+1]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {"params": shards(model), "lagging": shards(lag), "norms": norms,
+            "norms in model order": in_model_order}
+
+
+# ---- ours ------------------------------------------------------------------------------------
+_EXECUTOR: list[HostExecutor] = []
+
+
+def small_executor() -> HostExecutor:
+    """One unpinned worker thread, shared by this rank's runs (the modes that test the default,
+    node-aware executor pass ``executor=None``)."""
+    if not _EXECUTOR:
+        _EXECUTOR.append(HostExecutor(threads=1))
+    return _EXECUTOR[0]
+
+
+def adamw_chain(clip: Optional[float] = None, **options: Any) -> fo.Optimizer:
+    """``fo.adamw`` with :data:`HYPER` (torch's CPU kernel unless ``cpu_kernel`` is given: the
+    same ops as ``torch.optim.AdamW``, so results can be bit-exact), behind
+    ``clip_by_global_norm(clip)`` when ``clip`` is given."""
+    options.setdefault("cpu_kernel", "torch")
+    options.setdefault("executor", small_executor())
+    opt = fo.adamw(**HYPER, **options)
+    return opt if clip is None else fo.chain(fo.clip_by_global_norm(clip), opt)
+
+
+def ours_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[float] = None, *,
+             streamed: bool = False, dtype: torch.dtype = torch.float32,
+             mp: Optional[MixedPrecisionPolicy] = None, **options: Any) -> dict:
+    """Ours (:func:`adamw_chain`) on the FSDP2 model: this rank's shards before the steps and
+    after them (before and after ``fo.flush``) and its state; per step the global grad norm and
+    clip factor (plain) or the leaves handed over during backward (streamed); the state bytes
+    in host and device memory."""
+    model = build(mesh, device, dtype, mp)
+    params = dict(model.named_parameters())  # DTensor nn.Parameters: this rank's shards
+    start = shards(model)
+    opt = adamw_chain(clip, **options)
+    state = opt.init(params)
+    out: dict[str, Any] = {"arrived": [], "committed": [], "norms": [], "factors": []}
+    for batch in xs:
+        loss = loss_of(model, batch)
+        if streamed:
+            with fo.stream(opt, state) as s:
+                loss.backward()
+            _, state = s.finish()
+            out["arrived"].append(sorted(s.arrived))
+            out["committed"].append(s.committed)
+        else:
+            loss.backward()
+            grads = {n: p.grad for n, p in params.items()}
+            if clip is not None:
+                out["norms"].append(value(fo.global_norm(grads)))
+                out["factors"].append(value(fo.clip_by_global_norm(clip).global_scale(grads, None)))
+            _, state = opt.update(grads, state)
+        model.zero_grad(set_to_none=True)
+    out["unflushed"] = shards(model)
+    fo.flush(state)
+    report = fo.placement_report(state)
+    out.update(start=start, params=shards(model), leaves=len(params), state=state_values(state),
+               host_bytes=report.host_bytes, device_bytes=report.device_bytes)
+    return out
+
+
+def state_values(state: Any) -> dict[str, torch.Tensor]:
+    """This rank's state tensors (its shards' moments and masters, the step count)."""
+    return {k: v.detach().cpu().clone() for k, v in fo.state_dict(state).items()}
+
+
+def torch_optimizer_run(mesh: DeviceMesh, device: torch.device, xs: list, folder: str) -> dict:
+    """``fo.TorchOptimizer`` in a module loop (backward, ``step``, ``zero_grad``), checkpointed
+    with DCP after the first step (``fo.dcp.state_dict(tuple(opt.fo_states))``); a fresh model
+    and optimizer loaded from it run the other steps again."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    import functional_offload.dcp  # noqa: F401  (fo.dcp)
+
+    def make() -> tuple[nn.Module, fo.TorchOptimizer]:
+        model = build(mesh, device)
+        return model, fo.TorchOptimizer(model.named_parameters(), fo.adamw, max_grad_norm=CLIPS,
+                                        cpu_kernel="torch", executor=small_executor(), **HYPER)
+
+    def train(model: nn.Module, opt: fo.TorchOptimizer, xs: list) -> None:
+        for batch in xs:
+            loss_of(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    model, opt = make()
+    start = shards(model)
+    train(model, opt, xs[:1])
+    dcp.save({"model": get_model_state_dict(model),
+              "optim": fo.dcp.state_dict(tuple(opt.fo_states))},
+             checkpoint_id=f"{folder}/torch-optimizer")
+    train(model, opt, xs[1:])
+    model2, opt2 = make()
+    sd = {"model": get_model_state_dict(model2),
+          "optim": fo.dcp.state_dict(tuple(opt2.fo_states), loading=True)}
+    dcp.load(sd, checkpoint_id=f"{folder}/torch-optimizer", planner=fo.dcp.StrictLoadPlanner())
+    set_model_state_dict(model2, sd["model"])
+    train(model2, opt2, xs[1:])
+    return {"start": start, "params": shards(model), "resumed": shards(model2)}
+
+
+def guarded_run(mesh: DeviceMesh, device: torch.device, xs: list, nan_rank: int,
+                streamed: bool) -> dict:
+    """``apply_if_finite(chain(clip, adamw))``; the last step's grads hold a NaN on ``nan_rank``
+    only. Every rank reports whether it skipped that step and whether its params stayed finite."""
+    rank = dist.get_rank()
+    last = len(xs) - 1
+
+    def poison(step: int, p: torch.Tensor) -> None:
+        if step == last and rank == nan_rank:
+            with torch.no_grad():
+                p.grad.to_local()[0, 0] = float("nan")  # this rank's shard only
+
+    opt = fo.apply_if_finite(adamw_chain(CLIPS))
+    model = build(mesh, device)
+    params = dict(model.named_parameters())
+    target = params["blocks.0.fc.weight"]
+    state = opt.init(params)
+    before_last: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(xs):
+        if i == last:
+            before_last = {n: p.detach().to_local().clone() for n, p in params.items()}
+        loss = loss_of(model, batch)
+        if streamed:
+            handle = target.register_post_accumulate_grad_hook(lambda p, i=i: poison(i, p))
+            with fo.stream(opt, state) as s:
+                loss.backward()
+            handle.remove()
+            _, state = s.finish()
+        else:
+            loss.backward()
+            poison(i, target)
+            _, state = opt.update({n: p.grad for n, p in params.items()}, state)
+        model.zero_grad(set_to_none=True)
+    return {"skipped": int(state.total_notfinite),
+            "unchanged": all(torch.equal(before_last[n], p.detach().to_local())
+                             for n, p in params.items()),
+            "finite": all(bool(torch.isfinite(p.detach().to_local()).all())
+                          for p in params.values())}
+
+
+def node_run() -> dict:
+    """This rank's default executor and the CPUs its threads are pinned to (after host steps)."""
+    ex = default_executor()
+    pinned = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            cpus = os.sched_getaffinity(int(tid))
+        except OSError:  # the thread ended meanwhile
+            continue
+        if len(cpus) == 1:
+            pinned[int(tid)] = next(iter(cpus))
+    return {"share": node_share(), "threads": ex.threads, "cpus": ex.cpus,
+            "physical_cores": physical_cores(), "pinned_threads": sorted(pinned.values())}
+
+
+def job(rank: int, folder: str, device_type: str) -> None:
+    """One rank: every mode, then ``{mode: this rank's result}`` to ``folder/results-<rank>.pt``."""
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))  # as torchrun sets them
+    torch.set_num_threads(1)  # two ranks share the cores
+    if device_type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank,
+                            world_size=WORLD, timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh(device_type, (WORLD,))
+        xs = batches(rank, device)
+        bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        modes: dict[str, Callable[[], Any]] = {
+            "torch": lambda: torch_run(mesh, device, xs),
+            "torch clip": lambda: torch_run(mesh, device, xs, clip=CLIPS),
+            "torch no clip": lambda: torch_run(mesh, device, xs, clip=NO_CLIP),
+            "torch delayed clip": lambda: torch_run(mesh, device, xs, clip=CLIPS, delayed=True),
+            "torch bf16 compute": lambda: torch_run(mesh, device, xs, mp=bf16),
+            "torch mixed": lambda: torch_run(mesh, device, xs, clip=CLIPS, mp=mixed),
+            "plain": lambda: ours_run(mesh, device, xs),
+            "plain native": lambda: ours_run(mesh, device, xs, cpu_kernel="auto", executor=None),
+            "clip": lambda: ours_run(mesh, device, xs, CLIPS),
+            "no clip": lambda: ours_run(mesh, device, xs, NO_CLIP),
+            "stream": lambda: ours_run(mesh, device, xs, streamed=True),
+            "stream clip": lambda: ours_run(mesh, device, xs, CLIPS, streamed=True),
+            "stream no clip": lambda: ours_run(mesh, device, xs, NO_CLIP, streamed=True),
+            "delayed clip": lambda: ours_run(mesh, device, xs, CLIPS, delayed=True),
+            "torch optimizer": lambda: torch_optimizer_run(mesh, device, xs, folder),
+            "half offloaded": lambda: ours_run(mesh, device, xs,
+                                               placement=fo.placement.offload_fraction(0.5)),
+            "bf16": lambda: ours_run(mesh, device, xs, dtype=torch.bfloat16),
+            "bf16 stream": lambda: ours_run(mesh, device, xs, streamed=True, dtype=torch.bfloat16),
+            "mixed": lambda: ours_run(mesh, device, xs, CLIPS, mp=mixed),
+            "node": node_run,
+        }
+        for nan_rank in range(WORLD):
+            for streamed in (False, True):
+                modes[f"nan on rank {nan_rank}" + (" stream" if streamed else "")] = (
+                    lambda r=nan_rank, s=streamed: guarded_run(mesh, device, xs, r, s))
+        results: dict[str, Any] = {}
+        for name, run in modes.items():
+            try:
+                results[name] = run()
+            except Exception:  # noqa: BLE001 - recorded for the test to report
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+        torch.save(results, f"{folder}/results-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
