@@ -20,8 +20,10 @@ they are, and host params are written in place: no staging, no copies.
 
 from __future__ import annotations
 
+import atexit
 import queue as queue_mod
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -31,6 +33,16 @@ from functional_offload.executor.plan import HostLeaf, Segment, block_size, cut
 from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
 
 __all__ = ["Run", "HostStepError"]
+
+# Runs whose driver may still be running: waited for at exit, so that the interpreter never
+# stops a driver thread inside torch (which aborts the process: "terminate called...").
+_live: "weakref.WeakSet[Run]" = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_live_runs() -> None:
+    for run in list(_live):
+        run.wait(60)
 
 
 class HostStepError(RuntimeError):
@@ -59,10 +71,10 @@ class Run:
         self.error: Optional[BaseException] = None
         self._arrivals: "queue_mod.Queue" = queue_mod.Queue()
         self._cancelled = False
-        self._done = threading.Event()
         self._queue: Any = None
         self._lock = threading.Lock()
         self._driver = threading.Thread(target=self._drive, name="fo-run", daemon=True)
+        _live.add(self)
         self._driver.start()
 
     # ---- the caller's side ------------------------------------------------------------
@@ -89,12 +101,14 @@ class Run:
         self._arrivals.put(None)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the run ended (True) or ``timeout`` passed (False)."""
-        return self._done.wait(timeout)
+        """Block until the run ended — its driver thread has exited, so nothing of the run is
+        left running (True) — or ``timeout`` passed (False)."""
+        self._driver.join(timeout)
+        return not self._driver.is_alive()
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
+        return not self._driver.is_alive()
 
     # ---- the driver thread ----------------------------------------------------------------
     @torch.no_grad()  # grad mode is per thread: views of params are cut and written here
@@ -110,9 +124,9 @@ class Run:
         except BaseException as e:  # noqa: BLE001 - handed to the caller through wait()
             self.error = e
         finally:
+            leaves.clear()  # the grads go now, in this thread, not at some later exit
             if self.chunk_done is not None:
                 self.chunk_done(leaves, None)
-            self._done.set()
 
     def _set_queue(self, q: Any) -> bool:
         with self._lock:

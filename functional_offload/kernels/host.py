@@ -49,8 +49,8 @@ def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[fl
     """The kernel for host leaves whose state tensors are ``states`` (value, moments...).
 
     ``mode``: ``"native"`` (raise if it cannot run), ``"torch"``, or ``"auto"`` (native when
-    the op is registered, the build exists and every leaf has an fp32 value and fp32/bf16
-    moments; torch otherwise).
+    the op is registered, the build exists and every leaf has an fp32 value and fp32 or bf16
+    moments of one dtype; torch otherwise).
     """
     if mode == "torch" or op is None:
         if mode == "native":
@@ -58,7 +58,7 @@ def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[fl
         return torch_kernel(reference)
     mod = native.module()
     fits = all(st[0].dtype == torch.float32 and all(m.dtype in _NATIVE_STATE for m in st[1:])
-               for st in states)
+               and len({m.dtype for m in st[1:]}) <= 1 for st in states)
     if mod is not None and fits:
         return native.NativeKernel(mod, op, scalars)
     if mode == "native":

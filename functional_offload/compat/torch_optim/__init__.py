@@ -383,7 +383,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(slot.params):
             label = names[j] if isinstance(names, list) and j < len(names) else \
                 f"param_groups[{run.index}]['params'][{j}]"
-            grads.append(check_grad(str(label), p.grad, p))
+            # checked here, handed on as they are: a DTensor grad keeps its mesh, so that
+            # clipping takes the norm over every rank's shards
+            grads.append(None if check_grad(str(label), p.grad, p) is None else p.grad)
         if run.values.get("maximize"):
             grads = [None if g is None else torch.neg(g) for g in grads]
         run.grads = (dict(zip(slot.keys, grads)) if isinstance(slot.state.params.tree, dict)
