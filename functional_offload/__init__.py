@@ -23,6 +23,9 @@ from functional_offload.streaming import GradStream, stream
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
                                            clip_by_global_norm, global_norm, masked, scale,
                                            schedules)
+from functional_offload.transforms import (InjectHyperparamsState, MultiSteps, MultiStepsState,
+                                           PartitionRefs, PartitionState, inject_hyperparams,
+                                           partition)
 
 __version__ = "0.1.0"
 
@@ -42,6 +45,8 @@ __all__ = [
     "AdafactorState", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
+    "MultiSteps", "MultiStepsState", "inject_hyperparams", "InjectHyperparamsState", "partition",
+    "PartitionState", "PartitionRefs",
     "placement", "HostExecutor", "placement_report", "PlacementReport",
     "compat", "TorchOptimizer", "activations", "ActivationOffload",
     "save", "load", "state_dict", "load_state_dict", "CheckpointError", "dcp",
