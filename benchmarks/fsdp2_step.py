@@ -136,7 +136,7 @@ def system(name: str, frac: float, args: argparse.Namespace, device: torch.devic
             zero()
         return model, step, lambda: None
     if name in OURS:
-        ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac, clip=clip,
+        ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac, clip=1.0 if clip else None,
                           bf16_moments=name.endswith("16"), threads=args.threads)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30)
         return model, ours.step, ours.flush
@@ -198,7 +198,7 @@ def check(args: argparse.Namespace, device: torch.device, mesh: object) -> dict:
         ref = sharded(args, device, mesh, "fp32")
         mine = sharded(args, device, mesh, "fp32")
         opt = torch.optim.AdamW(ref.parameters(), **HYPER)
-        ours = build_ours(mode, dict(mine.named_parameters()), args.check_fraction, clip=clip,
+        ours = build_ours(mode, dict(mine.named_parameters()), args.check_fraction, clip=1.0 if clip else None,
                           threads=args.threads)
         norms = []
         for i in range(3):

@@ -70,6 +70,8 @@ class Step(Protocol):
       ``update(all grads, state)`` returns, bit for bit.
     - ``abort()``: give up the step. The state is left as it was, or marked :data:`FAILED` when
       part of the step was already applied in place.
+    - ``close()``: no more ``feed`` (backward is over); work already fed finishes on its own,
+      and its hold on shared resources (the executor's staging ring) ends with it.
 
     A step begun with ``speculative=True`` applies nothing in place before ``finish``, so that
     ``abort`` always leaves the state as it was (host work done ahead goes to spare buffers).
@@ -80,6 +82,8 @@ class Step(Protocol):
     def finish(self, grads: Updates = None) -> tuple[Params, OptState]: ...
 
     def abort(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class BeginFn(Protocol):
@@ -149,14 +153,32 @@ def terminal_states(state: OptState) -> list[Any]:
     return [x for x in optree.tree_leaves(state, is_leaf=is_terminal) if is_terminal(x)]
 
 
+MARK_FIELDS = ("count", "mini_step", "notfinite_count")
+"""A state NamedTuple carries its marks in the first of these fields it has (an int64 0-d
+tensor): terminal states and ``inject_hyperparams`` in ``count``, ``MultiSteps`` in
+``mini_step``, ``apply_if_finite`` in ``notfinite_count``."""
+
+
+def _marked(state: OptState) -> list[tuple[Any, int]]:
+    """``(node, mark)`` for every state NamedTuple inside ``state`` with a marks field."""
+    is_state = lambda x: isinstance(x, tuple) and hasattr(x, "_fields") and any(  # noqa: E731
+        f in x._fields for f in MARK_FIELDS)
+    stop = lambda x: is_state(x) or isinstance(x, ParamRefs)  # noqa: E731  (not state: skipped)
+    out = []
+    for node in optree.tree_leaves(state, is_leaf=stop):
+        if is_state(node):
+            field = next(f for f in MARK_FIELDS if f in node._fields)
+            x = getattr(node, field)
+            if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point():
+                out.append((node, int(x)))
+            out += _marked(tuple(getattr(node, f) for f in node._fields if f != field))
+    return out
+
+
 def check_usable(state: OptState, action: str) -> None:
-    """Raise :class:`StateError` if a terminal state inside ``state`` is consumed, failed or in a
-    step; ``action`` names what was attempted ("update", "save"...)."""
-    for s in terminal_states(state):
-        count = s.count
-        if not isinstance(count, torch.Tensor) or count.dim() != 0:
-            continue
-        n = int(count)
+    """Raise :class:`StateError` if a state inside ``state`` is consumed, failed or in a step
+    (see :data:`MARK_FIELDS`); ``action`` names what was attempted ("update", "save"...)."""
+    for s, n in _marked(state):
         name = type(s).__name__
         if n == CONSUMED:
             raise StateError(f"cannot {action}: this {name} was consumed by an earlier update (its "
@@ -282,6 +304,9 @@ class HeldStep:
     def abort(self) -> None:
         self.finished = True
 
+    def close(self) -> None:
+        """Nothing was started: nothing to close."""
+
 
 def merge_grads(spec: optree.PyTreeSpec, fed: dict[int, torch.Tensor], grads: Updates) -> Updates:
     """A grads tree of structure ``spec``: the fed grads by leaf index, the rest from ``grads``."""
@@ -341,6 +366,9 @@ class _Chained:
 
     def abort(self) -> None:
         self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def ema_params(state: OptState) -> Params:

@@ -164,7 +164,8 @@ def plan(opt: Any, params: Params) -> Plan:
     (masters, moments, EMA), without allocating anything (the state comes out on ``meta``).
 
     Works for any optimizer built from this library's parts (chains, partitions, wrappers);
-    with several terminal optimizers inside, their plans are put together.
+    with several terminal optimizers inside, their plans' rows come one part after the other
+    (``index`` and ``host_mask()`` then follow the rows).
 
     Example::
 
@@ -184,7 +185,8 @@ def plan(opt: Any, params: Params) -> Plan:
         raise ValueError("this optimizer holds no terminal optimizer: nothing is placed")
     if len(plans) == 1:
         return plans[0]
-    return Plan(*(tuple(x for p in plans for x in getattr(p, f)) for f in Plan._fields))
+    rows = Plan(*(tuple(x for p in plans for x in getattr(p, f)) for f in Plan._fields))
+    return rows._replace(index=tuple(range(len(rows.paths))))  # the parts' rows in turn
 
 
 def _check_fraction(f: Any) -> float:

@@ -95,6 +95,8 @@ class GradStream:
         if exc is not None and not self.finished:
             self.finished = True
             self.step.abort()
+        elif not self.finished:
+            self.step.close()  # backward is over: what was fed finishes and frees the ring
 
     def finish(self) -> tuple[Params, Any]:
         """Feed the leaves not streamed, wait for the step; return ``(params, new state)``."""

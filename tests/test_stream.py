@@ -139,3 +139,29 @@ def test_streaming_a_chain_around_a_delayed_optimizer_runs_its_update():
     fo.flush(sa), fo.flush(sb)
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
+
+
+@pytest.mark.parametrize("order", ["first-first", "second-first"])
+def test_two_streams_on_one_executor_finish_in_any_order(order):
+    """Two optimizers streaming one backward through one executor (the default one, say): each
+    run lets go of the ring when backward ends, so finishing them in either order completes."""
+    import threading
+    torch.manual_seed(0)
+    a, b = make_model(), make_model()
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    oa, ob = fo.adamw(1e-2, executor=ex), fo.adamw(1e-2, executor=ex)
+    sa, sb = oa.init(dict(a.named_parameters())), ob.init(dict(b.named_parameters()))
+    x = torch.randn(8, 16)
+    done = []
+
+    def step():
+        with fo.stream(oa, sa) as s1, fo.stream(ob, sb) as s2:
+            (a(x).square().mean() + b(x).square().mean()).backward()
+        for s in ((s1, s2) if order == "first-first" else (s2, s1)):
+            s.finish()
+        done.append(True)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(60)
+    assert done == [True]

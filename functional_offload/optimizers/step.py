@@ -120,6 +120,7 @@ class TerminalStep:
         self.runs: dict[torch.device, Run] = {}
         self._kernel: Optional[Kernel] = None
         self.finished = False
+        self.closed = False
         self.delayed = t.delayed
         notes = state.params.notes if state.params.notes is not None else {}
         self.notes = notes
@@ -135,6 +136,8 @@ class TerminalStep:
         if index in self.fed:
             raise RuntimeError(f"param {leaf.path!r} got a second gradient in one step; stream "
                                "only the last backward of an accumulation")
+        if self.closed:
+            raise RuntimeError(f"param {leaf.path!r} fed after close(): feed grads before it")
         g = check_grad(leaf.path, grad, leaf.param)
         if g is None:
             return
@@ -174,6 +177,13 @@ class TerminalStep:
             raise interrupt
         self.state.count.fill_(CONSUMED)
         return self.state.params.tree, new
+
+    def close(self) -> None:
+        """No more feeds: the runs of the leaves fed so far end once their chunks are done (and
+        release the device's ring); the rest goes to runs of its own at ``finish``."""
+        self.closed = True
+        for run in self.runs.values():
+            run.close()
 
     def abort(self) -> None:
         if self.finished:
@@ -415,13 +425,15 @@ class TerminalStep:
                     with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
                         self.ex.order_after_copies(device)
             else:
-                runs = rest_runs if self.speculative else self.runs
+                runs = rest_runs if self.speculative or self.closed else self.runs
                 packed_out = self._packed_leaves(gs, streams, runs)
                 for device, idx in self._by_device([i for i in rest if i not in self.packed], gs).items():
                     self._run(device, runs).add_all([self._host_leaf(i, gs[i], False) for i in idx],
                                                     ready[device])
                 self._wait_runs(runs)
-                self._raise_run_errors(runs)
+            self._wait_runs(self.runs)  # what was fed ahead (a no-op when already waited for)
+            self._raise_run_errors(self.runs)
+            self._raise_run_errors(rest_runs)
             for device in {*self.runs, *rest_runs}:
                 with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
                     self.ex.order_after_copies(device)

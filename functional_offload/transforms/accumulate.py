@@ -209,3 +209,6 @@ class _LastMicroStep:
 
     def abort(self) -> None:
         self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()

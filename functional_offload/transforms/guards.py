@@ -166,3 +166,6 @@ class _Guarded:
 
     def abort(self) -> None:
         self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()

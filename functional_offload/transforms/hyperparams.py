@@ -238,3 +238,6 @@ class _Injected:
 
     def abort(self) -> None:
         self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()

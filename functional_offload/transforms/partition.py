@@ -317,6 +317,10 @@ class _Partitioned:
         self.state.refs.count.fill_(CONSUMED)
         return whole, new
 
+    def close(self) -> None:
+        for step in self.steps.values():
+            step.close()
+
     def abort(self) -> None:
         self.finished = True
         results, interrupt = shielded(_concurrently, {k: s.abort for k, s in self.steps.items()},
