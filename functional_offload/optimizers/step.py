@@ -117,6 +117,7 @@ class TerminalStep:
         self.fed: dict[int, torch.Tensor] = {}
         self.ahead: set[int] = set()  # fed host leaves already handed to a run
         self.scratch: dict[int, torch.Tensor] = {}  # speculative: new params awaiting commit
+        self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
         self.runs: dict[torch.device, Run] = {}
         self._kernel: Optional[Kernel] = None
         self.finished = False
@@ -201,6 +202,7 @@ class TerminalStep:
         object may live on in the caller's hands until the next one."""
         self.fed.clear()
         self.scratch.clear()
+        self.strided.clear()
         self.runs.clear()
 
     # ---- helpers --------------------------------------------------------------------------
@@ -281,6 +283,9 @@ class TerminalStep:
                                                     device=leaf.param.device)
             if out.is_cuda:  # freed on abort while a copy out may still write it
                 out.record_stream(self.ex.transport(out.device).stream_out)
+        elif not leaf.param.is_contiguous():  # written back after the run (a strided copy)
+            out = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype, device=leaf.param.device)
+            self.strided.append((leaf.param, out))
         else:
             out = leaf.param.view(-1)
         return HostLeaf(leaf.path, g.detach().reshape(-1), out,
@@ -439,6 +444,9 @@ class TerminalStep:
                     self.ex.order_after_copies(device)
             if packed_out:
                 self._scatter(packed_out, streams)
+            for param, new in self.strided:
+                with torch.cuda.stream(streams[param.device]) if param.device in streams else nullcontext():
+                    param.copy_(new.view(param.shape))
             if self.speculative and self.ahead:
                 touched = True
                 self._commit(streams)

@@ -156,10 +156,10 @@ class Terminal:
         if preview:
             record_plan(plan)
         for path, p, host in zip(paths, locals_, on_host):
-            if host and not p.is_contiguous():
-                raise ValueError(f"param {path!r} is not contiguous; host-resident state needs "
-                                 "contiguous params (call .contiguous() on it, or keep its state "
-                                 "on the device with placement.select)")
+            if host and self.delayed and not p.is_contiguous():
+                raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
+                                 "params through contiguous host staging (call .contiguous() on "
+                                 "it, or keep its state on the device with placement.select)")
         if any(on_host) and not preview:
             if self.cpu_kernel != "torch" and self.spec.native is not None:
                 native.module()  # build now (once per machine and CPU capability), not mid-step
@@ -171,8 +171,10 @@ class Terminal:
         with torch.no_grad():
             for p, host in zip(locals_, on_host):
                 where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
-                # delayed: the new param waits in host staging, so the value must be separate
-                need_master = p.dtype in LOW_PRECISION or (host and (p.device.type != "cpu" or self.delayed))
+                # delayed: the new param waits in host staging, so the value must be separate; a
+                # strided param gets a contiguous master, written back with a strided copy
+                need_master = p.dtype in LOW_PRECISION or (host and (
+                    p.device.type != "cpu" or self.delayed or not p.is_contiguous()))
                 master = (p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
                           if need_master else None)
                 masters.append(master)
