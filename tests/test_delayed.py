@@ -6,7 +6,7 @@ import torch
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
-from conftest import KERNELS, per_block, clone, grad_seq, make_params
+from conftest import KERNELS, clone, grad_seq, make_params
 
 A = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
 B = torch.randn(12, generator=torch.Generator().manual_seed(1))

@@ -3,7 +3,6 @@ and nothing uses, streams or checkpoints a failed state. Faults go through fo.te
 
 import _thread
 import threading
-import time
 
 import optree
 import pytest

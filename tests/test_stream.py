@@ -124,7 +124,7 @@ def test_stream_rejects_transforms_delayed_and_second_gradients():
     state = opt.init(params)
     x = torch.randn(4, 16)
     with pytest.raises(RuntimeError, match="second gradient"):
-        with fo.stream(opt, state) as s:
+        with fo.stream(opt, state):
             model(x).sum().backward()
             model(x).sum().backward()  # an accumulation streamed twice
 

@@ -58,17 +58,18 @@ def arrange(candidates: Sequence[int], fields: Sequence[list[Optional[torch.Tens
     return packs
 
 
-def runs(pack: Pack, with_grad: Sequence[bool]) -> list[tuple[int, int]]:
+def runs(pack: Pack, with_grad: Sequence[bool], decay: Sequence[bool]) -> list[tuple[int, int]]:
     """``(first, last)`` positions in ``pack.members`` of the runs of members that have a grad
-    this step (a member without one is not updated, so a run stops there)."""
+    this step and the same weight decay (a member without a grad is not updated, and a run
+    shares one set of scalars, so a run stops at either)."""
     out: list[tuple[int, int]] = []
     start: Optional[int] = None
     for j, i in enumerate(pack.members):
-        if with_grad[i] and start is None:
-            start = j
-        elif not with_grad[i] and start is not None:
+        if start is not None and (not with_grad[i] or decay[i] != decay[pack.members[start]]):
             out.append((start, j - 1))
             start = None
+        if with_grad[i] and start is None:
+            start = j
     if start is not None:
         out.append((start, len(pack.members) - 1))
     return out

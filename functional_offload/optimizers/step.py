@@ -300,7 +300,7 @@ class TerminalStep:
         out = []
         for k, pack in enumerate(self.packs):
             with_grad = [g is not None for g in gs]
-            for first, last in runs_of(pack, with_grad):
+            for first, last in runs_of(pack, with_grad, [leaf.decay for leaf in self.leaves]):
                 members = list(pack.members[first:last + 1])
                 lead, g0 = self.leaves[members[0]], gs[members[0]]
                 key = ("pack", k, g0.device, g0.dtype)

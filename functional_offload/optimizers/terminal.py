@@ -228,12 +228,14 @@ class Terminal:
 
     def layout(self, state: Any) -> list[Leaf]:
         """The leaves of ``state``, in the params' flatten order. Built once and kept in the
-        state's notes while its trees are the same objects (an update keeps them)."""
+        state's notes while its trees, this spec and this weight-decay mask are the same objects
+        (an update keeps them); the mask is evaluated when the layout is built."""
         notes = state.params.notes
-        key = (state.params.tree, state.master, state.ema, state.params.staging,
-               *(getattr(state, m.name) for m in self.spec.moments))
+        key = (self.spec, self.weight_decay_mask, state.params.tree, state.master, state.ema,
+               state.params.staging, *(getattr(state, m.name) for m in self.spec.moments))
         cached = notes.get("layout") if notes is not None else None
-        if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+        if (cached is not None and len(cached[0]) == len(key)
+                and all(a is b for a, b in zip(cached[0], key))):
             return cached[1]
         leaves = self._layout(state)
         if notes is not None:

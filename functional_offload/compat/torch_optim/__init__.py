@@ -18,88 +18,21 @@ written for ``torch.optim`` (LR and momentum schedulers, ``GradScaler``, ``swa_u
 
 from __future__ import annotations
 
-import copy
 import warnings
-from collections import defaultdict
-from itertools import chain
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from functional_offload.base import FAILED, Optimizer, ParamRefs, flush
+from functional_offload.base import Optimizer, ParamRefs, flush
 from functional_offload.compat.torch_optim.algorithms import FREE_OPTIONS, algorithm_for
-from functional_offload.compat.torch_optim.views import (Slot, mark_error, quiesce, scalar_dtype,
+from functional_offload.compat.torch_optim.state_dicts import Run, StateDicts, apply_copies
+from functional_offload.compat.torch_optim.views import (Slot, mark_error, quiesce,
                                                          signature, tree_of)
 from functional_offload.optimizers import adamw
 from functional_offload.transforms import clip_by_global_norm
 from functional_offload.tree import check_grad, local
 
 __all__ = ["TorchOptimizer"]
-
-
-class _Run:
-    """One group's part of a step: its slot, its functional optimizer for this step, the
-    moment fields the step uses (``None``: all) and, later, its grads."""
-
-    __slots__ = ("index", "slot", "opt", "values", "options", "moments", "grads")
-
-    def __init__(self, index: int, slot: Slot, opt: Optimizer, values: dict, options: dict,
-                 moments: Optional[frozenset]):
-        self.index, self.slot, self.opt, self.values = index, slot, opt, values
-        self.options, self.moments, self.grads = options, moments, None
-
-    @property
-    def where(self) -> str:
-        return f"param group {self.index}: "
-
-
-_EARLIER_KEYS = {"mu": "exp_avg", "nu": "exp_avg_sq", "momentum": "momentum_buffer",
-                 "master": "master", "ema": "ema"}
-
-
-def _from_earlier_format(sd: dict[str, Any]) -> dict[str, Any]:
-    """A state_dict of the first TorchOptimizer (groups' ``params`` were names, ``state`` the
-    functional state's dotted paths: ``"0.count"``, ``"0.mu.<name>"``) in torch's format;
-    others are returned as they are."""
-    groups = sd.get("param_groups", [])
-    if not any(isinstance(x, str) for g in groups for x in g.get("params", [])):
-        return sd
-    old, state, new_groups, start = sd.get("state", {}), {}, [], 0
-    for i, g in enumerate(groups):
-        names = [str(n) for n in g["params"]]
-        ids = list(range(start, start + len(names)))
-        start += len(names)
-        group = {k: v for k, v in g.items() if k != "params"}
-        group["params"] = ids
-        if names != [str(j) for j in range(len(names))]:  # unnamed params were named "0", "1"...
-            group["param_names"] = names
-        count = old.get(f"{i}.count")
-        for pid, name in zip(ids, names):
-            entry = {"step": torch.tensor(float(count), dtype=scalar_dtype())} if count is not None else {}
-            for field, key in _EARLIER_KEYS.items():
-                if f"{i}.{field}.{name}" in old:
-                    entry[key] = old[f"{i}.{field}.{name}"]
-            state[pid] = entry
-        new_groups.append(group)
-    return {**sd, "state": state, "param_groups": new_groups}
-
-
-def _apply(state: Any, copies: list, count: Optional[int]) -> None:
-    """Run the copies :meth:`Slot.plan` made and set the count (``None``: keep it)."""
-    with torch.no_grad():
-        for c in copies:
-            c.run()
-        if count is not None:
-            state.count.fill_(count)
-
-
-def _warn_names(where: str, mine: Any, theirs: Any) -> None:
-    if mine is None or theirs is None or list(mine) == list(theirs):
-        return
-    at = next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-    warnings.warn(f"{where}the state_dict's param_names differ from this optimizer's (first at "
-                  f"position {at}); state is matched by position, as torch.optim does",
-                  stacklevel=3)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -111,7 +44,7 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-class TorchOptimizer(torch.optim.Optimizer):
+class TorchOptimizer(StateDicts, torch.optim.Optimizer):
     """A ``torch.optim.Optimizer`` whose step is a functional_offload terminal optimizer.
 
     Args:
@@ -253,7 +186,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         return {k: v for k, v in options.items() if k not in FREE_OPTIONS}
 
     # ---- the functional states --------------------------------------------------------------
-    def _runs(self) -> list[_Run]:
+    def _runs(self) -> list[Run]:
         """Check every group and build its optimizer for this step (nothing changes yet)."""
         self._prune()
         runs = []
@@ -262,10 +195,10 @@ class TorchOptimizer(torch.optim.Optimizer):
                 continue
             values, options = self._values(group), self._options(group)
             opt, moments = self._compile(values, options, f"param group {i}: ")
-            runs.append(_Run(i, self._slot(group), opt, values, options, moments))
+            runs.append(Run(i, self._slot(group), opt, values, options, moments))
         return runs
 
-    def _compatible(self, slot: Slot, params: list, run: _Run) -> bool:
+    def _compatible(self, slot: Slot, params: list, run: Run) -> bool:
         """Whether the slot's state fits the group as it is now (else it is laid out anew)."""
         fixed = self._fixed(run.options)
         return (len(params) == len(slot.params) and all(a is b for a, b in zip(params, slot.params))
@@ -282,7 +215,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             out.append(dict(e) if isinstance(e, dict) and e else None)
         return out
 
-    def _lay_out(self, run: _Run, params: list, group: Optional[dict] = None) -> tuple[Any, list]:
+    def _lay_out(self, run: Run, params: list, group: Optional[dict] = None) -> tuple[Any, list]:
         tree, keys = tree_of(run.slot.group if group is None else group, params)
         try:
             state = run.opt.init(tree)
@@ -294,7 +227,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                             "fo.sgd...); clip with max_grad_norm= instead of a chain")
         return state, keys
 
-    def _ready(self, run: _Run) -> None:
+    def _ready(self, run: Run) -> None:
         """Make the run's slot hold a usable state that shows what ``self.state`` shows: lay it
         out at the first step or when the group changed (params, their devices or dtypes, layout
         options, moments now needed), taking in values written into the views."""
@@ -313,11 +246,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         names = run.slot.group.get("param_names")
         copies, count = Slot.plan(state, keys, params, entries, reset=False, resync_masters=False,
                                   where=run.where, names=names)
-        _apply(state, copies, count)
+        apply_copies(state, copies, count)
         slot.install(state, keys, params, self._fixed(run.options))
         slot.write_views(self.state, entries)
 
-    def _sync(self, run: _Run) -> None:
+    def _sync(self, run: Run) -> None:
         """Take values written into the views into the state (see :mod:`.views`)."""
         slot = run.slot
         entries = self._entries(slot.params)
@@ -330,7 +263,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                                   resync_masters=False, where=run.where,
                                   names=slot.group.get("param_names"))
         quiesce(slot.state, dropping=False)
-        _apply(slot.state, copies, count)
+        apply_copies(slot.state, copies, count)
         slot.write_views(self.state, entries)
 
     # ---- the step ---------------------------------------------------------------------------
@@ -376,7 +309,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             raise interrupt
         return loss
 
-    def _gather(self, run: _Run) -> None:
+    def _gather(self, run: Run) -> None:
         slot = run.slot
         names = slot.group.get("param_names")
         grads = []
@@ -421,127 +354,3 @@ class TorchOptimizer(torch.optim.Optimizer):
         for run in runs.values():
             self._ready(run)
         return [runs[i].slot.state if i in runs else None for i in range(len(self.param_groups))]
-
-    # ---- state_dict ---------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format: ``{"state": {id: {...}}, "param_groups": [...]}``, ids being
-        positions over all groups, names in ``param_names``; the layout options (placement,
-        dtypes…) are the optimizer's construction, not its state, and are left out. ``step`` is
-        a tensor per param (torch's optimizers add to it in place). Runs torch's state-dict
-        hooks; lands delayed steps first."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        self.flush()
-        for i, g in enumerate(self.param_groups):
-            slot = self._slots.get(id(g))
-            if slot is not None and slot.state is not None:
-                err = mark_error(slot.state, f"param group {i}: ", "take a state_dict")
-                if err is not None:
-                    raise err
-        ids: dict[int, int] = {}
-        start = 0
-        groups = []
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params" and k not in self._algo.options}
-            ids.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in ids})
-            packed["params"] = [ids[id(p)] for p in g["params"]]
-            start += len(packed["params"])
-            groups.append(packed)
-        state: dict[Any, Any] = {}
-        for k, v in self.state.items():
-            if not isinstance(k, torch.Tensor):
-                state[k] = v
-            elif id(k) in ids:  # entries of params no longer in a group are dropped
-                state[ids[id(k)]] = ({**v, "step": v["step"].clone()}
-                                     if isinstance(v, dict) and isinstance(v.get("step"), torch.Tensor)
-                                     else v)
-        sd = {"state": state, "param_groups": groups}
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torch.optim's format (this adapter's, or torch's class of the same algorithm).
-
-        Params are matched by position, as torch does (names are kept, not used); state_dicts
-        of the first TorchOptimizer (params by name) are converted. Everything is
-        checked — group sizes, option values, every tensor's shape — before anything is copied.
-        The values are copied into the functional state (keeping its placement); masters not in
-        the state_dict are set from the params. Runs torch's load-state-dict hooks.
-        """
-        state_dict = _from_earlier_format(state_dict.copy())
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, state_dict)
-            if out is not None:
-                state_dict = out
-        groups = self.param_groups
-        saved_groups = copy.deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the "
-                             "size of optimizer's group")
-        saved_state = state_dict["state"]
-        owned = set(chain.from_iterable(s["params"] for s in saved_groups))
-        self.flush()
-        # 1. the groups' new values, checked
-        plans = []
-        for i, (g, s) in enumerate(zip(groups, saved_groups)):
-            where = f"param group {i}: "
-            new = {k: v for k, v in g.items() if k != "params"}
-            _warn_names(where, g.get("param_names"), s.get("param_names"))
-            new.update({k: v for k, v in s.items() if k != "params" and k not in self._algo.options})
-            self._algo.on_load(new)
-            values, options = self._values(new), self._options(new)
-            opt, moments = self._compile(values, options, where)
-            run = _Run(i, self._slot(g), opt, values, options, moments)
-            params = list(g["params"])
-            entries = [saved_state.get(k) for k in s["params"]]
-            entries = [dict(e) if isinstance(e, dict) and e else None for e in entries]
-            plans.append((g, new, run, params, entries))
-        # 2. every value checked against the state it goes into (laid out now where needed)
-        staged = []
-        for g, new, run, params, entries in plans:
-            slot = run.slot
-            if slot.state is None and not any(entries):
-                staged.append((g, new, run, None, None, None, None, entries))
-                continue
-            if slot.state is not None and self._compatible(slot, params, run):
-                state, keys = slot.state, slot.keys
-                err = mark_error(state, run.where, "load into it")
-                if err is not None and int(state.count) != FAILED:  # loading is how it recovers
-                    raise err
-            else:
-                state, keys = self._lay_out(run, params, group=new)
-            copies, count = Slot.plan(state, keys, params, entries, reset=True, resync_masters=True,
-                                      where=run.where, names=new.get("param_names"))
-            staged.append((g, new, run, state, keys, copies, count, entries))
-        # 3. copy, then show
-        new_state: defaultdict = defaultdict(dict)
-        for k, v in saved_state.items():
-            if k not in owned:
-                new_state[k] = v
-        for g, new, run, state, keys, copies, count, entries in staged:
-            slot = run.slot
-            if state is not None:
-                if slot.state is not None:
-                    quiesce(slot.state, dropping=True)
-                _apply(state, copies, count)
-            params = g["params"]
-            g.clear()
-            g.update(new)
-            g["params"] = params
-            if state is None:
-                slot.state = None
-                continue
-            slot.install(state, keys, params, self._fixed(run.options))
-            old = self.state
-            for p in params:  # reuse the dicts users may hold
-                if isinstance(old.get(p), dict):
-                    new_state[p] = old[p]
-            slot.write_views(new_state, entries)
-        self.state = new_state
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
