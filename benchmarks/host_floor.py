@@ -6,11 +6,11 @@
 Kernel: one ``fo.adamw(placement=on_host(), cpu_kernel="native")`` update, through the public
 API, on bf16 CPU params shaped as the GPT model's leaves (or one flat leaf of ``--numel``):
 bf16 grads in, fp32 master/mu/nu, bf16 params written back, run by the executor's worker
-threads (default: physical cores) — the element types and the kernel of the offloaded GPU step.
-With CPU params the executor copies each chunk's grads into its staging ring on the calling
-thread, so this rate is a little below the kernel's own (``cpu_kernel.py`` times that).
-Measured with fp32 and with bf16 moments. Rate = elements / median update time (G elem/s);
-the floor of a step is offloaded params / rate.
+threads (default: physical cores) — the element types and the kernel of the offloaded GPU step
+(CPU grads are read where they are). Measured with fp32 and with bf16 moments. Rate =
+elements / median update time (G elem/s); the floor of a step is offloaded params / rate.
+``--optimizers`` measures others the same way (``adamw``, ``adamw16`` (bf16 moments),
+``adamw_ema`` (with ``ema_decay``), ``lion``, ``sgd`` (momentum), ``adafactor``).
 
 DRAM: STREAM-style copy (``a.copy_(b)``, 8 B/elem) and triad (``torch.add(b, c, alpha=3,
 out=a)``, 12 B/elem) on fp32 CPU tensors, GB/s, median of ``--reps``.
@@ -58,13 +58,24 @@ def leaf_shapes(size: str, max_numel: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def kernel_rate(shapes: list[tuple[int, ...]], threads: int, reps: int, bf16_moments: bool) -> float:
-    """G elements/s of one host update of bf16 CPU params of ``shapes`` through fo.adamw."""
+OPTIMIZERS: dict[str, Callable[..., fo.Optimizer]] = {
+    "adamw": lambda **kw: fo.adamw(cpu_kernel="native", **HYPER, **kw),
+    "adamw16": lambda **kw: fo.adamw(cpu_kernel="native", mu_dtype=torch.bfloat16,
+                                     nu_dtype=torch.bfloat16, **HYPER, **kw),
+    "adamw_ema": lambda **kw: fo.adamw(cpu_kernel="native", ema_decay=0.999, **HYPER, **kw),
+    "lion": lambda **kw: fo.lion(1e-5, betas=(0.9, 0.99), weight_decay=0.1, cpu_kernel="native", **kw),
+    "sgd": lambda **kw: fo.sgd(1e-3, momentum=0.9, cpu_kernel="native", **kw),
+    "adafactor": lambda **kw: fo.adafactor(1e-2, **kw),
+}
+
+
+def kernel_rate(shapes: list[tuple[int, ...]], threads: int, reps: int, bf16_moments: bool = False,
+                optimizer: str = "adamw") -> float:
+    """G elements/s of one host update of bf16 CPU params of ``shapes`` by ``optimizer``."""
     params = {str(i): torch.empty(s, dtype=torch.bfloat16).uniform_(-1, 1) for i, s in enumerate(shapes)}
     grads = {k: torch.empty_like(p).uniform_(-1e-3, 1e-3) for k, p in params.items()}
-    low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
-    opt = fo.adamw(placement=fo.placement.on_host(), cpu_kernel="native",
-                   executor=HostExecutor(threads=threads), **low, **HYPER)
+    name = "adamw16" if bf16_moments and optimizer == "adamw" else optimizer
+    opt = OPTIMIZERS[name](placement=fo.placement.on_host(), executor=HostExecutor(threads=threads))
     holder = [opt.init(params)]
 
     def update() -> None:
@@ -104,10 +115,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="0: physical cores")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dram-numel", type=int, default=1 << 27)
+    ap.add_argument("--optimizers", default="", help=f"also these: {', '.join(OPTIMIZERS)}")
     ap.add_argument("--out")
     args = ap.parse_args()
     shapes = [(args.numel,)] if args.numel else leaf_shapes(args.size, args.max_numel)
     r = measure(shapes, args.threads, args.reps, args.dram_numel)
+    for name in filter(None, args.optimizers.split(",")):
+        r[f"{name}_gelems"] = kernel_rate(shapes, r["threads"], args.reps, optimizer=name)
+        print(f"{name:<34} {r[f'{name}_gelems']:>10.2f} G elem/s", flush=True)
     print(f"\nhost floor inputs: {r['numel']:,} elements in {r['leaves']} leaves, {r['threads']} threads")
     print(f"{'what':<34} {'rate':>10}")
     print(f"{'kernel, fp32 moments (G elem/s)':<34} {r['kernel_gelems']:>10.2f}")

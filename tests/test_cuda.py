@@ -257,3 +257,97 @@ def test_registry_optimizers_on_the_gpu(name, placement):
         p, s = opt.update(gr, s)
     torch.cuda.synchronize()
     close(p, want, atol=1e-5, rtol=1e-5)
+
+
+# ---- the failure contract on the GPU (streams, copies, events in flight) -------------------
+
+def _gpu_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                               torch.nn.GELU(), torch.nn.Linear(256, 8)).to(DEV, torch.bfloat16)
+
+
+def _snapshot(state):
+    return {k: v.clone() for k, v in fo.state_dict(state).items()}
+
+
+def test_stream_of_a_detached_state_on_the_gpu():
+    model = _gpu_model()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    opt = fo.adamw(1e-2, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
+    state = opt.init(params)
+    with pytest.raises(ValueError, match="params=model"):
+        fo.stream(opt, state)
+    before = {k: v.clone() for k, v in params.items()}
+    with fo.stream(opt, state, params=model) as s:
+        model(torch.randn(32, 64, device=DEV, dtype=torch.bfloat16)).float().square().mean().backward()
+    params, state = s.finish()
+    torch.cuda.synchronize()
+    assert len(s.arrived) == len(params) and all(not torch.equal(params[k], before[k]) for k in params)
+
+
+@pytest.mark.parametrize("front", ["none", "clip"])
+def test_exception_in_backward_aborts_the_streamed_step_on_the_gpu(front):
+    model = _gpu_model()
+    params = dict(model.named_parameters())
+    inner = fo.adamw(1e-2, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
+    opt = inner if front == "none" else fo.chain(fo.clip_by_global_norm(1e6), inner)
+    state = opt.init(params)
+    snap, p_before = _snapshot(state), {k: v.detach().clone() for k, v in params.items()}
+
+    class Boom(Exception):
+        pass
+
+    model[0].register_full_backward_hook(lambda *a: (_ for _ in ()).throw(Boom()))
+    x = torch.randn(32, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(Boom):
+        with fo.stream(opt, state):
+            model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    if front == "clip":  # speculative: exactly as it was, params too
+        assert all(torch.equal(v, snap[k]) for k, v in _snapshot(state).items())
+        assert all(torch.equal(params[k], p_before[k]) for k in params)
+    else:
+        try:
+            same = all(torch.equal(v, snap[k]) for k, v in _snapshot(state).items())
+        except fo.StateError:
+            same = None
+        assert same in (None, True)
+
+
+def test_delayed_faults_on_the_gpu(tmp_path):
+    """Ctrl-C during a flush lands the step; a background failure is raised once and then the
+    state is refused; a load waits for the step in flight."""
+    import _thread
+    import threading
+    from functional_offload.testing import fail_host_kernel, slow_host_kernel
+    model = _gpu_model()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, delayed=True, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
+    state = opt.init(params)
+    grads = lambda: {k: torch.randn_like(v) for k, v in params.items()}  # noqa: E731
+    params, state = opt.update(grads(), state)
+    fo.save(state, tmp_path / "good")
+    with slow_host_kernel(0.02):
+        params, state = opt.update(grads(), state)
+        threading.Timer(0.03, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            fo.flush(state)
+    fo.flush(state)
+    torch.cuda.synchronize()
+    for k, p in params.items():
+        assert torch.equal(p, state.master[k].to(DEV, p.dtype)), k
+    with slow_host_kernel(0.02):
+        params, state = opt.update(grads(), state)
+        state = fo.load(tmp_path / "good", like=state)
+    fo.flush(state)
+    saved = fo.load(tmp_path / "good", like=opt.init({k: v.detach().clone() for k, v in params.items()}))
+    assert all(torch.equal(v, fo.state_dict(saved)[k]) for k, v in fo.state_dict(state).items())
+    good = (tmp_path / "good").read_bytes()
+    with fail_host_kernel(after=1):
+        params, state = opt.update(grads(), state)
+        with pytest.raises(fo.HostStepError):
+            fo.save(state, tmp_path / "good")
+    with pytest.raises(fo.StateError, match="failed"):
+        fo.save(state, tmp_path / "good")
+    assert (tmp_path / "good").read_bytes() == good
