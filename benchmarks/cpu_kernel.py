@@ -14,23 +14,12 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from host_floor import median_time  # noqa: E402
 
 
 def main() -> None:
@@ -72,18 +61,18 @@ def main() -> None:
 
     chunk = 16 << 20  # elements: a 32 MiB chunk of bf16 grads
     block = max(1 << 14, -(-chunk // (4 * threads)))
-    rows["ours (bf16 g in, bf16 p out)"] = n / timed(
+    rows["ours (bf16 g in, bf16 p out)"] = n / median_time(
         lambda: run_chunks([(c, out[c:c + chunk]) for c in range(0, n, chunk)]), args.reps) / 1e9
     # As in the executor: the bf16 output goes to a reused staging slot, not a fresh array.
     slot = torch.empty(min(n, chunk), dtype=torch.bfloat16)
-    rows["ours (bf16 p out to a 32 MiB slot)"] = n / timed(
+    rows["ours (bf16 p out to a 32 MiB slot)"] = n / median_time(
         lambda: run_chunks([(c, slot[:min(chunk, n - c)]) for c in range(0, n, chunk)]), args.reps) / 1e9
     p = g = m = v = out = slot = None  # free 4 GiB before the next kernel
 
     pt = torch.randn(n, requires_grad=True)
     pt.grad = torch.randn(n)
     opt = torch.optim.AdamW([pt], lr=1e-3, weight_decay=0.1, fused=True)
-    rows["torch fused AdamW (fp32)"] = n / timed(opt.step, args.reps) / 1e9
+    rows["torch fused AdamW (fp32)"] = n / median_time(opt.step, args.reps) / 1e9
     del opt, pt
 
     try:
@@ -91,7 +80,7 @@ def main() -> None:
         pd = torch.randn(n, requires_grad=True)
         pd.grad = torch.randn(n)
         ds = DeepSpeedCPUAdam([pd], lr=1e-3, weight_decay=0.1, adamw_mode=True)
-        rows["DeepSpeed CPUAdam (fp32)"] = n / timed(ds.step, args.reps) / 1e9
+        rows["DeepSpeed CPUAdam (fp32)"] = n / median_time(ds.step, args.reps) / 1e9
     except Exception as e:  # noqa: BLE001
         rows["DeepSpeed CPUAdam (fp32)"] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
 
