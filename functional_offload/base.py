@@ -279,14 +279,23 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
 
 class HeldStep:
     """A :class:`Step` for optimizers that cannot start before every grad is known: ``feed``
-    holds the grads, ``finish`` runs ``update`` on them."""
+    holds the grads, ``finish`` runs ``update`` on them. The state is marked busy meanwhile."""
 
     def __init__(self, update: OptimizerUpdateFn, state: OptState):
+        check_usable(state, "update")
         self.update, self.state = update, state
         self.params = params_of(state)
         self.spec = optree.tree_structure(self.params)
         self.fed: dict[int, torch.Tensor] = {}
         self.finished = False
+        self.marks = [(x.count, int(x.count)) for x in terminal_states(state)]
+        for count, _ in self.marks:
+            count.fill_(BUSY)
+
+    def _unmark(self) -> None:
+        for count, n in self.marks:
+            count.fill_(n)
+        self.marks = []
 
     def feed(self, index: int, grad: torch.Tensor) -> None:
         if index in self.fed:
@@ -295,14 +304,16 @@ class HeldStep:
 
     def finish(self, grads: Updates = None) -> tuple[Params, OptState]:
         if self.finished:
-            raise RuntimeError("this step already finished; begin a new one per step")
+            raise RuntimeError("this step already finished; begin a new one for each update")
         self.finished = True
+        self._unmark()
         full = merge_grads(self.spec, self.fed, grads)
         self.fed.clear()
         return self.update(full, self.state)
 
     def abort(self) -> None:
         self.finished = True
+        self._unmark()
 
     def close(self) -> None:
         """Nothing was started: nothing to close."""

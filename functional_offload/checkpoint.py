@@ -93,7 +93,8 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     """
     paths, leaves = _state_leaves(like)
     missing = [p for p in paths if p not in sd]
-    unexpected = [k for k in sd if k not in set(paths)]
+    known = set(paths)
+    unexpected = [k for k in sd if k not in known]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint does not match the state: missing {missing[:8]}, "
                               f"unexpected {unexpected[:8]}; build `like` with the same "

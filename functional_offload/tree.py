@@ -121,6 +121,9 @@ def check_grad(path: str, g: Any, p: torch.Tensor) -> Optional[torch.Tensor]:
                         "supported (call .to_dense())")
     if g.device.type == "meta":
         raise ValueError(f"grad {path!r} is a meta tensor (it has no data); pass the real gradient")
+    if g.numel() and g.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
+        raise ValueError(f"grad {path!r} shares memory with its param (the step would change the "
+                         "grad while reading it); pass a copy")
     return g
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from functional_offload.executor import faults
 from functional_offload.executor.run import HostStepError
 
 __all__ = ["LeafItem", "run_leaves"]
@@ -64,7 +65,9 @@ def run_leaves(executor: Any, device: torch.device, items: Sequence[LeafItem], r
 
 def _call(item: LeafItem, grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
     try:
+        if faults.active():  # fault injection treats each leaf as a chunk
+            faults.before_chunk(0, [item.path])
         item.fn(grad, out)
-    except Exception as e:
+    except Exception as e:  # an interrupt goes through as itself
         raise HostStepError(f"host optimizer step failed on leaf {item.path!r}: "
                             f"{type(e).__name__}: {e}") from e
