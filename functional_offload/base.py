@@ -14,6 +14,7 @@ states with an error that says what to do.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple, Optional, Protocol, Union
 
 import optree
@@ -26,6 +27,7 @@ __all__ = [
     "TransformInitFn", "TransformUpdateFn", "OptimizerUpdateFn", "GlobalScaleFn", "BeginFn",
     "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
     "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "ema_params", "flush", "check_usable",
+    "claim", "release", "mark_tensors",
     "terminal_states",
 ]
 
@@ -175,6 +177,12 @@ def _marked(state: OptState) -> list[tuple[Any, int]]:
     return out
 
 
+def mark_tensors(state: OptState) -> list[torch.Tensor]:
+    """The tensors holding the marks of every state NamedTuple inside ``state`` (counts)."""
+    return [getattr(node, next(f for f in MARK_FIELDS if f in node._fields))
+            for node, _ in _marked(state)]
+
+
 def check_usable(state: OptState, action: str) -> None:
     """Raise :class:`StateError` if a state inside ``state`` is consumed, failed or in a step
     (see :data:`MARK_FIELDS`); ``action`` names what was attempted ("update", "save"...)."""
@@ -193,14 +201,37 @@ def check_usable(state: OptState, action: str) -> None:
                              "thread); finish that step first")
 
 
+_claiming = threading.Lock()
+
+
+def claim(state: OptState, action: str) -> list[tuple[torch.Tensor, int]]:
+    """Check ``state`` is usable and mark its terminal states busy, atomically (two threads
+    cannot both begin a step on one state, or save it while a step begins); returns the
+    ``(count, value)`` pairs to restore with :func:`release`."""
+    with _claiming:
+        check_usable(state, action)
+        marks = [(s.count, int(s.count)) for s in terminal_states(state)]
+        for count, _ in marks:
+            count.fill_(BUSY)
+    return marks
+
+
+def release(marks: list[tuple[torch.Tensor, int]]) -> None:
+    """Undo :func:`claim`."""
+    for count, n in marks:
+        count.fill_(n)
+
+
 def flush(state: OptState) -> OptState:
     """Finish any update still in flight in ``state`` (delayed mode) and apply it to the params.
 
     The host step started by the last ``update`` is waited for, its params are copied to the
     device, and the caller's stream is ordered after the copies. A no-op for states with nothing
-    in flight. If the step failed, its error is raised and the state is marked failed. An
-    interrupt (Ctrl-C) arriving meanwhile is raised once the step has landed. Returns ``state``.
+    in flight. If the step failed, its error is raised and the state is marked failed (later
+    calls raise :class:`StateError`, as for any failed or consumed state). An interrupt (Ctrl-C)
+    arriving meanwhile is raised once the step has landed. Returns ``state``.
     """
+    check_usable(state, "flush")
     for s in terminal_states(state):
         if s.params.pending is not None:
             s.params.pending.land()
@@ -282,19 +313,15 @@ class HeldStep:
     holds the grads, ``finish`` runs ``update`` on them. The state is marked busy meanwhile."""
 
     def __init__(self, update: OptimizerUpdateFn, state: OptState):
-        check_usable(state, "update")
         self.update, self.state = update, state
         self.params = params_of(state)
         self.spec = optree.tree_structure(self.params)
         self.fed: dict[int, torch.Tensor] = {}
         self.finished = False
-        self.marks = [(x.count, int(x.count)) for x in terminal_states(state)]
-        for count, _ in self.marks:
-            count.fill_(BUSY)
+        self.marks = claim(state, "update")
 
     def _unmark(self) -> None:
-        for count, n in self.marks:
-            count.fill_(n)
+        release(self.marks)
         self.marks = []
 
     def feed(self, index: int, grad: torch.Tensor) -> None:

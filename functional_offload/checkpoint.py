@@ -25,7 +25,9 @@ from typing import Any, BinaryIO, Union
 
 import torch
 
-from functional_offload.base import BUSY, CONSUMED, ParamRefs, check_usable, flush, terminal_states
+from functional_offload.base import (BUSY, CONSUMED, ParamRefs, check_usable, claim, flush,
+                                     mark_tensors, release, terminal_states)
+from functional_offload.executor.shield import shielded
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
 
@@ -105,10 +107,21 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
                                   f"{(tuple(x.shape), x.dtype)}; values are never cast on load")
+    counts = {id(t) for t in mark_tensors(like)}
+    for p, x in zip(paths, leaves):
+        if id(x) in counts and int(sd[p]) < 0:
+            raise CheckpointError(f"leaf {p!r} is {int(sd[p])} in the checkpoint; counts are >= 0 "
+                                  "(the state was taken while consumed, failed or in a step)")
     ready_for_load(like)
-    with torch.no_grad():
+
+    @torch.no_grad()
+    def copy_all() -> None:
         for p, x in zip(paths, leaves):
             x.copy_(sd[p])
+
+    _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn
+    if interrupt is not None:
+        raise interrupt
     return like
 
 
@@ -224,24 +237,30 @@ def save(state: OptState, path: Union[str, os.PathLike]) -> None:
         fo.save(state, "ckpt/opt.safetensors")
         state = fo.load("ckpt/opt.safetensors", like=opt.init(params))
     """
-    sd = {k: v.detach().cpu().contiguous() for k, v in state_dict(state).items()}
-    meta = {"format": _FORMAT, "crc32": json.dumps({k: _crc(v) for k, v in sd.items()})}
-    path = os.path.abspath(os.fspath(path))
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    _remove_stale_temps(path)
-    f, tmp = _locked_temp(path)
-    with f:  # closing it releases the lock
-        try:
-            _write_safetensors(f, sd, meta)
-            f.flush()
-            os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(folder)
-        except BaseException:
-            if _names(f.fileno(), tmp):
-                os.unlink(tmp)
-            raise
+    live = state_dict(state)
+    scalars = {k: v.detach().clone() for k, v in live.items() if v.dim() == 0}  # counts, as they are
+    marks = claim(state, "save")  # busy while it is read: no step may begin and tear it
+    try:
+        sd = {k: scalars[k] if k in scalars else v.detach().cpu().contiguous() for k, v in live.items()}
+        meta = {"format": _FORMAT, "crc32": json.dumps({k: _crc(v) for k, v in sd.items()})}
+        path = os.path.abspath(os.fspath(path))
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        _remove_stale_temps(path)
+        f, tmp = _locked_temp(path)
+        with f:  # closing it releases the lock
+            try:
+                _write_safetensors(f, sd, meta)
+                f.flush()
+                os.fsync(f.fileno())
+                os.replace(tmp, path)
+                _fsync_dir(folder)
+            except BaseException:
+                if _names(f.fileno(), tmp):
+                    os.unlink(tmp)
+                raise
+    finally:
+        release(marks)
 
 
 def _is_int(x: Any) -> bool:

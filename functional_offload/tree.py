@@ -77,11 +77,11 @@ def _mismatch(tree: Any, reference: Any, what: str) -> str:
 def flatten_like(tree: Any, reference: Any, what: str) -> list[Any]:
     """Flatten ``tree`` up to the structure of the tree ``reference`` (the params).
 
-    A ``None`` where the reference has a leaf is kept as ``None`` (no gradient for that leaf).
-    Raises ``ValueError`` naming ``what`` and the first differing paths when the structures
-    differ.
+    A ``None`` where the reference has a leaf is kept as ``None`` (no gradient for that leaf); a
+    ``None`` in the reference is no leaf (it must be ``None`` in ``tree`` too). Raises
+    ``ValueError`` naming ``what`` and the first differing paths when the structures differ.
     """
-    spec = optree.tree_structure(reference, none_is_leaf=True)
+    spec = optree.tree_structure(reference)
     try:
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError):

@@ -2,7 +2,9 @@
 and nothing uses, streams or checkpoints a failed state. Faults go through fo.testing."""
 
 import _thread
+import contextlib
 import threading
+import time
 
 import optree
 import pytest
@@ -36,11 +38,16 @@ def run_reference(opt_fn, params, grads):
     return p, s
 
 
+@contextlib.contextmanager
 def interrupt_after(seconds):
-    """Send the main thread a KeyboardInterrupt (as Ctrl-C does) after ``seconds``."""
+    """Send the main thread a KeyboardInterrupt (as Ctrl-C does) after ``seconds``, unless the
+    block has ended by then (so a late interrupt cannot land in another test)."""
     timer = threading.Timer(seconds, _thread.interrupt_main)
     timer.start()
-    return timer
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 # ---- a failed host kernel ----------------------------------------------------------------
@@ -108,8 +115,7 @@ def test_ctrl_c_during_update_completes_the_step_then_raises():
     state = opt.init(params)
     params, state = opt.update(grads[0], state)
     with slow_host_kernel(0.05):
-        interrupt_after(0.1)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt), interrupt_after(0.1):
             params, state = opt.update(grads[1], state)  # the assignment never happens
     assert int(state.count) == 2  # the state passed in holds the completed step
     params, state = opt.update(grads[2], state)
@@ -128,8 +134,7 @@ def test_ctrl_c_during_flush_lands_the_step_and_a_second_flush_is_done(tmp_path)
     with slow_host_kernel(0.03):
         for g in grads:
             params, state = opt.update(g, state)
-        interrupt_after(0.05)
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt), interrupt_after(0.05):
             fo.flush(state)
     fo.flush(state)  # nothing left in flight
     for p, m in zip(optree.tree_leaves(params), optree.tree_leaves(state.master)):
@@ -367,3 +372,161 @@ def test_a_failed_state_recovers_through_dcp(tmp_path):
     dcp.load({"optim": fo.dcp.state_dict(state, loading=True)}, checkpoint_id=tmp_path / "ck",
              planner=fo.dcp.StrictLoadPlanner())
     assert same(snapshot(state), saved)
+
+
+# ---- found by trying to break it ---------------------------------------------------------
+
+def test_two_threads_cannot_step_one_state_at_once():
+    params = make_params(big=True)
+    opt = fo.sgd(0.1, executor=small_chunks())
+    state = opt.init(params)
+    g = grad_seq(params, 1)[0]
+    errors, results = [], []
+
+    def step():
+        try:
+            results.append(opt.update(g, state))
+        except fo.StateError as e:
+            errors.append(e)
+
+    with slow_host_kernel(0.02):
+        threads = [threading.Thread(target=step) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert len(results) == 1 and len(errors) == 1  # applied once, refused once
+
+
+def test_a_save_racing_an_update_is_refused_or_whole(tmp_path):
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=small_chunks())
+    state = opt.init(params)
+    holder, stop = [state], threading.Event()
+
+    def train():
+        while not stop.is_set():
+            try:
+                _, holder[0] = opt.update(grad_seq(params, 1)[0], holder[0])
+            except fo.StateError:  # the state is being saved: try again
+                pass
+
+    t = threading.Thread(target=train)
+    with slow_host_kernel(0.001):
+        t.start()
+        saved = 0
+        for _ in range(30):
+            try:
+                fo.save(holder[0], tmp_path / "ck")
+                saved += 1
+            except fo.StateError:
+                pass
+        stop.set()
+        t.join(30)
+    if saved:
+        fo.load(tmp_path / "ck", like=opt.init(clone(params)))  # a whole step: CRCs hold
+
+
+def test_ctrl_c_during_load_loads_all_of_it_or_nothing(tmp_path):
+    """Ctrl-C at any moment of a load: ``like`` holds all of the checkpoint or none of it."""
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], state)
+    fo.save(state, tmp_path / "ck")
+    saved, fresh = snapshot(state), snapshot(opt.init(clone(params)))
+    start = time.perf_counter()
+    fo.load(tmp_path / "ck", like=opt.init(clone(params)))
+    took = time.perf_counter() - start
+    for k in range(12):  # interrupts spread over the load's duration
+        like = opt.init(clone(params))
+        try:
+            with interrupt_after(took * k / 10):
+                fo.load(tmp_path / "ck", like=like)
+                time.sleep(took)  # an interrupt after the load lands here
+        except KeyboardInterrupt:
+            pass
+        got = snapshot(like)
+        assert same(got, saved) or same(got, fresh), f"torn by an interrupt at {k / 10:.1f} of the load"
+
+
+def test_counts_below_zero_are_refused_on_load():
+    opt = fo.adamw(1e-2)
+    s = opt.init({"w": torch.zeros(4)})
+    for bad in (-1, -2, -3, -7):
+        sd = dict(fo.state_dict(s), count=torch.tensor(bad))
+        with pytest.raises(fo.CheckpointError, match="count"):
+            fo.load_state_dict(sd, s)
+
+
+def test_none_in_the_params_tree_is_no_leaf():
+    params = {"a": torch.zeros(4), "b": None, "c": torch.zeros(3)}
+    opt = fo.chain(fo.clip_by_global_norm(1e9), fo.sgd(lr=1.0))
+    state = opt.init(params)
+    params, state = opt.update({"a": torch.ones(4), "b": None, "c": torch.ones(3)}, state)
+    assert params["c"].eq(-1).all() and params["a"].eq(-1).all()
+    with pytest.raises(ValueError, match="'c' has shape"):
+        opt.update({"a": torch.ones(4), "b": None, "c": torch.ones(7)}, state)
+
+
+def test_flush_refuses_failed_and_consumed_states_and_a_load_clears_a_failed_step(tmp_path):
+    params = make_params(big=True)
+    opt = fo.sgd(0.1, momentum=0.9, delayed=True, executor=small_chunks())
+    s0 = opt.init(params)
+    params, state = opt.update(grad_seq(params, 1)[0], s0)
+    with pytest.raises(fo.StateError, match="consumed"):
+        fo.flush(s0)
+    fo.save(state, tmp_path / "ck")
+    with fail_host_kernel(after=1):
+        params, state = opt.update(grad_seq(params, 1, seed=2)[0], state)
+        with pytest.raises(fo.HostStepError):
+            fo.flush(state)
+    with pytest.raises(fo.StateError, match="failed"):
+        fo.flush(state)
+    state = fo.load(tmp_path / "ck", like=state)
+    params, state = opt.update(grad_seq(params, 1, seed=3)[0], state)  # the old error is gone
+    fo.flush(state)
+
+
+def test_grads_that_are_their_params_and_fp8_params_are_refused():
+    w = torch.linspace(-1, 1, 8)
+    opt = fo.adamw(0.1)
+    state = opt.init({"w": w})
+    with pytest.raises(ValueError, match="shares memory with its param"):
+        opt.update({"w": w}, state)
+    with pytest.raises(TypeError, match="fp32, bf16, fp16 or fp64"):
+        fo.adamw(0.1).init({"w": torch.zeros(4).to(torch.float8_e5m2)})
+
+
+def test_ctrl_c_while_a_streamed_step_is_dropped_is_raised():
+    """apply_if_finite drops a streamed step whose grads are not finite; Ctrl-C meanwhile still
+    arrives as itself, the state as it was."""
+    w = {f"l{i}": torch.randn(70000, dtype=torch.bfloat16, requires_grad=True) for i in range(3)}
+    opt = fo.apply_if_finite(fo.adamw(1e-2, executor=small_chunks()))
+    state = opt.init(w)
+    snap = snapshot(state)
+    finite = sum(w[k].float().square().sum() for k in ("l1", "l2"))
+    nan = (w["l0"].float() * float("nan")).sum()
+    with slow_host_kernel(1.0):
+        with fo.stream(opt, state) as s:
+            finite.backward()  # host work on l1, l2 starts (and takes a second)
+            nan.backward()  # the last grad is not finite: finish drops the step
+        time.sleep(0.2)  # the first host chunk has started (it takes a second)
+        with pytest.raises(KeyboardInterrupt), interrupt_after(0.05):
+            s.finish()
+    assert same(snapshot(state), snap)
+
+
+def test_torch_optimizer_groups_fail_together():
+    """A failure in a later param group after an earlier one stepped: the optimizer is torn, so
+    every group is marked failed and a state_dict is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    opt = fo.TorchOptimizer([{"params": model[0].parameters()}, {"params": model[1].parameters()}],
+                            fo.adamw, lr=1e-2, executor=small_chunks())
+    model(torch.randn(4, 64, dtype=torch.bfloat16)).float().sum().backward()
+    with fail_host_kernel(after=3):
+        with pytest.raises(fo.HostStepError):
+            opt.step()
+    with pytest.raises(fo.StateError):
+        opt.state_dict()

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from functional_offload.base import BUSY, CONSUMED, FAILED
+from functional_offload.base import BUSY, CONSUMED, FAILED, claim
 from functional_offload.executor import HostLeaf, Run
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.leaves import LeafItem, run_leaves
@@ -98,7 +98,7 @@ class _Pending:
             raise interrupt
 
     def settle(self) -> None:
-        self.done = True
+        self.done, self.error = True, None  # dropped: a load overwrites what it would land
         _, interrupt = shielded(self.landing.run.wait)
         if interrupt is not None:
             raise interrupt
@@ -110,9 +110,13 @@ class TerminalStep:
     def __init__(self, t: Any, state: Any, speculative: bool):
         t.check_state(state, "update")
         self.t, self.state, self.speculative = t, state, bool(speculative)
-        self.n = int(state.count)
-        self.hyper, self.hyper0 = t.hyper_at(self.n)
-        self.leaves: list[Leaf] = t.layout(state)
+        ((_, self.n),) = claim(state, "update")  # busy from here: nobody else begins on it
+        try:
+            self.hyper, self.hyper0 = t.hyper_at(self.n)
+            self.leaves: list[Leaf] = t.layout(state)
+        except BaseException:
+            state.count.fill_(self.n)
+            raise
         self.ex = t.executor
         self.fed: dict[int, torch.Tensor] = {}
         self.ahead: set[int] = set()  # fed host leaves already handed to a run
@@ -127,7 +131,6 @@ class TerminalStep:
         self.notes = notes
         self.packs: list[Pack] = notes.get("packs", [])
         self.packed = {i for pack in self.packs for i in pack.members}
-        state.count.fill_(BUSY)
 
     # ---- the protocol ---------------------------------------------------------------------
     def feed(self, index: int, grad: torch.Tensor) -> None:
@@ -192,10 +195,12 @@ class TerminalStep:
         self.finished = True
         for run in self.runs.values():
             run.cancel()
-        shielded(self._wait_runs, self.runs)
+        _, interrupt = shielded(self._wait_runs, self.runs)
         started = any(run.started for run in self.runs.values())
         self.state.count.fill_(FAILED if started and not self.speculative else self.n)
         self._release()
+        if interrupt is not None:  # the state is in order: now the interrupt goes on
+            raise interrupt
 
     def _release(self) -> None:
         """Drop what the step held (grads, device scratch) once it is over: a finished step

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import optree
 import torch
 
-from functional_offload.base import Optimizer, ParamRefs, Step, check_usable
+from functional_offload.base import Optimizer, ParamRefs, Step
 from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.kernels import native
 from functional_offload.optimizers.packing import PACK_MAX, arrange
@@ -33,9 +33,12 @@ __all__ = ["terminal", "Terminal", "LOW_PRECISION"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _check_dtype(name: str, dt: Optional[torch.dtype]) -> Optional[torch.dtype]:
-    if dt is not None and (not isinstance(dt, torch.dtype) or not dt.is_floating_point):
-        raise TypeError(f"{name} must be a floating torch.dtype or None, got {dt!r}")
+    if dt is not None and dt not in SUPPORTED:
+        raise TypeError(f"{name} must be one of {[str(d) for d in SUPPORTED]} or None, got {dt!r}")
     return dt
 
 
@@ -147,6 +150,9 @@ class Terminal:
             if not p.dtype.is_floating_point:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; only floating params can "
                                 "be optimized (leave integer buffers out of the params tree)")
+            if p.dtype not in SUPPORTED:
+                raise TypeError(f"param {path!r} has dtype {p.dtype}; params must be fp32, bf16, "
+                                "fp16 or fp64 (keep fp8 weights as casts of such a param)")
         check_no_aliasing(paths, locals_)
         tree = optree.tree_unflatten(spec, locals_)
         plan = self.placement.plan(tree, [self._state_bytes(p, False) for p in locals_],
@@ -224,7 +230,6 @@ class Terminal:
         if not isinstance(state, self.spec.state):
             raise TypeError(f"{self.spec.name}.{action} expects the {self.spec.state.__name__} "
                             f"from its init, got {type(state).__name__}")
-        check_usable(state, action)
 
     def layout(self, state: Any) -> list[Leaf]:
         """The leaves of ``state``, in the params' flatten order. Built once and kept in the

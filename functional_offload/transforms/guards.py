@@ -52,6 +52,10 @@ def all_finite(updates: Updates) -> torch.Tensor:
 AnyT = Union[Optimizer, GradientTransformation]
 
 
+def _counts(state: OptState) -> list[torch.Tensor]:
+    return [s.count for s in terminal_states(state)]
+
+
 def apply_if_finite(inner: AnyT) -> AnyT:
     r"""Run ``inner`` only when every gradient is finite; otherwise skip the step entirely.
 
@@ -113,12 +117,12 @@ def apply_if_finite(inner: AnyT) -> AnyT:
         check(updates, state)
         if not bool(all_finite(updates)):  # the one host read the API promises
             return skipped(updates, state)
-        counts = [int(s.count) for s in terminal_states(state.inner_state)]
+        counts = [int(c) for c in _counts(state.inner_state)]
         try:
             out, inner_state = inner.update(updates, state.inner_state)
         except (KeyboardInterrupt, SystemExit):
             # the inner step completed before the interrupt was raised: so does this one
-            if [int(s.count) for s in terminal_states(state.inner_state)] != counts:
+            if [int(c) for c in _counts(state.inner_state)] != counts:
                 state.notfinite_count.zero_()
             raise
         return out, finite_state(state, inner_state)
@@ -128,9 +132,10 @@ def apply_if_finite(inner: AnyT) -> AnyT:
 
     def begin(state: ApplyIfFiniteState, speculative: bool = False) -> Step:
         check(None, state)
+        counts = [int(c) for c in _counts(state.inner_state)]
         step = (inner.begin(state.inner_state, True) if inner.begin is not None
                 else HeldStep(inner.update, state.inner_state))
-        return _Guarded(step, state, skipped, finite_state)
+        return _Guarded(step, state, skipped, finite_state, counts)
 
     return Optimizer(init, update, begin)
 
@@ -139,8 +144,10 @@ class _Guarded:
     """``apply_if_finite``'s step: the inner step runs ahead speculatively; ``finish`` keeps it
     if every grad is finite and aborts it (the inner state as it was) otherwise."""
 
-    def __init__(self, inner: Step, state: ApplyIfFiniteState, skipped: Any, finite_state: Any):
+    def __init__(self, inner: Step, state: ApplyIfFiniteState, skipped: Any, finite_state: Any,
+                 counts: list[int]):  # the inner counts when the step began
         self.inner, self.state, self.skipped, self.finite_state = inner, state, skipped, finite_state
+        self.counts = counts
         self.spec = optree.tree_structure(params_of(state.inner_state))
         self.fed: dict[int, torch.Tensor] = {}
         self.committed: Optional[bool] = None
@@ -160,7 +167,13 @@ class _Guarded:
         if not ok:
             self.inner.abort()
             return self.skipped(full, self.state)
-        out, inner_state = self.inner.finish(grads)
+        try:
+            out, inner_state = self.inner.finish(grads)
+        except (KeyboardInterrupt, SystemExit):
+            # the inner step completed before the interrupt was raised: so does this one
+            if [int(c) for c in _counts(self.state.inner_state)] != self.counts:
+                self.state.notfinite_count.zero_()
+            raise
         self.committed = getattr(self.inner, "committed", None)
         return out, self.finite_state(self.state, inner_state)
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from functional_offload.base import Optimizer, ParamRefs, flush
+from functional_offload.base import FAILED, Optimizer, ParamRefs, flush
 from functional_offload.compat.torch_optim.algorithms import FREE_OPTIONS, algorithm_for
 from functional_offload.compat.torch_optim.state_dicts import Run, StateDicts, apply_copies
 from functional_offload.compat.torch_optim.views import (Slot, mark_error, quiesce,
@@ -288,6 +288,7 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
             for r, g in zip(runs, clipped):
                 r.grads = g
         interrupt: Optional[BaseException] = None
+        stepped = False
         for run in runs:
             slot = run.slot
             state = slot.state
@@ -299,8 +300,17 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
                 new = given  # the step completed into the state passed in (the core's contract)
                 interrupt = interrupt or e
             except BaseException:
-                slot.refresh()  # the state is as it was, or marked failed (the next step says so)
+                # the state is as it was, or marked failed; if another group already stepped,
+                # the optimizer as a whole is torn: every group is marked failed
+                if stepped or int(state.count) == FAILED:
+                    for other in runs:
+                        if other.slot.state is not None:
+                            other.slot.state.count.fill_(FAILED)
+                for other in runs:
+                    if other.slot.state is not None:
+                        other.slot.refresh()
                 raise
+            stepped = True
             if hidden:
                 new = new._replace(**{f: getattr(state, f) for f in hidden})
             slot.state = new
