@@ -8,7 +8,8 @@ import optree
 import torch
 
 from functional_offload.base import HeldStep, Optimizer, Step, check_usable, params_of
-from functional_offload.tree import flatten_like, leaves_with_paths, local
+from functional_offload.executor.shield import shielded
+from functional_offload.tree import flatten_like, leaves_with_paths, local, paths_of
 from functional_offload.typing import Params
 
 __all__ = ["GradStream", "stream"]
@@ -55,7 +56,9 @@ class GradStream:
     produced it; host-resident state starts its copies and CPU kernel at once. :meth:`finish`
     feeds the rest and returns ``(params, state)``, bit for bit what ``opt.update`` returns for
     the grads ``{path: p.grad}``. An exception inside the block aborts the step: the state is
-    left as it was, or marked failed when part of it was already applied in place.
+    left as it was, or marked failed when part of it was already applied in place. A grad
+    changed (or replaced) after it was streamed makes :meth:`finish` abort the same way and
+    raise ``ValueError`` naming it: its step ran on the old values.
 
     Attributes:
       arrived: the leaves (flatten indices) handed over during backward.
@@ -64,26 +67,59 @@ class GradStream:
         otherwise.
     """
 
-    def __init__(self, opt: Optimizer, state: Any, live: list[torch.Tensor], step: Step):
-        self.opt, self.state, self.live, self.step = opt, state, live, step
+    def __init__(self, opt: Optimizer, state: Any, live: list[torch.Tensor]):
+        self.opt, self.state, self.live = opt, state, live
+        self.step: Optional[Step] = None
         self.spec = optree.tree_structure(params_of(state))
         self.arrived: set[int] = set()
+        self.versions: dict[int, tuple[torch.Tensor, int]] = {}  # each fed grad, its version
         self.committed: Optional[bool] = None
         self.handles: list[Any] = []
         self.finished = False
 
     def __enter__(self) -> "GradStream":
-        for i, p in enumerate(self.live):
-            if p.requires_grad and p.is_leaf:
-                self.handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p, i=i: self._arrive(i, p.grad)))
+        if self.step is not None or self.finished:
+            raise RuntimeError("this GradStream was already entered; start a new one per step")
+        begin = self.opt.begin if self.opt.begin is not None else (
+            lambda state: HeldStep(self.opt.update, state))
+        # begun in a helper thread, so a Ctrl-C now cannot lose the step (and its busy state)
+        step, interrupt = shielded(begin, self.state)
+        self.step = step
+        try:
+            if interrupt is not None:
+                raise interrupt
+            if getattr(step, "delayed", False):
+                raise ValueError("grad streaming and delayed=True are two ways to hide the host "
+                                 "step; build the optimizer with one of them")
+            for i, p in enumerate(self.live):
+                if p.requires_grad and p.is_leaf:
+                    self.handles.append(p.register_post_accumulate_grad_hook(
+                        lambda p, i=i: self._arrive(i, p.grad)))
+        except BaseException:  # nothing may outlive a failed enter: no hook, no busy state
+            self._unhook()
+            self.finished = True
+            step.abort()
+            raise
         return self
 
     def _arrive(self, i: int, grad: Optional[torch.Tensor]) -> None:
         if grad is None:
             return
         self.step.feed(i, grad)
+        self.versions[i] = (grad, grad._version)
         self.arrived.add(i)
+
+    def _check_unchanged(self) -> None:
+        """Raise if a grad fed during backward was changed or replaced since (its step ran on
+        the old values: e.g. grads unscaled or clipped by hand after backward)."""
+        for i, (grad, version) in self.versions.items():
+            if self.live[i].grad is not grad or grad._version != version:
+                path = paths_of(self.spec)[i]
+                raise ValueError(
+                    f"fo.stream: the grad of {path!r} was changed after autograd produced it; "
+                    "its step already ran on the old values, so this step is aborted. Change "
+                    "grads before they are streamed (scale the loss instead of the grads; put "
+                    "clip_by_global_norm in the chain), or call opt.update(grads, state)")
 
     def _unhook(self) -> None:
         for h in self.handles:
@@ -100,11 +136,19 @@ class GradStream:
 
     def finish(self) -> tuple[Params, Any]:
         """Feed the leaves not streamed, wait for the step; return ``(params, new state)``."""
+        if self.step is None:
+            raise RuntimeError("use fo.stream(...) as a context manager around backward, then "
+                               "call finish() after the with block")
         if self.finished:
             raise RuntimeError("this GradStream already finished (or was aborted); start a new "
                                "one per step")
         self.finished = True
         self._unhook()
+        try:
+            self._check_unchanged()
+        except ValueError:
+            self.step.abort()  # the state as it was, or marked failed if applied in place
+            raise
         grads = optree.tree_unflatten(self.spec, [p.grad for p in self.live])
         out = self.step.finish(grads)
         self.committed = getattr(self.step, "committed", None)
@@ -143,10 +187,4 @@ def stream(opt: Optimizer, state: Any, params: Any = None) -> GradStream:
         raise TypeError(f"fo.stream takes an Optimizer (adamw, adam, sgd, or a chain ending in "
                         f"one), got a {type(opt).__name__}")
     check_usable(state, "stream")
-    live = _live_params(state, params)
-    step = opt.begin(state) if opt.begin is not None else HeldStep(opt.update, state)
-    if getattr(step, "delayed", False):
-        step.abort()
-        raise ValueError("grad streaming and delayed=True are two ways to hide the host step; "
-                         "build the optimizer with one of them")
-    return GradStream(opt, state, live, step)
+    return GradStream(opt, state, _live_params(state, params))

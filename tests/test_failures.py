@@ -530,3 +530,53 @@ def test_torch_optimizer_groups_fail_together():
             opt.step()
     with pytest.raises(fo.StateError):
         opt.state_dict()
+
+
+def test_ctrl_c_while_a_stream_is_set_up_leaves_no_busy_state_and_no_hooks():
+    """Ctrl-C at any moment of ``with fo.stream(...)``'s set-up: the state stays usable and no
+    hook outlives the block (a later backward changes nothing)."""
+    w = {f"p{i:04d}": torch.randn(4, requires_grad=True) for i in range(3000)}
+    opt = fo.adamw(1e-3)
+    state = opt.init(w)
+    start = time.perf_counter()
+    with pytest.raises(ZeroDivisionError):
+        with fo.stream(opt, state):
+            1 / 0  # an error in the block aborts the step
+    took = time.perf_counter() - start
+    steps = 0
+    for k in range(12):
+        try:
+            with interrupt_after(took * k / 10):
+                with fo.stream(opt, state) as s:
+                    time.sleep(2 * took + 0.5)  # an interrupt after the set-up lands here
+            # Python drops an interrupt that lands in a finalizer (a weakref callback run by the
+            # garbage collector): the block then ended normally, and its step is finished
+            _, state = s.finish()
+            steps += 1
+        except KeyboardInterrupt:
+            pass
+        before = {n: v.detach().clone() for n, v in w.items()}
+        sum(v.sum() for v in w.values()).backward()  # no hook may feed these grads anywhere
+        assert all(torch.equal(before[n], v) for n, v in w.items())
+        for v in w.values():
+            v.grad = None
+    params, state = opt.update({n: torch.ones(4) for n in w}, state)  # usable
+    assert int(state.count) == steps + 1
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_grad_changed_after_it_was_streamed_aborts_the_step(clip):
+    """Grads unscaled by hand between backward and finish: the steps that ran ahead used the
+    old values, so finish aborts (nothing applied: the state as it was) and names the leaf."""
+    w = {f"l{i}": torch.randn(70000, requires_grad=True) for i in range(3)}
+    terminal = fo.adamw(1e-2, executor=small_chunks())
+    opt = fo.chain(fo.clip_by_global_norm(1e9), terminal) if clip else fo.apply_if_finite(terminal)
+    state = opt.init(w)
+    snap = snapshot(state)
+    with fo.stream(opt, state) as s:
+        sum(v.square().sum() for v in w.values()).backward()
+    w["l1"].grad.div_(1024.0)
+    with pytest.raises(ValueError, match="'l1' was changed after"):
+        s.finish()
+    assert same(snapshot(state), snap)
+    opt.update({k: v.grad for k, v in w.items()}, state)  # usable

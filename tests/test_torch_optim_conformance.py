@@ -471,6 +471,11 @@ def test_a_failed_load_changes_nothing():
     with pytest.raises(ValueError, match=r"param group 1: param 0: state 'exp_avg' has shape \(4, 10\)"):
         opt.load_state_dict(other.state_dict())
     state_dicts_equal(opt.state_dict(), before)  # group 0 was not overwritten (nor its lr)
+    broken = copy.deepcopy(before)
+    del broken["state"][broken["param_groups"][1]["params"][0]]["exp_avg_sq"]  # torch would fail
+    with pytest.raises(ValueError, match=r"param group 1: param 0: state 'exp_avg_sq' is missing"):
+        opt.load_state_dict(broken)
+    state_dicts_equal(opt.state_dict(), before)
 
 
 # ---- hooks -----------------------------------------------------------------------------------

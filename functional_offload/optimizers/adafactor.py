@@ -60,12 +60,12 @@ def _vector(shape: torch.Size) -> Optional[tuple[int, ...]]:
 def _second_moment(p: torch.Tensor, g: torch.Tensor, row: Any, col: Any, var: Any, w: float,
                    eps1: float) -> torch.Tensor:
     """Update the second-moment state; the estimate of E[g²] (torch.optim.Adafactor's code)."""
-    if g.dim() > 1:
-        row.lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)), w)
-        col.lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)), w)
+    if g.dim() > 1:  # the moments may be narrower than the values (fp32 beside an fp64 master)
+        row.lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)).to(row.dtype), w)
+        col.lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)).to(col.dtype), w)
         estimate = row @ col
         return estimate.div_(row.mean(dim=-2, keepdim=True).clamp_(min=eps1))
-    var.lerp_(g * g, w)
+    var.lerp_((g * g).to(var.dtype), w)
     return var.clone()
 
 
@@ -76,6 +76,8 @@ def reference(params: list, grads: list, moments: list, h: AdafactorHyper) -> No
     w = h.step ** h.beta2_decay
     rho = min(h.lr, 1 / (h.step ** 0.5))
     for p, g, row, col, var in zip(params, grads, rows, cols, variances):
+        if p.numel() == 0:  # nothing to update (and no RMS to divide by)
+            continue
         g = g if g.dtype == p.dtype else g.to(p.dtype)
         eps1 = torch.finfo(p.dtype).eps if h.eps1 is None else h.eps1
         alpha = max(h.eps2, p.norm(2).item() / (p.numel() ** 0.5)) * rho
@@ -94,6 +96,8 @@ def on_device(params: list, grads: list, moments: list, h: AdafactorHyper) -> No
     w = h.step ** h.beta2_decay
     rho = min(h.lr, 1 / (h.step ** 0.5))
     for p, g, row, col, var in zip(params, grads, rows, cols, variances):
+        if p.numel() == 0:  # nothing to update (and no RMS to divide by)
+            continue
         g = g if g.dtype == p.dtype else g.to(p.dtype)
         eps1 = torch.finfo(p.dtype).eps if h.eps1 is None else h.eps1
         alpha = torch.clamp(p.norm(2) / math.sqrt(p.numel()), min=h.eps2) * rho

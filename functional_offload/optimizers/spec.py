@@ -13,6 +13,7 @@ the delayed update, EMA, checkpoints and failure handling come with it.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -114,11 +115,22 @@ def torch_state_names(state: Any) -> dict[str, str]:
     return dict(_TORCH_NAMES[kind])
 
 
+def _real(x: Any) -> Optional[float]:
+    """``x`` as a float if it is a real number (not a bool) that a float holds, else None."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return None
+
+
 def check_nonneg(name: str, x: Any) -> float:
     """A finite number >= 0."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+    v = _real(x)
+    if v is None or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
-    return float(x)
+    return v
 
 
 def check_positive(name: str, x: Any) -> float:
@@ -130,9 +142,10 @@ def check_positive(name: str, x: Any) -> float:
 
 def check_beta(name: str, b: Any) -> float:
     """A number in [0, 1)."""
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+    v = _real(b)
+    if v is None or not 0 <= v < 1:
         raise ValueError(f"{name} must be in [0, 1), got {b!r}")
-    return float(b)
+    return v
 
 
 def check_schedule(name: str, x: ScalarOrSchedule, check: Callable[[str, Any], float]) -> ScalarOrSchedule:

@@ -396,7 +396,7 @@ class TerminalStep:
                 emas = [i for i in idx if self.leaves[i].ema is not None]
                 if emas:
                     torch._foreach_lerp_([self.leaves[i].ema for i in emas],
-                                         [self.leaves[i].value.float() for i in emas],
+                                         [self.leaves[i].value.to(self.leaves[i].ema.dtype) for i in emas],
                                          1 - (self.t.ema_decay or 0.0))
                 if tl:
                     tl.span("GPU update", f"{len(idx)} leaves", s0, tl.stamp(device))

@@ -54,6 +54,9 @@ class Terminal:
                             f"{type(placement).__name__} (e.g. placement.offload_fraction(0.5))")
         if cpu_kernel not in ("auto", "native", "torch"):
             raise ValueError(f"cpu_kernel must be 'auto', 'native' or 'torch', got {cpu_kernel!r}")
+        if cpu_kernel == "native" and spec.native is None:
+            raise ValueError(f"cpu_kernel='native': {spec.name} has no native CPU kernel; use "
+                             "'auto' or 'torch'")
         if master_dtype not in (torch.float32, torch.float64):
             raise TypeError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype!r}")
         if executor is not None and not isinstance(executor, HostExecutor):
@@ -162,6 +165,14 @@ class Terminal:
         if preview:
             record_plan(plan)
         for path, p, host in zip(paths, locals_, on_host):
+            moment_dtypes = {self._moment_dtype(m.name, p) for m in self.spec.moments}
+            if host and self.cpu_kernel == "native" and (
+                    self._value_dtype(p) != torch.float32 or len(moment_dtypes) > 1
+                    or not moment_dtypes <= {torch.float32, torch.bfloat16}):
+                raise ValueError(f"cpu_kernel='native': param {path!r} would have a "
+                                 f"{self._value_dtype(p)} value and {sorted(map(str, moment_dtypes))} "
+                                 "moments; the native kernel takes fp32 values and fp32 or bf16 "
+                                 "moments (use cpu_kernel='auto')")
             if host and self.delayed and not p.is_contiguous():
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params through contiguous host staging (call .contiguous() on "
@@ -190,7 +201,8 @@ class Terminal:
                         shape, dtype=self._moment_dtype(m.name, p), device=where))
                 if self.ema_decay is not None:
                     src = master if master is not None else p.detach()
-                    emas.append(src.to(where, torch.float32, copy=True).contiguous())
+                    emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
+                                       copy=True).contiguous())  # fp32, fp64 for fp64 values
             packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
                 [i for i, (p, m) in enumerate(zip(locals_, masters))
                  if on_host[i] and m is not None and p.numel() <= PACK_MAX],
@@ -275,6 +287,8 @@ class Terminal:
         return TerminalStep(self, state, speculative)
 
     def update(self, grads: Any, state: Any) -> tuple[Params, Any]:
+        if grads is None:  # (a leaf's grad may be None: that leaf is not updated)
+            raise ValueError(f"{self.spec.name}: grads is None; pass a tree like the params")
         return self.begin(state).finish(grads)
 
 

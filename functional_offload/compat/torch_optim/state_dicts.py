@@ -177,7 +177,7 @@ class StateDicts:
             else:
                 state, keys = self._lay_out(run, params, group=new)
             copies, count = Slot.plan(state, keys, params, entries, reset=True, resync_masters=True,
-                                      where=run.where, names=new.get("param_names"))
+                                      where=run.where, names=new.get("param_names"), complete=True)
             staged.append((g, new, run, state, keys, copies, count, entries))
         # 3. copy, then show
         new_state: defaultdict = defaultdict(dict)

@@ -133,15 +133,17 @@ class Slot:
     # ---- taking values in -----------------------------------------------------------------
     @staticmethod
     def plan(state: Any, keys: list, params: list, entries: list[Optional[dict]], *, reset: bool,
-             resync_masters: bool, where: str, names: Optional[list] = None
-             ) -> tuple[list[Copy], Optional[int]]:
+             resync_masters: bool, where: str, names: Optional[list] = None,
+             complete: bool = False) -> tuple[list[Copy], Optional[int]]:
         """The copies that put ``entries`` (torch-format per-param dicts, ``None`` where a param
         has none) into ``state``, and the count to set (``None``: keep it). Raises ``ValueError``
         naming the param and key of a value that does not fit; copies nothing.
 
         ``reset``: leaves an entry lacks get a fresh value (zero moments, the param as master),
         as for a load. ``resync_masters``: masters not shown in the views are set from their
-        params (the params are the truth after a load)."""
+        params (the params are the truth after a load). ``complete``: an entry with a step must
+        hold every moment the layout shows (torch's algorithms with a step fail without; a
+        state_dict being loaded)."""
         copies: list[Copy] = []
         steps: list[int] = []
         for j, p in enumerate(params):
@@ -149,6 +151,10 @@ class Slot:
             label = f"{where}param {j}" + (f" ({names[j]!r})" if names and j < len(names) else "")
             fresh: dict[str, Any] = {}
             for name, leaf, shown in Slot.leaves(state, keys, params, j):
+                if complete and e and STEP in e and shown and name not in (MASTER, EMA, *e):
+                    raise ValueError(f"{label}: state {name!r} is missing (the param has state "
+                                     f"{sorted(map(str, e))}); torch.optim would fail at the "
+                                     "next step — was it saved with other options?")
                 v = e.get(name) if (e and shown) else None
                 if name == MASTER and isinstance(v, torch.Tensor) and v.dtype != leaf.dtype:
                     v = None  # not a master this layout wrote (torch casts state to the param's
