@@ -152,7 +152,7 @@ class StrictLoadPlanner(DefaultLoadPlanner):
 
     Example::
 
-        dcp.load({"optim": fo.dcp.state_dict(like)}, checkpoint_id="ckpt/step-1000",
+        dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id="ckpt/step-1000",
                  planner=fo.dcp.StrictLoadPlanner())
     """
 

@@ -14,15 +14,22 @@ saved-tensor hooks); module loops wrap the forward in :meth:`ActivationOffload.r
 
 Example::
 
-    off = fo.activations.ActivationOffload(len(blocks), budget_bytes=8 << 30)
+    import torch, functional_offload as fo
+
+    def block(w, x):                        # one layer group: a function of its params and input
+        return x + torch.tanh(x @ w)
+
+    params = [torch.randn(64, 64) * 0.1 for _ in range(4)]
+    x = torch.randn(32, 64)
+    off = fo.activations.ActivationOffload(len(params), budget_bytes=8 << 30)
 
     def loss_fn(params, x):
-        for i, block in enumerate(blocks):
-            x = off.run(i, block, params[i], x)
+        for i, w in enumerate(params):
+            x = off.run(i, block, w, x)
         return x.square().mean()
 
     loss, grads = off.value_and_grad(loss_fn)(params, x)
-    print(off.plan)
+    print(off.plan)                         # per group: keep, offload or recompute, and why
 """
 
 from functional_offload.activations.offload import ActivationOffload
