@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -69,22 +69,30 @@ def _second_moment(p: torch.Tensor, g: torch.Tensor, row: Any, col: Any, var: An
     return var.clone()
 
 
-def reference(params: list, grads: list, moments: list, h: AdafactorHyper) -> None:
-    """One step in place, op for op as ``torch.optim.Adafactor``'s single-tensor code (it reads
-    two norms on the host per leaf: for host-resident state, where that costs nothing)."""
+def _updates(params: list, grads: list, moments: list, h: AdafactorHyper) -> Iterator[tuple]:
+    """Per non-empty leaf, in ``torch.optim.Adafactor``'s order: ``(p, |p| before the weight
+    decay, update)``, with the decay applied to ``p`` and the second moments updated; the caller
+    scales the update and applies it."""
     rows, cols, variances = moments
     w = h.step ** h.beta2_decay
-    rho = min(h.lr, 1 / (h.step ** 0.5))
     for p, g, row, col, var in zip(params, grads, rows, cols, variances):
         if p.numel() == 0:  # nothing to update (and no RMS to divide by)
             continue
         g = g if g.dtype == p.dtype else g.to(p.dtype)
         eps1 = torch.finfo(p.dtype).eps if h.eps1 is None else h.eps1
-        alpha = max(h.eps2, p.norm(2).item() / (p.numel() ** 0.5)) * rho
+        norm = p.norm(2)
         if h.weight_decay != 0:
             p.mul_(1 - h.lr * h.weight_decay)
         update = _second_moment(p, g, row, col, var, w, eps1).clamp_(min=eps1 * eps1).rsqrt_()
-        update.mul_(g)
+        yield p, norm, update.mul_(g)
+
+
+def reference(params: list, grads: list, moments: list, h: AdafactorHyper) -> None:
+    """One step in place, op for op as ``torch.optim.Adafactor``'s single-tensor code (it reads
+    two norms on the host per leaf: for host-resident state, where that costs nothing)."""
+    rho = min(h.lr, 1 / (h.step ** 0.5))
+    for p, norm, update in _updates(params, grads, moments, h):
+        alpha = max(h.eps2, norm.item() / (p.numel() ** 0.5)) * rho
         denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * h.d))
         p.add_(update, alpha=-alpha / denom)
 
@@ -92,19 +100,9 @@ def reference(params: list, grads: list, moments: list, h: AdafactorHyper) -> No
 def on_device(params: list, grads: list, moments: list, h: AdafactorHyper) -> None:
     """The same step without reading anything on the host (device-resident state): the step
     size and the clipping stay 0-d tensors, so results differ from torch's in the last bits."""
-    rows, cols, variances = moments
-    w = h.step ** h.beta2_decay
     rho = min(h.lr, 1 / (h.step ** 0.5))
-    for p, g, row, col, var in zip(params, grads, rows, cols, variances):
-        if p.numel() == 0:  # nothing to update (and no RMS to divide by)
-            continue
-        g = g if g.dtype == p.dtype else g.to(p.dtype)
-        eps1 = torch.finfo(p.dtype).eps if h.eps1 is None else h.eps1
-        alpha = torch.clamp(p.norm(2) / math.sqrt(p.numel()), min=h.eps2) * rho
-        if h.weight_decay != 0:
-            p.mul_(1 - h.lr * h.weight_decay)
-        update = _second_moment(p, g, row, col, var, w, eps1).clamp_(min=eps1 * eps1).rsqrt_()
-        update.mul_(g)
+    for p, norm, update in _updates(params, grads, moments, h):
+        alpha = torch.clamp(norm / math.sqrt(p.numel()), min=h.eps2) * rho
         denom = torch.clamp(update.norm(2) / (math.sqrt(update.numel()) * h.d), min=1.0)
         p.sub_(update * (alpha / denom))
 
