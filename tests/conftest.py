@@ -42,6 +42,23 @@ def clone(tree):
     return optree.tree_map(lambda t: t.detach().clone(), tree)
 
 
+def small_executor():
+    """Tiny chunks, few slots and two threads: every run cuts several chunks and reuses slots."""
+    from functional_offload.executor import HostExecutor
+    return HostExecutor(chunk_bytes=4096, slots=3, threads=2)
+
+
+def run(opt, params, grads):
+    """``opt`` from ``init`` through ``update`` on each of ``grads``; anything delayed landed."""
+    import functional_offload as fo
+    params = clone(params)
+    state = opt.init(params)
+    for g in grads:
+        params, state = opt.update(g, state)
+    fo.flush(state)
+    return params, state
+
+
 def per_block(fn):
     """A host kernel from ``fn(grad, state, out, hyper)`` on each block the task claims."""
     def kernel(work):

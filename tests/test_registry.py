@@ -5,26 +5,12 @@ import pytest
 import torch
 
 import functional_offload as fo
-from functional_offload.executor import HostExecutor
-from conftest import KERNELS, clone, grad_seq, make_params
+from conftest import KERNELS, clone, grad_seq, make_params, run, small_executor
 from registry import OPTIMIZERS
 
 STEPS = 12
 ENTRIES = {e.name: e for e in OPTIMIZERS}
 names = pytest.mark.parametrize("name", list(ENTRIES))
-
-
-def small_executor():
-    return HostExecutor(chunk_bytes=4096, slots=3, threads=2)
-
-
-def run(opt, params, grads):
-    params = clone(params)
-    state = opt.init(params)
-    for g in grads:
-        params, state = opt.update(g, state)
-    fo.flush(state)
-    return params, state
 
 
 def rel(a, b):

@@ -13,7 +13,7 @@ import functional_offload as fo
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
 from functional_offload.tree import leaves_with_paths
-from conftest import clone, grad_seq, make_params
+from conftest import clone, grad_seq, make_params, run, small_executor
 
 LABELS = {"layer1": {"weight": "w", "bias": "b"}, "layer2": {"weight": "w", "bias": "b"},
           "scale": "w"}  # for make_params() trees
@@ -22,18 +22,6 @@ LABELS = {"layer1": {"weight": "w", "bias": "b"}, "layer2": {"weight": "w", "bia
 def by_ndim(params):
     """Labels for a flat dict of params: matrices "w", vectors "b"."""
     return {k: "w" if v.ndim > 1 else "b" for k, v in params.items()}
-
-
-def small_executor():
-    return HostExecutor(chunk_bytes=4096, slots=3, threads=2)
-
-
-def run(opt, params, grads):
-    params = clone(params)
-    state = opt.init(params)
-    for g in grads:
-        params, state = opt.update(g, state)
-    return params, state
 
 
 def same(a, b):
