@@ -245,9 +245,23 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc N``: torchrun would take ``--nproc`` as an ambiguous prefix of its
+    own ``--nproc-per-node`` and refuse to start (the ranks read their count from torchrun)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def launch(spec: str, args: argparse.Namespace) -> dict:
     """Run ``spec`` in a fresh torchrun (the floor: in a fresh plain process); its row."""
-    me = [os.path.abspath(__file__), *sys.argv[1:], "--one", spec]
+    me = [os.path.abspath(__file__), *without_nproc(sys.argv[1:]), "--one", spec]
     if spec == "floor":
         cmd = [sys.executable, *me]
     else:

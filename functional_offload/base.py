@@ -139,7 +139,6 @@ class ParamRefs(NamedTuple):
     """
 
     tree: Params
-    staging: Any = None  # delayed mode: host buffers the new params land in (None leaves else)
     pending: Optional["Pending"] = None  # delayed mode: the step in flight
     spare: Any = None  # speculative steps: a second set of host state buffers, by leaf index
     notes: Any = None  # what steps learn for the next ones (a dict; e.g. whether to run ahead)

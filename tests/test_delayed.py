@@ -6,7 +6,7 @@ import torch
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
-from conftest import KERNELS, clone, grad_seq, make_params
+from conftest import KERNELS, clone, grad_seq, make_params, small_executor
 
 A = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
 B = torch.randn(12, generator=torch.Generator().manual_seed(1))
@@ -67,6 +67,32 @@ def test_delayed_applies_the_same_updates_as_immediate_in_the_end():
         s = opt.init(p)
         for g in grads:
             p, s = opt.update(g, s)
+        fo.flush(s)
+        outs.append(p)
+    for a, b in zip(optree.tree_leaves(outs[0]), optree.tree_leaves(outs[1])):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_grads_are_free_once_update_returns(device):
+    """The caller may zero, overwrite or free its grads as soon as ``update`` returns, while the
+    step runs in the background (a slowed kernel makes the background step read them late)."""
+    from functional_offload.testing import slow_host_kernel
+
+    params = make_params(big=True, device=device)
+    grads = grad_seq(params, 3)
+    outs = []
+    for reuse in (False, True):
+        p = clone(params)
+        opt = fo.adamw(1e-2, delayed=True, executor=small_executor())
+        s = opt.init(p)
+        with slow_host_kernel(0.002):
+            for g in clone(grads):
+                p, s = opt.update(g, s)
+                if reuse:
+                    for x in optree.tree_leaves(g):
+                        x.fill_(float("nan"))  # as zero_grad(set_to_none=False) or accumulation
         fo.flush(s)
         outs.append(p)
     for a, b in zip(optree.tree_leaves(outs[0]), optree.tree_leaves(outs[1])):

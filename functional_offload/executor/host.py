@@ -100,8 +100,6 @@ class HostExecutor:
         self.stage_host_grads = bool(stage_host_grads)
         self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
         self._slot_events: dict[torch.device, list] = {}
-        # delayed: per copy out of host staging, (first byte, end byte, event when it has run)
-        self._staged_out: dict[torch.device, list[tuple[int, int, Any]]] = {}
         self._transports: dict[torch.device, Transport] = {}
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
@@ -153,14 +151,6 @@ class HostExecutor:
 
     def slot_events(self, device: torch.device) -> list:
         return self._slot_events[device]
-
-    def staged_copies(self, device: torch.device) -> list[tuple[int, int, Any]]:
-        return self._staged_out.get(device, [])
-
-    def record_staged_copies(self, device: torch.device, copies: list[tuple[int, int, Any]]) -> None:
-        """Delayed update: the copies out of host staging just issued (their byte ranges and
-        events); a later run rewrites those bytes only after the copies ran."""
-        self._staged_out[device] = copies
 
     def holding(self, device: torch.device) -> Any:
         """Context manager: hold ``device``'s ring for one run."""

@@ -49,10 +49,6 @@ class HostStepError(RuntimeError):
     """A host step failed on some leaves (the message names them; ``__cause__`` is the error)."""
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
-
 class Run:
     """One run for leaves of one device. Made by
     :meth:`~functional_offload.executor.HostExecutor.open`; see the module docstring.
@@ -146,26 +142,15 @@ class _Pipeline:
         self.slot_events = ex.slot_events(run.device)
         self.S, self.half = ex.slots, ex.chunk_bytes
         self.tl = ex.timeline
-        self.staged = ex.staged_copies(run.device)  # host params a copy out may still read
         self.before = list(self.slot_events)  # copies out of the previous run, per slot
         self.q = queue_for(run.kernel, run.threads, self.tl is not None)
         self.chunks: list[list[Segment]] = []
         self.in_events: list[Any] = []
-        self.frees: list[Any] = []  # per chunk: the event its host params wait for
         self.out_events: list[Any] = []  # per chunk: its slot's last copy out once it is done
         self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
         self.failures: list[tuple[int, BaseException]] = []
 
     # ---- helpers -------------------------------------------------------------------------
-    def staged_free(self, pieces: list[Piece]) -> Any:
-        """The event after which these pieces' host params are no longer read by a copy out."""
-        mine = [_byte_range(p.out) for p in pieces if p.out is not None and p.out.device.type == "cpu"]
-        last = None  # events complete in the order recorded: the last overlapping one will do
-        for a, b, event in self.staged:
-            if any(a < hi and lo < b for lo, hi in mine):
-                last = event
-        return last
-
     def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
         base = (2 * (k % self.S) + which) * self.half + seg.offset
         return self.ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
@@ -204,7 +189,6 @@ class _Pipeline:
                                 out, leaf.hyper, tuple(x[cut_] for x in leaf.targets),
                                 None if leaf.ema is None else leaf.ema[cut_], leaf.ema_decay,
                                 None if leaf.ema_target is None else leaf.ema_target[cut_]))
-        self.frees.append(self.staged_free(pieces) if self.staged else None)
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)
@@ -216,7 +200,6 @@ class _Pipeline:
             while (k := self.landing.get()) is not None:
                 t.wait_host(self.in_events[k])  # grads landed
                 t.wait_host(self.out_events[k - self.S] if k >= self.S else self.before[k % self.S])
-                t.wait_host(self.frees[k])  # a copy out may still read this chunk's host params
                 if faults.active():
                     if k > 0:
                         self.q.wait(k - 1)

@@ -43,6 +43,11 @@ class Transport:
         """Host→device copy of the staging view ``src`` into ``dst``."""
         dst.copy_(src)
 
+    def copy_out_all(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        """Copies of ``srcs`` into ``dsts`` on the device (one fused copy), in the copies out's
+        order."""
+        torch._foreach_copy_(dsts, srcs)
+
     def mark_in(self) -> Optional[object]:
         """An event completing when the copies in issued so far are done."""
         return None
@@ -100,6 +105,10 @@ class CudaTransport(Transport):
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
+
+    def copy_out_all(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        with torch.cuda.stream(self.h2d):
+            torch._foreach_copy_(dsts, srcs)
 
     def mark_in(self) -> torch.cuda.Event:
         return self._record(self.d2h)

@@ -52,7 +52,6 @@ class Leaf(NamedTuple):
     value: torch.Tensor  # master or the param itself
     moments: tuple[torch.Tensor, ...]
     ema: Optional[torch.Tensor]
-    staging: Optional[torch.Tensor]  # delayed: the host buffer the new param waits in
     has_master: bool
     decay: bool  # weight decay applies
 
@@ -275,10 +274,8 @@ class TerminalStep:
         hyper = self.hyper if leaf.decay else self.hyper0
         targets: tuple[torch.Tensor, ...] = ()
         ema_target = None
-        if not leaf.has_master:
-            out = None  # the value is the param
-        elif self.t.delayed:
-            out = leaf.staging
+        if not leaf.has_master or self.t.delayed:
+            out = None  # the value is the param; delayed: the landing gives it a buffer
         elif ahead and self.speculative:
             spare = self._spare(index)
             k = 1 + len(leaf.moments)

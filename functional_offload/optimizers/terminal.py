@@ -1,7 +1,7 @@
 """A terminal optimizer from its spec: state layout and placement, hyperparameters, the step.
 
 :func:`terminal` is what every constructor (``adamw``, ``sgd``...) returns through: it validates
-the options, and its ``init`` lays out the state (masters, moments, EMA, staging) where the
+the options, and its ``init`` lays out the state (masters, moments, EMA) where the
 placement puts each leaf. ``update`` and ``begin`` run steps (:mod:`.step`).
 
 Per leaf, the *value* is the tensor the math updates: the fp32 master when there is one (low-
@@ -175,7 +175,7 @@ class Terminal:
                                  "moments (use cpu_kernel='auto')")
             if host and self.delayed and not p.is_contiguous():
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
-                                 "params through contiguous host staging (call .contiguous() on "
+                                 "params as flat copies (call .contiguous() on "
                                  "it, or keep its state on the device with placement.select)")
         if any(on_host) and not preview:
             if self.cpu_kernel != "torch" and self.spec.native is not None:
@@ -188,7 +188,7 @@ class Terminal:
         with torch.no_grad():
             for p, host in zip(locals_, on_host):
                 where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
-                # delayed: the new param waits in host staging, so the value must be separate; a
+                # delayed: the new param waits in a buffer, so the value must be separate; a
                 # strided param gets a contiguous master, written back with a strided copy
                 need_master = p.dtype in LOW_PRECISION or (host and (
                     p.device.type != "cpu" or self.delayed or not p.is_contiguous()))
@@ -212,30 +212,12 @@ class Terminal:
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
                   if f not in fields and f not in ("count", "master", "ema", "params")}
-        staging = self._staging(locals_, on_host) if self.delayed and not preview else None
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, unflat(staging) if staging is not None else None, None, {},
+            params=ParamRefs(params, None, {},
                              {"packs": packs}),
         )
-
-    @staticmethod
-    def _staging(leaves: list[torch.Tensor], on_host: list[bool]) -> list[Optional[torch.Tensor]]:
-        """Delayed mode: one host buffer per param dtype (pinned for GPU params), cut into a
-        1-D view per host-resident leaf; the new params wait there until the next update."""
-        out: list[Optional[torch.Tensor]] = [None] * len(leaves)
-        groups: dict[tuple, list[int]] = {}
-        for i, (p, host) in enumerate(zip(leaves, on_host)):
-            if host:
-                groups.setdefault((p.dtype, p.device.type == "cuda"), []).append(i)
-        for (dtype, pin), idx in groups.items():
-            arena = torch.empty(sum(leaves[i].numel() for i in idx), dtype=dtype, pin_memory=pin)
-            offset = 0
-            for i in idx:
-                out[i] = arena[offset: offset + leaves[i].numel()]
-                offset += leaves[i].numel()
-        return out
 
     # ---- steps ----------------------------------------------------------------------------
     def check_state(self, state: Any, action: str) -> None:
@@ -249,7 +231,7 @@ class Terminal:
         (an update keeps them); the mask is evaluated when the layout is built."""
         notes = state.params.notes
         key = (self.spec, self.weight_decay_mask, state.params.tree, state.master, state.ema,
-               state.params.staging, *(getattr(state, m.name) for m in self.spec.moments))
+               *(getattr(state, m.name) for m in self.spec.moments))
         cached = notes.get("layout") if notes is not None else None
         if (cached is not None and len(cached[0]) == len(key)
                 and all(a is b for a, b in zip(cached[0], key))):
@@ -265,14 +247,12 @@ class Terminal:
         masters = flatten_like(state.master, params, "state.master")
         moms = [flatten_like(getattr(state, m.name), params, f"state.{m.name}") for m in self.spec.moments]
         emas = flatten_like(state.ema, params, "state.ema") if self.ema_decay is not None else [None] * len(lives)
-        staged = (flatten_like(state.params.staging, params, "staging")
-                  if state.params.staging is not None else [None] * len(lives))
         decay = self._decay_flags(params)
         out = []
         for i, live in enumerate(lives):
             p = local(live)
             out.append(Leaf(paths[i], live, p, masters[i] if masters[i] is not None else p,
-                            tuple(m[i] for m in moms), emas[i], staged[i], masters[i] is not None, decay[i]))
+                            tuple(m[i] for m in moms), emas[i], masters[i] is not None, decay[i]))
         return out
 
     def _decay_flags(self, params: Params) -> list[bool]:
