@@ -23,6 +23,10 @@ import torch
 sys.path.insert(0, os.environ.get("FUNCTIONAL_OFFLOAD_PATH")
                 or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import functional_offload as fo  # noqa: E402
+
+if os.path.dirname(os.path.dirname(os.path.abspath(fo.__file__))) != os.path.abspath(sys.path[0]):
+    raise ImportError(f"ours.py must be imported before functional_offload: {fo.__file__} was "
+                      f"imported, not the library in {sys.path[0]}")
 from functional_offload.executor import HostExecutor, Timeline, physical_cores  # noqa: E402
 
 __all__ = ["HYPER", "MODES", "Ours", "Timeline", "build_ours", "fo"]
