@@ -148,10 +148,33 @@ class StateError(RuntimeError):
     """A state was consumed by an update, is in a step, or holds a partially applied step."""
 
 
+def _state_nodes(tree: Any, out: list[Any]) -> list[Any]:
+    """Append the NamedTuples inside ``tree`` to ``out``, outer before inner, in a fixed order;
+    tensors and :class:`ParamRefs` are not entered (called on each step: no per-leaf callbacks)."""
+    if isinstance(tree, (torch.Tensor, ParamRefs)) or tree is None:
+        return out
+    kind = type(tree)
+    if kind is dict or kind is list or kind is tuple:
+        for x in (tree.values() if kind is dict else tree):
+            if type(x) is not torch.Tensor and x is not None:
+                _state_nodes(x, out)
+    else:
+        if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+            out.append(tree)
+            children: Any = tree
+        else:
+            try:
+                children = optree.tree_flatten_one_level(tree)[0]
+            except ValueError:  # a leaf
+                return out
+        for x in children:
+            _state_nodes(x, out)
+    return out
+
+
 def terminal_states(state: OptState) -> list[Any]:
     """The terminal optimizers' states inside ``state`` (those with a :class:`ParamRefs`)."""
-    is_terminal = lambda x: isinstance(getattr(x, "params", None), ParamRefs)  # noqa: E731
-    return [x for x in optree.tree_leaves(state, is_leaf=is_terminal) if is_terminal(x)]
+    return [x for x in _state_nodes(state, []) if isinstance(getattr(x, "params", None), ParamRefs)]
 
 
 MARK_FIELDS = ("count", "mini_step", "notfinite_count")
@@ -162,17 +185,12 @@ tensor): terminal states and ``inject_hyperparams`` in ``count``, ``MultiSteps``
 
 def _marked(state: OptState) -> list[tuple[Any, int]]:
     """``(node, mark)`` for every state NamedTuple inside ``state`` with a marks field."""
-    is_state = lambda x: isinstance(x, tuple) and hasattr(x, "_fields") and any(  # noqa: E731
-        f in x._fields for f in MARK_FIELDS)
-    stop = lambda x: is_state(x) or isinstance(x, ParamRefs)  # noqa: E731  (not state: skipped)
     out = []
-    for node in optree.tree_leaves(state, is_leaf=stop):
-        if is_state(node):
-            field = next(f for f in MARK_FIELDS if f in node._fields)
-            x = getattr(node, field)
-            if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point():
-                out.append((node, int(x)))
-            out += _marked(tuple(getattr(node, f) for f in node._fields if f != field))
+    for node in _state_nodes(state, []):
+        field = next((f for f in MARK_FIELDS if f in node._fields), None)
+        x = getattr(node, field) if field is not None else None
+        if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point():
+            out.append((node, int(x)))
     return out
 
 

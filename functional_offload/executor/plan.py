@@ -49,17 +49,16 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
     event to ``ready`` as it arrives."""
     pos: Optional[tuple[int, int]] = None  # (leaf, first element) of the leaf being cut
     ended = False
-    batch: list[tuple[HostLeaf, Any]] = []  # the rest of a list that arrived together
+    batch: Iterator[tuple[HostLeaf, Any]] = iter(())  # the rest of a list that arrived together
     while True:
         cur: list[Segment] = []
         used = 0
         while True:
             if pos is None:
-                if batch:
-                    item = batch.pop(0)
-                elif ended:
-                    break
-                else:
+                item = next(batch, None)
+                if item is None:
+                    if ended:
+                        break
                     try:
                         item = arrivals.get(block=not cur)
                     except queue_mod.Empty:
@@ -68,7 +67,7 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
                         ended = True
                         break
                     if isinstance(item, list):
-                        batch = item
+                        batch = iter(item)
                         continue
                 leaves.append(item[0])
                 ready.append(item[1])

@@ -180,6 +180,13 @@ class _Pipeline:
         pieces = []
         for seg in chunk:
             leaf = self.leaves[seg.leaf]
+            if seg.start == 0 and seg.stop == leaf.grad.numel():  # the whole leaf: no views to cut
+                pieces.append(Piece(
+                    grads.get(id(seg), leaf.grad), leaf.state,
+                    None if leaf.param is None else
+                    leaf.param if leaf.param.device.type == "cpu" else self.view(k, 1, seg, leaf.param.dtype),
+                    leaf.hyper, leaf.targets, leaf.ema, leaf.ema_decay, leaf.ema_target))
+                continue
             out = None
             if leaf.param is not None:
                 out = (leaf.param[seg.start:seg.stop] if leaf.param.device.type == "cpu"  # in place

@@ -54,6 +54,8 @@ class Leaf(NamedTuple):
     ema: Optional[torch.Tensor]
     has_master: bool
     decay: bool  # weight decay applies
+    flat: tuple[torch.Tensor, ...] = ()  # host leaves of element-wise math: (value, moments...) 1-D
+    ema_flat: Optional[torch.Tensor] = None  # and the EMA, 1-D
 
     @property
     def on_host(self) -> bool:
@@ -247,11 +249,19 @@ class TerminalStep:
         return out
 
     def _kernel_for_run(self) -> Kernel:
+        """The host kernel of these leaves (kept in the state's notes with their layout)."""
         if self._kernel is None:
-            spec = self.t.spec
-            self._kernel = host_kernel(spec.native, spec.scalars, spec.reference,
-                                       [(lf.value, *lf.moments) for lf in self.leaves if lf.on_host],
-                                       self.t.cpu_kernel)
+            notes = self.state.params.notes
+            kept = notes.get("kernel") if notes is not None else None
+            if kept is not None and kept[0] is self.leaves:
+                self._kernel = kept[1]
+            else:
+                spec = self.t.spec
+                self._kernel = host_kernel(spec.native, spec.scalars, spec.reference,
+                                           [lf.flat for lf in self.leaves if lf.on_host],
+                                           self.t.cpu_kernel)
+                if notes is not None:
+                    notes["kernel"] = (self.leaves, self._kernel)
         return self._kernel
 
     def _run(self, device: torch.device, runs: Optional[dict] = None) -> Run:
@@ -290,10 +300,8 @@ class TerminalStep:
             self.strided.append((leaf.param, out))
         else:
             out = leaf.param.view(-1)
-        return HostLeaf(leaf.path, g.detach().reshape(-1), out,
-                        (leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)), hyper, targets,
-                        None if leaf.ema is None else leaf.ema.view(-1), self.t.ema_decay or 0.0,
-                        ema_target)
+        return HostLeaf(leaf.path, (g.detach() if g.requires_grad else g).reshape(-1), out,
+                        leaf.flat, hyper, targets, leaf.ema_flat, self.t.ema_decay or 0.0, ema_target)
 
     def _packed_leaves(self, gs: list, streams: dict, runs: dict) -> list[tuple[list[int], Buffers, list[int]]]:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one

@@ -251,8 +251,11 @@ class Terminal:
         out = []
         for i, live in enumerate(lives):
             p = local(live)
-            out.append(Leaf(paths[i], live, p, masters[i] if masters[i] is not None else p,
-                            tuple(m[i] for m in moms), emas[i], masters[i] is not None, decay[i]))
+            value, moments = masters[i] if masters[i] is not None else p, tuple(m[i] for m in moms)
+            host = value.device.type == "cpu" and self.spec.elementwise  # run by the executor
+            out.append(Leaf(paths[i], live, p, value, moments, emas[i], masters[i] is not None, decay[i],
+                            (value.view(-1), *(m.view(-1) for m in moments)) if host else (),
+                            emas[i].view(-1) if host and emas[i] is not None else None))
         return out
 
     def _decay_flags(self, params: Params) -> list[bool]:
