@@ -532,6 +532,35 @@ def test_torch_optimizer_groups_fail_together():
         opt.state_dict()
 
 
+def test_torch_optimizer_delayed_recovers_by_load_state_dict():
+    """A delayed step that failed in the background: the next ``step`` names
+    ``load_state_dict`` as the way back, and loading a checkpoint there recovers (it drops the
+    failed step instead of trying to land it); training then goes on as from the checkpoint."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = fo.TorchOptimizer(model.parameters(), fo.adamw, lr=1e-2, delayed=True,
+                            executor=small_chunks())
+    x = torch.randn(8, 64)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    good = opt.state_dict()
+    with fail_host_kernel(after=1):
+        step()  # fails in the background
+        with pytest.raises(fo.HostStepError):
+            step()
+    with pytest.raises(fo.StateError, match="load_state_dict"):
+        step()
+    opt.load_state_dict(good)
+    step()
+    opt.flush()
+    assert int(opt.state_dict()["state"][0]["step"]) == 2
+
+
 def test_ctrl_c_while_a_stream_is_set_up_leaves_no_busy_state_and_no_hooks():
     """Ctrl-C at any moment of ``with fo.stream(...)``'s set-up: the state stays usable and no
     hook outlives the block (a later backward changes nothing)."""

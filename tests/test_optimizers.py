@@ -197,3 +197,17 @@ def test_functional_call_training_loop_converges():
     for _ in range(150):
         params, state = opt.update(torch.func.grad(loss_fn)(params), state)
     assert loss_fn(params).item() < 0.1 * first
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_param_storage_replaced_between_updates_is_followed(kernel):
+    """``param.data = ...`` between updates (a CPU param with no master: its state is the param
+    itself): the next update steps the new storage, not the old one."""
+    params = {"w": torch.zeros(1000), "b": torch.zeros(3)}
+    opt = fo.sgd(1.0, cpu_kernel=kernel)
+    state = opt.init(params)
+    params, state = opt.update({"w": torch.ones(1000), "b": torch.ones(3)}, state)
+    params["w"].data = torch.zeros(1000)
+    params, state = opt.update({"w": torch.ones(1000), "b": torch.ones(3)}, state)
+    assert torch.equal(params["w"], torch.full((1000,), -1.0))
+    assert torch.equal(params["b"], torch.full((3,), -2.0))

@@ -229,10 +229,12 @@ def test_ema_follows_its_recursion(name, mode):
 @names
 def test_small_leaves_packed_together_step_as_they_would_alone(name):
     """Small low-precision leaves share arenas and move in one copy each way; a leaf without a
-    grad inside a pack, or with another weight decay, stays as it would alone."""
+    grad inside a pack, with another weight decay or with another dtype (bf16 and fp16 in one
+    tree) stays as it would alone."""
     e = ENTRIES[name]
     g = torch.Generator().manual_seed(0)
-    params = {f"b{i}": torch.randn(7 + i, generator=g).to(torch.bfloat16) for i in range(12)}
+    params = {f"b{i}": torch.randn(7 + i, generator=g).to(torch.float16 if i % 3 == 1 else torch.bfloat16)
+              for i in range(12)}
     params["w"] = torch.randn(40, 30, generator=g).to(torch.bfloat16)
     mask = {k: k in ("b3", "b4", "w") for k in params}
     grads = [{k: (None if (k == "b5" and s % 2) else torch.randn(v.shape, generator=g).to(v.dtype))

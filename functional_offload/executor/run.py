@@ -121,6 +121,8 @@ class Run:
             self.error = e
         finally:
             leaves.clear()  # the grads go now, in this thread, not at some later exit
+            with self._lock:
+                self._queue = None  # its chunks hold views of the leaves' buffers
             if self.chunk_done is not None:
                 self.chunk_done(leaves, None)
 

@@ -62,6 +62,13 @@ class Leaf(NamedTuple):
         return self.value.device.type == "cpu"
 
 
+def with_flat_views(leaf: Leaf) -> Leaf:
+    """``leaf`` with its 1-D host views (``flat``, ``ema_flat``) made from its tensors (views do
+    not follow a tensor whose storage is replaced: they are made anew when that happened)."""
+    return leaf._replace(flat=(leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
+                         ema_flat=None if leaf.ema is None else leaf.ema.view(-1))
+
+
 def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
     """Exchange the storages of ``a`` and ``b`` in place (both keep their identity)."""
     held = torch.empty(0, dtype=a.dtype)
@@ -281,6 +288,8 @@ class TerminalStep:
 
     def _host_leaf(self, index: int, g: torch.Tensor, ahead: bool) -> HostLeaf:
         leaf = self.leaves[index]
+        if leaf.flat[0].data_ptr() != leaf.value.data_ptr():  # a swap (a committed speculative
+            leaf = self.leaves[index] = with_flat_views(leaf)  # step) or `param.data = ...`
         hyper = self.hyper if leaf.decay else self.hyper0
         targets: tuple[torch.Tensor, ...] = ()
         ema_target = None
@@ -425,13 +434,13 @@ class TerminalStep:
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             refs = state.params
             if rest and t.delayed:
-                touched = True
                 device = gs[rest[0]].device
                 with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
                     landing = Landing(self.ex, [self._host_leaf(i, gs[i], False) for i in rest],
                                       self._kernel_for_run(),
                                       [self.leaves[i].param.view(-1) if self.leaves[i].has_master else None
                                        for i in rest], t.threads)
+                touched = True  # the run has started (a failure before, e.g. allocating, changed nothing)
                 refs = refs._replace(pending=_Pending(landing, new_count))
             elif rest and not t.spec.elementwise:
                 touched = True

@@ -22,7 +22,7 @@ from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.kernels import native
 from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
-from functional_offload.optimizers.step import Leaf, TerminalStep
+from functional_offload.optimizers.step import Leaf, TerminalStep, with_flat_views
 from functional_offload.placement import Placement, on_host, previewing, record_plan
 from functional_offload.tree import (check_no_aliasing, check_tensor_leaves, flatten_like,
                                      leaves_with_paths, local)
@@ -207,7 +207,7 @@ class Terminal:
                 [i for i, (p, m) in enumerate(zip(locals_, masters))
                  if on_host[i] and m is not None and p.numel() <= PACK_MAX],
                 [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
-                self._decay_flags(tree))
+                self._decay_flags(tree), [p.dtype for p in locals_])
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
@@ -251,11 +251,9 @@ class Terminal:
         out = []
         for i, live in enumerate(lives):
             p = local(live)
-            value, moments = masters[i] if masters[i] is not None else p, tuple(m[i] for m in moms)
-            host = value.device.type == "cpu" and self.spec.elementwise  # run by the executor
-            out.append(Leaf(paths[i], live, p, value, moments, emas[i], masters[i] is not None, decay[i],
-                            (value.view(-1), *(m.view(-1) for m in moments)) if host else (),
-                            emas[i].view(-1) if host and emas[i] is not None else None))
+            leaf = Leaf(paths[i], live, p, masters[i] if masters[i] is not None else p,
+                        tuple(m[i] for m in moms), emas[i], masters[i] is not None, decay[i])
+            out.append(with_flat_views(leaf) if leaf.on_host and self.spec.elementwise else leaf)
         return out
 
     def _decay_flags(self, params: Params) -> list[bool]:

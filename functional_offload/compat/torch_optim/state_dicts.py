@@ -146,7 +146,9 @@ class StateDicts:
                              "size of optimizer's group")
         saved_state = state_dict["state"]
         owned = set(chain.from_iterable(s["params"] for s in saved_groups))
-        self.flush()
+        for slot in self._slots.values():  # land steps in flight; a failed state is what the load recovers
+            if slot.state is not None and int(slot.state.count) != FAILED:
+                quiesce(slot.state, dropping=False)
         # 1. the groups' new values, checked
         plans = []
         for i, (g, s) in enumerate(zip(groups, saved_groups)):
