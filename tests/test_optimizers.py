@@ -211,3 +211,59 @@ def test_param_storage_replaced_between_updates_is_followed(kernel):
     params, state = opt.update({"w": torch.ones(1000), "b": torch.ones(3)}, state)
     assert torch.equal(params["w"], torch.full((1000,), -1.0))
     assert torch.equal(params["b"], torch.full((3,), -2.0))
+
+
+def test_param_dtype_change_between_updates_is_followed():
+    """``module.to(dtype)`` between updates (``param.data = ...`` in another dtype): the next
+    update steps the new tensors with a kernel that takes their dtype."""
+    params = {"w": torch.zeros(100), "b": torch.zeros(3)}
+    opt = fo.sgd(1.0)
+    state = opt.init(params)
+    params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
+    for v in params.values():
+        v.data = v.data.double()
+    params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
+    assert all(v.dtype == torch.float64 and torch.equal(v, torch.full_like(v, -2.0)) for v in params.values())
+
+
+@pytest.mark.parametrize("first,then", [("native", "torch"), ("torch", "native")])
+def test_cpu_kernel_changed_between_updates_is_followed(first, then):
+    """A state stepped with one ``cpu_kernel`` and continued by an optimizer with another runs
+    the other kernel: bit for bit as a fresh state of that kernel loaded at the same point."""
+    if "native" not in KERNELS:
+        pytest.skip("no native kernel here")
+    params = make_params()
+    grads = grad_seq(params, 3)
+    p = clone(params)
+    state = fo.adamw(1e-2, cpu_kernel=first).init(p)
+    p, state = fo.adamw(1e-2, cpu_kernel=first).update(grads[0], state)
+    sd, q = {k: v.clone() for k, v in fo.state_dict(state).items()}, clone(p)
+    opt = fo.adamw(1e-2, cpu_kernel=then)
+    for g in grads[1:]:
+        p, state = opt.update(g, state)
+    q_state = fo.load_state_dict(sd, opt.init(q))
+    for g in grads[1:]:
+        q, q_state = opt.update(g, q_state)
+    for a, b in zip(optree.tree_leaves(p), optree.tree_leaves(q)):
+        assert torch.equal(a, b)
+
+
+def test_replaced_moment_storage_is_followed():
+    """``state.mu[k].data = ...`` between updates (as helpers that move optimizer state do): the
+    next update writes the new storage, and checkpoints see the step."""
+    params = make_params()
+    grads = grad_seq(params, 3)
+    sds = []
+    for replace in (False, True):
+        p = clone(params)
+        opt = fo.adamw(1e-2, ema_decay=0.9)
+        state = opt.init(p)
+        for g in grads:
+            p, state = opt.update(g, state)
+            if replace:
+                for tree in (state.mu, state.nu, state.ema):
+                    for x in optree.tree_leaves(tree):
+                        x.data = x.data.clone()
+        sds.append(fo.state_dict(state))
+    assert sds[0].keys() == sds[1].keys()
+    assert all(torch.equal(sds[0][k], sds[1][k]) for k in sds[0])

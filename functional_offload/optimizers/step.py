@@ -132,6 +132,7 @@ class TerminalStep:
         self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
         self.runs: dict[torch.device, Run] = {}
         self._kernel: Optional[Kernel] = None
+        self._views_checked = False
         self.finished = False
         self.closed = False
         self.delayed = t.delayed
@@ -255,12 +256,30 @@ class TerminalStep:
                 out.append(check_grad(leaf.path, g, leaf.param))
         return out
 
+    def _check_views(self) -> bool:
+        """Once per step, before a host leaf is handed over: remake the 1-D views of the host
+        leaves whose tensors' storages were replaced since (a committed speculative step swaps
+        them; ``param.data = ...`` or ``state.mu[k].data = ...`` replace them). True if any was."""
+        if self._views_checked:
+            return False
+        self._views_checked = True
+        replaced = False
+        for i, leaf in enumerate(self.leaves):
+            if leaf.flat and (any(v.data_ptr() != x.data_ptr() for v, x in zip(leaf.flat, (leaf.value, *leaf.moments)))
+                              or (leaf.ema is not None and leaf.ema_flat.data_ptr() != leaf.ema.data_ptr())):
+                self.leaves[i] = with_flat_views(leaf)  # the layout's list: kept for later steps
+                replaced = True
+        return replaced
+
     def _kernel_for_run(self) -> Kernel:
-        """The host kernel of these leaves (kept in the state's notes with their layout)."""
+        """The host kernel of these leaves, kept in the state's notes with their layout while
+        the leaves' tensors, the spec and ``cpu_kernel`` stay the same."""
         if self._kernel is None:
+            replaced = self._check_views()
             notes = self.state.params.notes
+            key = (self.leaves, self.t.spec, self.t.cpu_kernel)
             kept = notes.get("kernel") if notes is not None else None
-            if kept is not None and kept[0] is self.leaves:
+            if kept is not None and not replaced and all(a is b for a, b in zip(kept[0], key)):
                 self._kernel = kept[1]
             else:
                 spec = self.t.spec
@@ -268,7 +287,7 @@ class TerminalStep:
                                            [lf.flat for lf in self.leaves if lf.on_host],
                                            self.t.cpu_kernel)
                 if notes is not None:
-                    notes["kernel"] = (self.leaves, self._kernel)
+                    notes["kernel"] = (key, self._kernel)
         return self._kernel
 
     def _run(self, device: torch.device, runs: Optional[dict] = None) -> Run:
@@ -287,9 +306,8 @@ class TerminalStep:
         return spares[index]
 
     def _host_leaf(self, index: int, g: torch.Tensor, ahead: bool) -> HostLeaf:
+        self._kernel_for_run()  # first: it checks the leaves' views and picks their kernel
         leaf = self.leaves[index]
-        if leaf.flat[0].data_ptr() != leaf.value.data_ptr():  # a swap (a committed speculative
-            leaf = self.leaves[index] = with_flat_views(leaf)  # step) or `param.data = ...`
         hyper = self.hyper if leaf.decay else self.hyper0
         targets: tuple[torch.Tensor, ...] = ()
         ema_target = None
