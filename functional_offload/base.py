@@ -183,21 +183,25 @@ tensor): terminal states and ``inject_hyperparams`` in ``count``, ``MultiSteps``
 ``mini_step``, ``apply_if_finite`` in ``notfinite_count``."""
 
 
-def _marked(state: OptState) -> list[tuple[Any, int]]:
-    """``(node, mark)`` for every state NamedTuple inside ``state`` with a marks field."""
+def _mark_tensors(state: OptState) -> list[tuple[Any, torch.Tensor]]:
+    """``(node, marks tensor)`` for every state NamedTuple inside ``state`` with a marks field."""
     out = []
     for node in _state_nodes(state, []):
         field = next((f for f in MARK_FIELDS if f in node._fields), None)
         x = getattr(node, field) if field is not None else None
         if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point():
-            out.append((node, int(x)))
+            out.append((node, x))
     return out
+
+
+def _marked(state: OptState) -> list[tuple[Any, int]]:
+    """``(node, mark)`` for every state NamedTuple inside ``state`` with a marks field."""
+    return [(node, int(x)) for node, x in _mark_tensors(state)]
 
 
 def mark_tensors(state: OptState) -> list[torch.Tensor]:
     """The tensors holding the marks of every state NamedTuple inside ``state`` (counts)."""
-    return [getattr(node, next(f for f in MARK_FIELDS if f in node._fields))
-            for node, _ in _marked(state)]
+    return [x for _, x in _mark_tensors(state)]
 
 
 def check_usable(state: OptState, action: str) -> None:

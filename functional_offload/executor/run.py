@@ -182,22 +182,20 @@ class _Pipeline:
         pieces = []
         for seg in chunk:
             leaf = self.leaves[seg.leaf]
-            if seg.start == 0 and seg.stop == leaf.grad.numel():  # the whole leaf: no views to cut
-                pieces.append(Piece(
-                    grads.get(id(seg), leaf.grad), leaf.state,
-                    None if leaf.param is None else
-                    leaf.param if leaf.param.device.type == "cpu" else self.view(k, 1, seg, leaf.param.dtype),
-                    leaf.hyper, leaf.targets, leaf.ema, leaf.ema_decay, leaf.ema_target))
-                continue
+            cut_ = slice(seg.start, seg.stop)
+            whole = seg.start == 0 and seg.stop == leaf.grad.numel()  # no views to cut
+
+            def part(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+                return x if whole or x is None else x[cut_]
+
             out = None
             if leaf.param is not None:
-                out = (leaf.param[seg.start:seg.stop] if leaf.param.device.type == "cpu"  # in place
+                out = (part(leaf.param) if leaf.param.device.type == "cpu"  # in place
                        else self.view(k, 1, seg, leaf.param.dtype))
-            cut_ = slice(seg.start, seg.stop)
-            pieces.append(Piece(grads.get(id(seg), leaf.grad[cut_]), tuple(x[cut_] for x in leaf.state),
-                                out, leaf.hyper, tuple(x[cut_] for x in leaf.targets),
-                                None if leaf.ema is None else leaf.ema[cut_], leaf.ema_decay,
-                                None if leaf.ema_target is None else leaf.ema_target[cut_]))
+            pieces.append(Piece(grads.get(id(seg), part(leaf.grad)),
+                                leaf.state if whole else tuple(x[cut_] for x in leaf.state), out,
+                                leaf.hyper, leaf.targets if whole else tuple(x[cut_] for x in leaf.targets),
+                                part(leaf.ema), leaf.ema_decay, part(leaf.ema_target)))
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)

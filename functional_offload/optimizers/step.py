@@ -265,8 +265,11 @@ class TerminalStep:
         self._views_checked = True
         replaced = False
         for i, leaf in enumerate(self.leaves):
-            if leaf.flat and (any(v.data_ptr() != x.data_ptr() for v, x in zip(leaf.flat, (leaf.value, *leaf.moments)))
-                              or (leaf.ema is not None and leaf.ema_flat.data_ptr() != leaf.ema.data_ptr())):
+            if not leaf.flat:
+                continue
+            views = (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
+            tensors = (leaf.value, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
+            if any(v.data_ptr() != x.data_ptr() for v, x in zip(views, tensors)):
                 self.leaves[i] = with_flat_views(leaf)  # the layout's list: kept for later steps
                 replaced = True
         return replaced
@@ -276,9 +279,8 @@ class TerminalStep:
         the leaves' tensors, the spec and ``cpu_kernel`` stay the same."""
         if self._kernel is None:
             replaced = self._check_views()
-            notes = self.state.params.notes
             key = (self.leaves, self.t.spec, self.t.cpu_kernel)
-            kept = notes.get("kernel") if notes is not None else None
+            kept = self.notes.get("kernel")
             if kept is not None and not replaced and all(a is b for a, b in zip(kept[0], key)):
                 self._kernel = kept[1]
             else:
@@ -286,8 +288,7 @@ class TerminalStep:
                 self._kernel = host_kernel(spec.native, spec.scalars, spec.reference,
                                            [lf.flat for lf in self.leaves if lf.on_host],
                                            self.t.cpu_kernel)
-                if notes is not None:
-                    notes["kernel"] = (key, self._kernel)
+                self.notes["kernel"] = (key, self._kernel)
         return self._kernel
 
     def _run(self, device: torch.device, runs: Optional[dict] = None) -> Run:

@@ -215,8 +215,7 @@ class Terminal:
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, None, {},
-                             {"packs": packs}),
+            params=ParamRefs(params, spare={}, notes={"packs": packs}),
         )
 
     # ---- steps ----------------------------------------------------------------------------
