@@ -43,9 +43,10 @@ def clone(tree):
 
 
 def small_executor():
-    """Tiny chunks, few slots and two threads: every run cuts several chunks and reuses slots."""
+    """Tiny chunks, few slots and two threads, both working on any run: every run cuts several
+    chunks, reuses slots and spreads them over the threads."""
     from functional_offload.executor import HostExecutor
-    return HostExecutor(chunk_bytes=4096, slots=3, threads=2)
+    return HostExecutor(chunk_bytes=4096, slots=3, threads=2, worker_elements=1)
 
 
 def run(opt, params, grads):

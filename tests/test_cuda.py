@@ -82,7 +82,8 @@ def test_offloaded_trajectory_matches_gpu_reference(case, fraction, steps):
     data = batches(2 * steps)
     want = reference(cls, kw, data, accumulate=2)
     got, state = ours(lambda: mk(**kw, placement=fo.placement.offload_fraction(fraction),
-                                 executor=HostExecutor(chunk_bytes=64 << 10, threads=4)),
+                                 executor=HostExecutor(chunk_bytes=64 << 10, threads=4,
+                                                       worker_elements=1)),
                       data, accumulate=2)
     close(got, want)
     plan = fo.placement.offload_fraction(fraction).plan(got)
@@ -97,7 +98,8 @@ def test_back_to_back_steps_without_sync_race_check():
     data = batches(30, seed=3)
     want = reference(torch.optim.AdamW, dict(lr=1e-3), data)
     got, _ = ours(lambda: fo.adamw(1e-3, placement=fo.placement.offload_fraction(0.5),
-                                   executor=HostExecutor(chunk_bytes=16 << 10, slots=3, threads=4)),
+                                   executor=HostExecutor(chunk_bytes=16 << 10, slots=3, threads=4,
+                                                         worker_elements=1)),
                   data, sync_every=False)
     close(got, want)
 
@@ -257,6 +259,34 @@ def test_registry_optimizers_on_the_gpu(name, placement):
         p, s = opt.update(gr, s)
     torch.cuda.synchronize()
     close(p, want, atol=1e-5, rtol=1e-5)
+
+
+def test_device_groups_with_missing_grads_decay_mask_and_ema():
+    """Device-resident state in several groups (bf16 and fp32 params, a weight-decay mask)
+    with some leaves' grads None on some steps and an EMA: the same state as the host step
+    (torch kernel) after every step."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": ((64, 32), torch.bfloat16), "b": ((32,), torch.bfloat16), "c": ((16, 8), torch.float32),
+              "d": ((8,), torch.float32), "e": ((5, 3, 2), torch.bfloat16)}
+    params = {k: torch.randn(s, generator=g).to(DEV, dt) for k, (s, dt) in shapes.items()}
+    mask = {"a": True, "b": False, "c": True, "d": False, "e": True}
+    grads = [{k: None if (step + i) % 3 == 0 else torch.randn(p.shape, generator=g).to(DEV, p.dtype)
+              for i, (k, p) in enumerate(params.items())} for step in range(6)]
+    states = []
+    for where, kernel in ((fo.placement.on_device(), "auto"), (fo.placement.on_host(), "torch")):
+        opt = fo.adamw(1e-2, weight_decay=0.1, weight_decay_mask=mask, ema_decay=0.9,
+                       placement=where, cpu_kernel=kernel)
+        p = {k: v.clone() for k, v in params.items()}
+        s = opt.init(p)
+        for gr in grads:
+            p, s = opt.update(gr, s)
+        torch.cuda.synchronize()
+        states.append((p, fo.state_dict(s)))
+    (p_dev, s_dev), (p_host, s_host) = states
+    close(p_dev, p_host, atol=1e-5, rtol=1e-5)
+    assert s_dev.keys() == s_host.keys()
+    for k in s_dev:
+        assert torch.allclose(s_dev[k].cpu().double(), s_host[k].cpu().double(), atol=1e-5, rtol=1e-5), k
 
 
 # ---- the failure contract on the GPU (streams, copies, events in flight) -------------------

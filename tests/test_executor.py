@@ -25,7 +25,8 @@ CPU = torch.device("cpu")
 
 
 def staged(**kw):
-    return HostExecutor(stage_host_grads=True, **kw)
+    """CPU grads through the ring; every thread works on any run, however small."""
+    return HostExecutor(stage_host_grads=True, worker_elements=1, **kw)
 
 
 def run(params, grads, **ex):
@@ -393,3 +394,49 @@ def test_a_run_fed_leaf_by_leaf_cuts_chunks_from_what_has_arrived():
     for i, leaf in enumerate(leaves):
         assert torch.equal(leaf.state[0], torch.full((sizes[i],), float(i + 1)))
     ex.close()
+
+
+@pytest.mark.parametrize("stage", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_runs_in_the_steps_thread_give_the_results_of_spread_runs(dtype, stage):
+    """A plain update's run sized when it opens: one chunk and one worker in the step's own
+    thread, or several chunks driven there with fewer workers, give the same bits as every
+    thread working on tiny chunks."""
+    params = make_params(dtype=dtype, big=True)
+    grads = grad_seq(params, 3)
+
+    def run_with(ex):
+        opt = fo.adamw(1e-2, weight_decay=0.1, ema_decay=0.9, executor=ex)
+        p = clone(params)
+        s = opt.init(p)
+        for g in grads:
+            p, s = opt.update(g, s)
+        return p, fo.state_dict(s)
+
+    spread = run_with(HostExecutor(stage_host_grads=stage, chunk_bytes=4096, threads=3, worker_elements=1))
+    for ex in (HostExecutor(stage_host_grads=stage, chunk_bytes=1 << 20),  # alone
+               HostExecutor(stage_host_grads=stage, chunk_bytes=4096, threads=3)):  # driven there
+        p, sd = run_with(ex)
+        for a, b in zip(optree.tree_leaves(p), optree.tree_leaves(spread[0])):
+            assert torch.equal(a, b)
+        assert sd.keys() == spread[1].keys() and all(torch.equal(sd[k], spread[1][k]) for k in sd)
+
+
+def test_a_small_update_starts_no_thread(monkeypatch):
+    """Below ``worker_elements`` a plain update's run has no driver, lander or worker thread:
+    the step's helper thread does it all."""
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=HostExecutor(threads=4))
+    p = clone(params)
+    s = opt.init(p)
+    p, s = opt.update(grad_seq(params, 1)[0], s)  # the step's helper pool exists from here
+    started = []
+    start = threading.Thread.start
+
+    def counted(self):
+        started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    p, s = opt.update(grad_seq(params, 1, seed=2)[0], s)
+    assert not [n for n in started if n.startswith(("fo-run", "fo-land", "fo-host"))], started

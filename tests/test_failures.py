@@ -17,7 +17,7 @@ from conftest import KERNELS, clone, grad_seq, make_params
 
 
 def small_chunks(**kw):
-    return HostExecutor(chunk_bytes=4096, slots=2, threads=2, **kw)
+    return HostExecutor(chunk_bytes=4096, slots=2, threads=2, worker_elements=1, **kw)
 
 
 def snapshot(state):
@@ -120,6 +120,32 @@ def test_ctrl_c_during_update_completes_the_step_then_raises():
     assert int(state.count) == 2  # the state passed in holds the completed step
     params, state = opt.update(grads[2], state)
     _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
+    assert same(fo.state_dict(state), fo.state_dict(ref))
+
+
+def one_chunk():
+    """An executor whose runs of ``make_params(big=True)`` take one chunk and one worker: a
+    plain update's run then runs in the step's own thread, with no thread of its own."""
+    return HostExecutor(chunk_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_faults_of_a_run_in_the_steps_own_thread(exc):
+    params = make_params(dtype=torch.bfloat16, big=True)
+    grads = grad_seq(params, 2)
+    opt = fo.adamw(1e-2, executor=one_chunk())
+    state = opt.init(params)
+    snap = snapshot(state)
+    with fail_host_kernel(after=0, exc=exc):
+        with pytest.raises(fo.HostStepError if exc is RuntimeError else exc, match="injected"):
+            opt.update(grads[0], state)
+    assert same(snapshot(state), snap)  # its one chunk never ran: usable, unchanged
+    with slow_host_kernel(0.2):
+        with pytest.raises(KeyboardInterrupt), interrupt_after(0.05):
+            opt.update(grads[1], state)
+    assert int(state.count) == 1  # the step completed, then the interrupt was raised
+    _, ref = run_reference(lambda: fo.adamw(1e-2, executor=small_chunks()),
+                           make_params(dtype=torch.bfloat16, big=True), grads[1:])
     assert same(fo.state_dict(state), fo.state_dict(ref))
 
 

@@ -1,7 +1,8 @@
 """Hooks the executor calls before each chunk's kernel may start (fault injection for tests).
 
 :mod:`functional_offload.testing` builds its context managers on these; nothing else uses them.
-A hook is called from the run's lander thread with the chunk's index in its run and the paths
+A hook is called from the thread that lands the run's chunks (its lander, or the thread
+running a one-chunk run alone) with the chunk's index in its run and the paths
 of its leaves, after the previous chunk of the run completed; what it raises fails the run at
 that chunk (earlier chunks stay applied), what it sleeps delays the chunk.
 """

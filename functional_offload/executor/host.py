@@ -22,6 +22,7 @@ import torch
 
 from functional_offload.executor.plan import HostLeaf, Segment
 from functional_offload.executor.run import Run
+from functional_offload.executor.shield import in_helper
 from functional_offload.executor.timeline import Timeline
 from functional_offload.executor.transport import Transport, transport_for
 from functional_offload.kernels.work import Kernel
@@ -83,21 +84,28 @@ class HostExecutor:
       timeline: a :class:`Timeline` to record per-chunk spans into (off by default).
       stage_host_grads: copy grads that are already in host memory through the ring too, as GPU
         grads are (slower; it runs the GPU pipeline's logic without a GPU, for tests).
+      worker_elements: a run whose size is known when it opens (a step's leaves handed over
+        at once) gets one worker per this many elements at most; one worker is then the step's
+        own thread (at ~0.3 G elem/s a thread, below ~10^5 elements waking and joining a
+        thread costs more than it computes).
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
                  cpus: Optional[Sequence[int]] = None, timeline: Optional[Timeline] = None,
-                 stage_host_grads: bool = False):
+                 stage_host_grads: bool = False, worker_elements: int = 1 << 17):
         if chunk_bytes < 4096 or slots < 2:
             raise ValueError(f"executor needs chunk_bytes >= 4096 and slots >= 2, got "
                              f"chunk_bytes={chunk_bytes}, slots={slots}")
         if threads is not None and threads < 1:
             raise ValueError(f"executor threads must be >= 1, got {threads}")
+        if worker_elements < 1:
+            raise ValueError(f"executor worker_elements must be >= 1, got {worker_elements}")
         self.chunk_bytes, self.slots = int(chunk_bytes), int(slots)
         self.threads = threads or (len(cpus) if cpus else physical_cores())
         self.cpus = list(cpus) if cpus else None
         self.timeline = timeline
         self.stage_host_grads = bool(stage_host_grads)
+        self.worker_elements = int(worker_elements)
         self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
         self._slot_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Transport] = {}
@@ -201,10 +209,21 @@ class HostExecutor:
             self._transports[device].end()
 
     def open(self, device: torch.device, kernel: Kernel, threads: Optional[int] = None,
-             chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None) -> Run:
-        """Start a run for leaves whose grads are on ``device``; feed it with ``add``."""
+             chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
+             elements: Optional[int] = None) -> Run:
+        """Start a run for leaves whose grads are on ``device``; feed it with ``add``.
+
+        ``elements``: the run's total elements, when every leaf is handed over and the run
+        closed before ``wait``. It then gets a worker per ``worker_elements`` elements at most,
+        and, opened in a step's helper thread (:func:`~functional_offload.executor.shield.shielded`),
+        runs in that thread (see :class:`~functional_offload.executor.run.Run`): a small run
+        starts no thread at all.
+        """
         self.reserve(device)
-        return Run(self, device, kernel, min(threads or self.threads, self.threads), chunk_done)
+        n = min(threads or self.threads, self.threads)
+        if elements is not None:
+            n = max(1, min(n, -(-elements // self.worker_elements)))
+        return Run(self, device, kernel, n, chunk_done, inline=elements is not None and in_helper())
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
         """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered

@@ -16,6 +16,11 @@ A lander thread marks each chunk ready once its grads have landed and its slot's
 free. A slot's grad half is refilled only once every block of its chunk ran, its output half
 only after the copy out that read it completed. Grads already in host memory are read where
 they are, and host params are written in place: no staging, no copies.
+
+A run whose leaves are all handed over before it starts may be ``inline``: :meth:`Run.wait`
+drives it in the calling thread (a step's helper thread, where no interrupt lands), and a run
+of one chunk and one worker does every stage there, with no thread of its own (unless the
+executor pins its workers to cores: the kernel then runs on one of them).
 """
 
 from __future__ import annotations
@@ -57,21 +62,28 @@ class Run:
     completes, in chunk order, and ``chunk_done(leaves, None)`` when the run ends.
     :meth:`wait` blocks until the run ended (its error, if any, is then in :attr:`error`);
     :attr:`started` says whether any chunk's kernel may have run (the leaves may be changed).
+    ``inline``: no driver thread; every leaf is handed over and the run closed before
+    :meth:`wait`, which runs it in the calling thread.
     """
 
     def __init__(self, executor: Any, device: torch.device, kernel: Kernel, threads: int,
-                 chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None):
+                 chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
+                 inline: bool = False):
         self.ex, self.device, self.kernel, self.threads = executor, device, kernel, threads
         self.chunk_done = chunk_done
+        self.inline = inline
         self.started = False
         self.error: Optional[BaseException] = None
         self._arrivals: "queue_mod.Queue" = queue_mod.Queue()
         self._cancelled = False
         self._queue: Any = None
         self._lock = threading.Lock()
-        self._driver = threading.Thread(target=self._drive, name="fo-run", daemon=True)
-        _live.add(self)
-        self._driver.start()
+        self._driven = False
+        self._driver: Optional[threading.Thread] = None
+        if not inline:
+            self._driver = threading.Thread(target=self._drive, name="fo-run", daemon=True)
+            _live.add(self)
+            self._driver.start()
 
     # ---- the caller's side ------------------------------------------------------------
     def add(self, leaf: HostLeaf, ready: Any) -> None:
@@ -98,13 +110,18 @@ class Run:
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until the run ended — its driver thread has exited, so nothing of the run is
-        left running (True) — or ``timeout`` passed (False)."""
+        left running (True) — or ``timeout`` passed (False). An inline run runs now."""
+        if self._driver is None:
+            if not self._driven:
+                self._driven = True
+                self._drive()
+            return True
         self._driver.join(timeout)
         return not self._driver.is_alive()
 
     @property
     def done(self) -> bool:
-        return not self._driver.is_alive()
+        return self._driven if self._driver is None else not self._driver.is_alive()
 
     # ---- the driver thread ----------------------------------------------------------------
     @torch.no_grad()  # grad mode is per thread: views of params are cut and written here
@@ -200,20 +217,23 @@ class _Pipeline:
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)
 
+    def land_one(self, k: int) -> None:
+        """Mark chunk ``k`` ready once its inputs are in place."""
+        self.t.wait_host(self.in_events[k])  # grads landed
+        self.t.wait_host(self.out_events[k - self.S] if k >= self.S else self.before[k % self.S])
+        if faults.active():
+            if k > 0:
+                self.q.wait(k - 1)
+            faults.before_chunk(k, list(dict.fromkeys(self.leaves[s.leaf].path for s in self.chunks[k])))
+        self.run_.started = True
+        self.q.ready(k)
+
     def land(self) -> None:
-        """The lander thread: mark each chunk ready once its inputs are in place."""
-        t, k = self.t, -1
+        """The lander thread: each chunk, as the driver issues it."""
+        k = -1
         try:
             while (k := self.landing.get()) is not None:
-                t.wait_host(self.in_events[k])  # grads landed
-                t.wait_host(self.out_events[k - self.S] if k >= self.S else self.before[k % self.S])
-                if faults.active():
-                    if k > 0:
-                        self.q.wait(k - 1)
-                    faults.before_chunk(k, list(dict.fromkeys(
-                        self.leaves[s.leaf].path for s in self.chunks[k])))
-                self.run_.started = True
-                self.q.ready(k)
+                self.land_one(k)
         except BaseException as e:  # noqa: BLE001 - surfaced by the driver
             self.failures.append((k, e))
             self.q.cancel()
@@ -245,12 +265,26 @@ class _Pipeline:
         run = self.run_
         if not run._set_queue(self.q):
             return
-        lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
-        lander.start()
-        workers = run.ex.start_workers(self.q, run.threads)
+        alone = False  # one chunk and one worker: this thread is the worker and the lander
+        if run.inline:  # every leaf has arrived: the chunks are all known now
+            more = list(packer)
+            packer = iter(more)
+            alone = run.threads == 1 and not more and run.ex.cpus is None  # (else: a pinned worker)
+        lander = workers = None
+        if not alone:
+            lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
+            lander.start()
+            workers = run.ex.start_workers(self.q, run.threads)
         done = at = 0  # chunks completed; the chunk being issued or completed
         try:
             chunk: Optional[list[Segment]] = first
+            if alone:
+                self.chunks.append(first)
+                self.issue_in(0)
+                self.land_one(0)
+                self.q.close()
+                self.q.work(0)
+                chunk = None
             while chunk is not None and not run._cancelled:
                 at = len(self.chunks)
                 self.chunks.append(chunk)
@@ -271,9 +305,10 @@ class _Pipeline:
             self.q.cancel()
         finally:
             self.q.close()
-            self.landing.put(None)
-            lander.join()
-            run.ex.join_workers(workers)
+            if lander is not None:
+                self.landing.put(None)
+                lander.join()
+                run.ex.join_workers(workers)
             for ev in self.in_events:  # never return while a copy in still reads the grads
                 self.t.wait_host(ev)
             if self.tl:

@@ -78,17 +78,19 @@ def reference(params: list, grads: list, moments: list, h: AdamHyper) -> None:
 
 
 def as_fp32(grads: list) -> list:
-    """``grads`` in fp32: low-precision ones cast together (two kernels, not one per grad)."""
+    """``grads`` in fp32: low-precision ones cast together (one copy into a flat buffer and one
+    cast, not a kernel per grad), as views of the fp32 buffer shaped like them."""
     if all(g.dtype == torch.float32 for g in grads):
         return grads
-    flat = torch.cat([g.reshape(-1) for g in grads]).float()
-    return [x.view(g.shape) for x, g in zip(flat.split([g.numel() for g in grads]), grads)]
+    flat = torch._utils._flatten_dense_tensors(grads).float()
+    return list(torch._utils._unflatten_dense_tensors(flat, grads))
 
 
 def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
-    """torch's fused CUDA kernels for fp32 values and moments; the reference otherwise."""
+    """torch's fused CUDA kernels for fp32 values and moments; the reference otherwise (each
+    list shares one device and dtype: its first tensor says which)."""
     mus, nus = moments
-    if not params or not all(t.is_cuda and t.dtype == torch.float32 for t in (*params, *mus, *nus)):
+    if not params or not all(x[0].is_cuda and x[0].dtype == torch.float32 for x in (params, mus, nus)):
         reference(params, grads, moments, h)
         return
     step = torch.full((), float(h.step), dtype=torch.float32, device=params[0].device)

@@ -10,6 +10,7 @@ one copy up) and the new params are scattered back with one more multi-tensor co
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -77,7 +78,8 @@ def runs(pack: Pack, with_grad: Sequence[bool], decay: Sequence[bool]) -> list[t
 
 
 class Buffers(NamedTuple):
-    """A pack's gather and scatter buffers on one device, with each member's view."""
+    """A pack's gather and scatter buffers on one device, with each member's view (shaped as
+    the member's param: grads and params copy in and out without a reshape per step)."""
 
     grad: torch.Tensor
     out: torch.Tensor
@@ -86,12 +88,16 @@ class Buffers(NamedTuple):
 
 
 def buffers(pack: Pack, device: torch.device, grad_dtype: torch.dtype,
-            numels: Sequence[int]) -> Buffers:
-    """Zeroed buffers for a pack's grads and new params (made once and kept by the caller)."""
+            shapes: Sequence[torch.Size]) -> Buffers:
+    """Zeroed buffers for a pack's grads and new params (made once and kept by the caller);
+    ``shapes``: the members' param shapes."""
     grad = torch.zeros(pack.total, dtype=grad_dtype, device=device)
     out = torch.zeros(pack.total, dtype=grad_dtype, device=device)
-    return Buffers(grad, out, [grad[o: o + n] for o, n in zip(pack.offsets, numels)],
-                   [out[o: o + n] for o, n in zip(pack.offsets, numels)])
+
+    def views(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x[o: o + math.prod(s)].view(s) for o, s in zip(pack.offsets, shapes)]
+
+    return Buffers(grad, out, views(grad), views(out))
 
 
 def span(t: torch.Tensor, n: int) -> torch.Tensor:

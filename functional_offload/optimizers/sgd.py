@@ -55,9 +55,10 @@ def reference(params: list, grads: list, moments: list, h: SGDHyper) -> None:
 
 
 def fused(params: list, grads: list, moments: list, h: SGDHyper) -> None:
-    """torch's fused CUDA kernel for fp32 values and buffers; the reference otherwise."""
+    """torch's fused CUDA kernel for fp32 values and buffers; the reference otherwise (each
+    list shares one device and dtype: its first tensor says which)."""
     bufs = moments[0] if moments else []
-    if not params or not all(t.is_cuda and t.dtype == torch.float32 for t in (*params, *bufs)):
+    if not params or not all(x[0].is_cuda and x[0].dtype == torch.float32 for x in (params, bufs) if x):
         reference(params, grads, moments, h)
         return
     torch._fused_sgd_(params, as_fp32(grads), bufs,

@@ -43,7 +43,8 @@ class Moment(NamedTuple):
 # The math's per-step values (a NamedTuple of floats) from the hyperparameters' values at this
 # step and the step t (1 for the first update).
 HyperFn = Callable[[Mapping[str, float], int], Any]
-# In-place math on lists: (values fp32, grads, [one list per moment], hyper) -> None.
+# In-place math on lists: (values fp32, grads, [one list per moment], hyper) -> None. The
+# values of one call share a device and a dtype, and so do each moment's tensors.
 MathFn = Callable[[list, list, list, Any], None]
 
 

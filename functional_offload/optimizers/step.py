@@ -77,6 +77,73 @@ def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
     b.set_(held)
 
 
+class _Group(NamedTuple):
+    """Device-resident leaves that one call of the spec's device math updates: one device, one
+    dtype of values and of each moment, one weight decay."""
+
+    idx: list[int]
+    values: list[torch.Tensor]
+    moments: list[list[torch.Tensor]]  # per moment
+    decay: bool
+    device: torch.device
+    written: list[int]  # positions (in idx) of the leaves with a master, whose params are written
+    params: list[torch.Tensor]  # those params
+    news: list[torch.Tensor]  # and their values (masters)
+    emas: list[torch.Tensor]  # the leaves' EMAs, or [] without
+
+
+class _Static(NamedTuple):
+    """What a step reuses while the state's layout stays the same (kept in its notes): which
+    leaves are where, the device groups, the packed leaves, the host tensors whose views the
+    layout keeps and those views' addresses."""
+
+    host: list[int]  # leaves whose state is on the host
+    packed: frozenset[int]
+    groups: list[_Group]
+    cuda: frozenset[torch.device]  # the params' CUDA devices
+    host_devices: frozenset[torch.device]  # the devices of the host leaves' params
+    viewed: list[tuple[int, torch.Tensor]]  # (leaf, tensor) per host-view
+    view_ptrs: list[int]  # the address each of those views was made at
+    pack_runs: list[list[tuple[int, int]]]  # per pack, its runs when every member has a grad
+    numels: list[int]  # per leaf
+
+
+def _viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+    pairs, ptrs = [], []
+    for i, leaf in enumerate(leaves):
+        if leaf.flat:
+            views = (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
+            tensors = (leaf.value, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
+            pairs += [(i, x) for x in tensors]
+            ptrs += [v.data_ptr() for v in views]
+    return pairs, ptrs
+
+
+def _static(leaves: list[Leaf], packs: list[Pack]) -> _Static:
+    keyed: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if not leaf.on_host:
+            key = (leaf.value.device, leaf.value.dtype,
+                   tuple(None if m is None else m.dtype for m in leaf.moments), leaf.decay)
+            keyed.setdefault(key, []).append(i)
+    groups = []
+    for (device, *_, decay), idx in keyed.items():
+        written = [k for k, i in enumerate(idx) if leaves[i].has_master]
+        groups.append(_Group(
+            idx, [leaves[i].value for i in idx],
+            [[leaves[i].moments[j] for i in idx] for j in range(len(leaves[idx[0]].moments))],
+            decay, device, written, [leaves[idx[k]].param for k in written],
+            [leaves[idx[k]].value for k in written],
+            [leaves[i].ema for i in idx if leaves[i].ema is not None]))
+    host = [i for i, leaf in enumerate(leaves) if leaf.on_host]
+    decays = [leaf.decay for leaf in leaves]
+    return _Static(host, frozenset(i for pack in packs for i in pack.members), groups,
+                   frozenset(lf.param.device for lf in leaves if lf.param.is_cuda),
+                   frozenset(leaves[i].param.device for i in host), *_viewed(leaves),
+                   [runs_of(pack, [True] * len(leaves), decays) for pack in packs],
+                   [leaf.param.numel() for leaf in leaves])
+
+
 class _Pending:
     """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
     waits for it and drops its result (before a checkpoint is loaded over the state)."""
@@ -139,7 +206,11 @@ class TerminalStep:
         notes = state.params.notes if state.params.notes is not None else {}
         self.notes = notes
         self.packs: list[Pack] = notes.get("packs", [])
-        self.packed = {i for pack in self.packs for i in pack.members}
+        kept = notes.get("static")
+        if kept is None or kept[0] is not self.leaves:
+            kept = notes["static"] = (self.leaves, _static(self.leaves, self.packs))
+        self.static: _Static = kept[1]
+        self.packed = self.static.packed
 
     # ---- the protocol ---------------------------------------------------------------------
     def feed(self, index: int, grad: torch.Tensor) -> None:
@@ -170,10 +241,9 @@ class TerminalStep:
             self.abort()
             raise
         self.finished = True
-        devices = {g.device for g in gs if g is not None and g.device.type == "cuda"}
-        streams = {d: torch.cuda.current_stream(d) for d in devices}
-        ready = {d: self.ex.ready(d) for d in {g.device for i, g in enumerate(gs)
-                 if g is not None and i not in self.ahead and self.leaves[i].on_host}}
+        streams = {d: torch.cuda.current_stream(d) for d in self.static.cuda}
+        ready = ({d: self.ex.ready(d) for d in self.static.host_devices}
+                 if len(self.ahead) < len(self.static.host) else {})
         try:
             new, interrupt = shielded(self._apply, gs, streams, ready)
         finally:
@@ -244,16 +314,18 @@ class TerminalStep:
         """Every leaf's grad: the fed ones, the others from ``grads`` (checked)."""
         params = self.state.params.tree
         given = [None] * len(self.leaves) if grads is None else flatten_like(grads, params, "grads")
+        fed, tensor, strided = self.fed, torch.Tensor, torch.strided
         out = []
-        for i, (leaf, g) in enumerate(zip(self.leaves, given)):
-            if i in self.fed:
-                out.append(self.fed[i])
-            elif g is None or (type(g) is torch.Tensor and g.shape == leaf.param.shape  # noqa: E721
-                               and g.dtype == leaf.param.dtype and g.device == leaf.param.device
-                               and g.layout == torch.strided and g.data_ptr() != leaf.param.data_ptr()):
+        for leaf, g in zip(self.leaves, given):
+            p = leaf.param
+            if fed and len(out) in fed:
+                out.append(fed[len(out)])
+            elif g is None or (type(g) is tensor and g.dtype is p.dtype and g.shape == p.shape
+                               and g.layout is strided and g.device == p.device
+                               and g.data_ptr() != p.data_ptr()):
                 out.append(g)  # the common case, checked quickly
             else:
-                out.append(check_grad(leaf.path, g, leaf.param))
+                out.append(check_grad(leaf.path, g, p))
         return out
 
     def _check_views(self) -> bool:
@@ -263,16 +335,13 @@ class TerminalStep:
         if self._views_checked:
             return False
         self._views_checked = True
-        replaced = False
-        for i, leaf in enumerate(self.leaves):
-            if not leaf.flat:
-                continue
-            views = (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
-            tensors = (leaf.value, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
-            if any(v.data_ptr() != x.data_ptr() for v, x in zip(views, tensors)):
-                self.leaves[i] = with_flat_views(leaf)  # the layout's list: kept for later steps
-                replaced = True
-        return replaced
+        st = self.static
+        if [x.data_ptr() for _, x in st.viewed] == st.view_ptrs:
+            return False
+        for i in sorted({i for (i, x), ptr in zip(st.viewed, st.view_ptrs) if x.data_ptr() != ptr}):
+            self.leaves[i] = with_flat_views(self.leaves[i])  # the layout's list: kept for later steps
+        st.viewed[:], st.view_ptrs[:] = _viewed(self.leaves)
+        return True
 
     def _kernel_for_run(self) -> Kernel:
         """The host kernel of these leaves, kept in the state's notes with their layout while
@@ -291,10 +360,14 @@ class TerminalStep:
                 self.notes["kernel"] = (key, self._kernel)
         return self._kernel
 
-    def _run(self, device: torch.device, runs: Optional[dict] = None) -> Run:
+    def _run(self, device: torch.device, runs: Optional[dict] = None,
+             elements: Optional[dict[torch.device, int]] = None) -> Run:
+        """The run of ``device`` in ``runs`` (the streamed runs by default), opened if needed;
+        ``elements``: per device, the total of a run whose leaves are all handed over now."""
         runs = self.runs if runs is None else runs
         if device not in runs:
-            runs[device] = self.ex.open(device, self._kernel_for_run(), self.t.threads)
+            runs[device] = self.ex.open(device, self._kernel_for_run(), self.t.threads,
+                                        elements=None if elements is None else elements[device])
         return runs[device]
 
     def _spare(self, index: int) -> tuple[torch.Tensor, ...]:
@@ -331,24 +404,28 @@ class TerminalStep:
         return HostLeaf(leaf.path, (g.detach() if g.requires_grad else g).reshape(-1), out,
                         leaf.flat, hyper, targets, leaf.ema_flat, self.t.ema_decay or 0.0, ema_target)
 
-    def _packed_leaves(self, gs: list, streams: dict, runs: dict) -> list[tuple[list[int], Buffers, list[int]]]:
+    def _packed_leaves(self, gs: list, streams: dict, runs: dict,
+                       elements: dict[torch.device, int]) -> list[tuple[tuple[int, ...], Buffers, int, int]]:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one
         multi-tensor copy), handed to ``runs`` as one host leaf over the arenas. Returns
-        ``(members, buffers, positions)`` per run, for :meth:`_scatter`."""
+        ``(members, buffers, first, last)`` per run (its positions in the pack), for
+        :meth:`_scatter`."""
         out = []
         for k, pack in enumerate(self.packs):
-            with_grad = [g is not None for g in gs]
-            for first, last in runs_of(pack, with_grad, [leaf.decay for leaf in self.leaves]):
-                members = list(pack.members[first:last + 1])
+            pack_runs = self.static.pack_runs[k]
+            if any(gs[i] is None for i in pack.members):
+                pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in self.leaves])
+            for first, last in pack_runs:
+                members = pack.members[first:last + 1]
                 lead, g0 = self.leaves[members[0]], gs[members[0]]
                 key = ("pack", k, g0.device, g0.dtype)
                 if key not in self.notes:
                     self.notes[key] = buffers(pack, g0.device, g0.dtype,
-                                              [self.leaves[i].param.numel() for i in pack.members])
+                                              [self.leaves[i].param.shape for i in pack.members])
                 bufs = self.notes[key]
                 lo, hi = pack.offsets[first], pack.offsets[last] + self.leaves[members[-1]].param.numel()
                 with torch.cuda.stream(streams[g0.device]) if g0.device in streams else nullcontext():
-                    torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i].reshape(-1) for i in members])
+                    torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
                     ready = self.ex.ready(g0.device)  # after the gather, on the caller's stream
                 hyper = self.hyper if lead.decay else self.hyper0
                 leaf = HostLeaf(f"{lead.path} (and {len(members) - 1} more small leaves)",
@@ -356,17 +433,16 @@ class TerminalStep:
                                 tuple(span(x, hi - lo) for x in (lead.value, *lead.moments)), hyper,
                                 (), None if lead.ema is None else span(lead.ema, hi - lo),
                                 self.t.ema_decay or 0.0)
-                self._run(g0.device, runs).add(leaf, ready)
-                out.append((members, bufs, list(range(first, last + 1))))
+                self._run(g0.device, runs, elements).add(leaf, ready)
+                out.append((members, bufs, first, last))
         return out
 
     def _scatter(self, packed: list, streams: dict) -> None:
         """The packed runs' new params to the params (after the copies out are ordered)."""
-        for members, bufs, positions in packed:
+        for members, bufs, first, last in packed:
             device = self.leaves[members[0]].param.device
             with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                torch._foreach_copy_([self.leaves[i].param.view(-1) for i in members],
-                                     [bufs.outs[j] for j in positions])
+                torch._foreach_copy_([self.leaves[i].param for i in members], bufs.outs[first:last + 1])
 
     @staticmethod
     def _by_device(idx: list[int], gs: list) -> dict[torch.device, list[int]]:
@@ -404,36 +480,38 @@ class TerminalStep:
                 raise run.error
 
     def _device_math(self, gs: list, streams: dict) -> bool:
-        """Device-resident leaves with a grad, grouped by device, dtypes and hyper; whether any
-        was updated."""
-        groups: dict[tuple, list[int]] = {}
-        for i, (leaf, g) in enumerate(zip(self.leaves, gs)):
-            if g is not None and not leaf.on_host:
-                key = (leaf.value.device, leaf.value.dtype,
-                       tuple(None if m is None else m.dtype for m in leaf.moments), leaf.decay)
-                groups.setdefault(key, []).append(i)
+        """Device-resident leaves with a grad, grouped by device, dtypes and weight decay;
+        whether any was updated."""
         spec, tl = self.t.spec, self.ex.timeline
         math = spec.device or spec.reference
-        for (device, *_, decay), idx in groups.items():
-            stream = streams.get(device)
+        touched = False
+        for grp in self.static.groups:
+            grads = [gs[i] for i in grp.idx]
+            values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
+            if any(g is None for g in grads):  # leaves without a grad this step are left out
+                keep = [k for k, g in enumerate(grads) if g is not None]
+                if not keep:
+                    continue
+                kept = set(keep)
+                grads, values = [grads[k] for k in keep], [values[k] for k in keep]
+                moments = [[m[k] for k in keep] for m in moments]
+                params = [p for k, p in zip(grp.written, grp.params) if k in kept]
+                news = [v for k, v in zip(grp.written, grp.news) if k in kept]
+                emas = [emas[k] for k in keep] if emas else []
+            touched = True
+            stream = streams.get(grp.device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                s0 = tl.stamp(device) if tl else None
-                values = [self.leaves[i].value for i in idx]
-                math(values, [gs[i] for i in idx],
-                     [[self.leaves[i].moments[j] for i in idx] for j in range(len(spec.moments))],
-                     self.hyper if decay else self.hyper0)
-                written = [i for i in idx if self.leaves[i].has_master]
-                if written:
-                    torch._foreach_copy_([self.leaves[i].param for i in written],
-                                         [self.leaves[i].value for i in written])
-                emas = [i for i in idx if self.leaves[i].ema is not None]
+                s0 = tl.stamp(grp.device) if tl else None
+                math(values, grads, moments, self.hyper if grp.decay else self.hyper0)
+                if params:
+                    torch._foreach_copy_(params, news)
                 if emas:
-                    torch._foreach_lerp_([self.leaves[i].ema for i in emas],
-                                         [self.leaves[i].value.to(self.leaves[i].ema.dtype) for i in emas],
+                    torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
+                                                for v, e in zip(values, emas)],
                                          1 - (self.t.ema_decay or 0.0))
                 if tl:
-                    tl.span("GPU update", f"{len(idx)} leaves", s0, tl.stamp(device))
-        return bool(groups)
+                    tl.span("GPU update", f"{len(grads)} leaves", s0, tl.stamp(grp.device))
+        return touched
 
     @torch.no_grad()
     def _apply(self, gs: list, streams: dict, ready: dict) -> Any:
@@ -448,8 +526,7 @@ class TerminalStep:
                 self._wait_runs(self.runs)
                 self._raise_run_errors(self.runs)
             touched = self._device_math(gs, streams)
-            rest = [i for i, g in enumerate(gs)
-                    if g is not None and self.leaves[i].on_host and i not in self.ahead]
+            rest = [i for i in self.static.host if gs[i] is not None and i not in self.ahead]
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             refs = state.params
             if rest and t.delayed:
@@ -469,10 +546,14 @@ class TerminalStep:
                         self.ex.order_after_copies(device)
             else:
                 runs = rest_runs if self.speculative or self.closed else self.runs
-                packed_out = self._packed_leaves(gs, streams, runs)
+                elements: dict[torch.device, int] = {}
+                for i in rest:
+                    device = gs[i].device
+                    elements[device] = elements.get(device, 0) + self.static.numels[i]
+                packed_out = self._packed_leaves(gs, streams, runs, elements)
                 for device, idx in self._by_device([i for i in rest if i not in self.packed], gs).items():
-                    self._run(device, runs).add_all([self._host_leaf(i, gs[i], False) for i in idx],
-                                                    ready[device])
+                    self._run(device, runs, elements).add_all(
+                        [self._host_leaf(i, gs[i], False) for i in idx], ready[device])
                 self._wait_runs(runs)
             self._wait_runs(self.runs)  # what was fed ahead (a no-op when already waited for)
             self._raise_run_errors(self.runs)
