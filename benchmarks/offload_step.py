@@ -208,9 +208,10 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     # final flush and a device-wide sync, so nothing in flight is left out.
     times = []
     start = time.perf_counter()
+    kept = 2 if name.startswith("delayed") else 1  # a delayed step's host part runs in the next
     for i in range(args.steps):
-        if timeline is not None and i == args.steps - 1:
-            timeline.clear()  # keep the last step only
+        if timeline is not None and i == args.steps - kept:
+            timeline.clear()  # keep the last step(s) only
         t0 = time.perf_counter()
         step(loss_fn)
         if device.type == "cuda":
@@ -227,7 +228,8 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))
         timeline.to_chrome(stem + ".json")
-        timeline.plot(stem + ".png", title=f"{spec}, GPT {args.size}, {args.tokens} tokens: last step")
+        timeline.plot(stem + ".png", title=f"{spec}, GPT {args.size}, {args.tokens} tokens: last "
+                      + ("two steps" if kept == 2 else "step"))
     if name == "fwdbwd":  # forward (graph built) and backward timed apart, synced in between
         fwd, bwd = [], []
         for _ in range(args.steps):
@@ -314,7 +316,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--floor-reps", type=int, default=3)
     ap.add_argument("--dram-numel", type=int, default=1 << 28, help="fp32 elements per DRAM array")
     ap.add_argument("--timeline", default="",
-                    help="folder for a Chrome trace and a PNG of the last step of each of ours")
+                    help="folder for a Chrome trace and a PNG of the last step of each of ours "
+                         "(of the last two for delayed ones), with the forward and backward")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model on the CPU, 1+2 steps, a small floor (sets the options above)")
     ap.add_argument("--one", help="run one system in this process and print its JSON")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 import sys
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -75,17 +75,28 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                     if r["device"] == "cpu" and "mu" in r["path"].split("."))
 
     ahead = {"kept": 0, "redone": 0, "held": 0}
+    device = next(iter(params.values())).device
+
+    def mark() -> Any:  # a point on the compute stream, for the timeline's forward/backward lane
+        return timeline.stamp(device) if timeline is not None else None
 
     def step(loss_fn: Callable[[], torch.Tensor]) -> None:
+        t0 = mark()
         loss = loss_fn()
+        t1 = mark()
         if mode == "stream":
             with fo.stream(opt, holder[0]) as s:
                 loss.backward()
+                t2 = mark()
             _, holder[0] = s.finish()
             ahead[{True: "kept", False: "redone", None: "held"}[getattr(s, "committed", None)]] += 1
         else:
             loss.backward()
+            t2 = mark()
             _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+        if timeline is not None:
+            timeline.span("GPU fwd/bwd", "forward", t0, t1)
+            timeline.span("GPU fwd/bwd", "backward", t1, t2)
         for p in params.values():
             p.grad = None
 

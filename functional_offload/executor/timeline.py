@@ -3,9 +3,11 @@
 Attach one to an executor (``HostExecutor(timeline=Timeline())``); each update then records
 spans on lanes ``D2H`` and ``H2D`` (CUDA events with timing on the copy streams), ``GPU update``
 (the device-resident kernels, on the compute stream) and one lane per CPU worker thread
-(``kernel c<k>``: a piece of chunk ``k``). Recording costs two events or two clock reads per
-span; the CUDA times are resolved only when exported (which synchronizes), against one
-reference event taken after a synchronize when the first CUDA span is recorded.
+(``kernel c<k>``: a piece of chunk ``k``). The training loop may record lanes of its own with
+:meth:`stamp` and :meth:`span` (e.g. the forward and backward on the compute stream); they are
+drawn first. Recording costs two events or two clock reads per span; the CUDA times are
+resolved only when exported (which synchronizes), against one reference event taken after a
+synchronize when the first CUDA span is recorded.
 """
 
 from __future__ import annotations
@@ -77,12 +79,14 @@ class Timeline:
                 for lane, name, a, b in sorted(spans, key=lambda s: s[2])]
 
     def lanes(self, events: list[dict[str, Any]]) -> list[str]:
-        """Lanes in display order: GPU update, D2H, workers (numerically), H2D."""
-        order = {"GPU update": 0, "D2H": 1, "H2D": 3}
+        """Lanes in display order: the caller's own (by name), GPU update, D2H, workers
+        (numerically), H2D."""
+        order = {"GPU update": 1, "D2H": 2, "H2D": 4}
 
         def key(lane: str) -> tuple:
             head, _, num = lane.rpartition("_")
-            return (order.get(lane, 2), head, int(num) if num.isdigit() else -1, lane)
+            rank = order.get(lane, 3 if head == "fo-host" else 0)
+            return (rank, head, int(num) if num.isdigit() else -1, lane)
 
         return sorted({e["lane"] for e in events}, key=key)
 
@@ -106,13 +110,15 @@ class Timeline:
 
         events = self.events()
         lanes = self.lanes(events)
-        colors = {"GPU update": "tab:green", "D2H": "tab:blue", "H2D": "tab:orange"}
+        colors = {"GPU update": "tab:green", "D2H": "tab:blue", "H2D": "tab:orange",
+                  "forward": "tab:purple", "backward": "plum"}  # by lane, or by span name
         fig, ax = plt.subplots(figsize=(12, 0.35 * len(lanes) + 1.2))
         for i, lane in enumerate(lanes):
             mine = [e for e in events if e["lane"] == lane]
             ax.broken_barh([(e["start_us"] / 1e3, e["dur_us"] / 1e3) for e in mine], (i - 0.4, 0.8),
                            facecolors=["gainsboro" if e["name"].startswith("wait")  # a worker waiting
-                                       else colors.get(lane, "tab:gray") for e in mine])
+                                       else colors.get(e["name"], colors.get(lane, "tab:gray"))
+                                       for e in mine])
         ax.set_yticks(range(len(lanes)), lanes)
         ax.invert_yaxis()
         ax.set_xlabel("ms")
