@@ -284,7 +284,7 @@ def test_device_groups_with_missing_grads_decay_mask_and_ema():
         states.append((p, fo.state_dict(s)))
     (p_dev, s_dev), (p_host, s_host) = states
     close(p_dev, p_host, atol=1e-5, rtol=1e-5)
-    assert s_dev.keys() == s_host.keys()
+    assert set(s_dev) <= set(s_host)  # the host one has masters of the fp32 params too
     for k in s_dev:
         assert torch.allclose(s_dev[k].cpu().double(), s_host[k].cpu().double(), atol=1e-5, rtol=1e-5), k
 

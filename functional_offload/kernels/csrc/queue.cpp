@@ -11,11 +11,15 @@
 // Per piece, optionally: `targets` (the new value and moments go there instead of in place: the
 // old state stays intact until the caller commits), an `ema` of the value updated in the same
 // pass, and `out` (the param in the grad's dtype). Blocks are processed in sub-blocks small
-// enough to stay in cache, so the copy to targets and the EMA reread nothing from memory.
+// enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
+// computed in a per-thread scratch and streamed to them with non-temporal stores: a plain store
+// reads each line of the target before writing it, a third more memory traffic than in place.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -27,6 +31,10 @@
 #include <vector>
 
 #include "ops.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace fo {
 
@@ -46,6 +54,7 @@ const Op& find_op(const std::string& name) {
 namespace {
 
 constexpr int64_t kSub = 4096;  // elements per cache-resident sub-block
+constexpr int64_t kStagedSub = 1024;  // the same with targets: its scratch stays in L1
 
 int grad_index(at::ScalarType t) {
   switch (t) {
@@ -67,6 +76,27 @@ int moment_index(at::ScalarType t) {
 void check(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
   TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, expected ", n);
+}
+
+// `bytes` from `src` to `dst` with non-temporal stores where the CPU has them (the caller fences
+// before publishing the result to other threads).
+void stream_copy(void* dst, const void* src, size_t bytes) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const size_t head = std::min(bytes, (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16);
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  for (; bytes >= 16; bytes -= 16, d += 16, s += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+  std::memcpy(d, s, bytes);
+}
+
+void fence_streams() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 int64_t now_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linux
@@ -106,24 +136,21 @@ struct Chunk {
     const Piece& p = pieces[i];
     const size_t k = p.state.size() - 1;  // moments
     const int64_t gsize = p.grad.element_size();
-    for (int64_t off = a; off < a + len; off += kSub) {
-      const int64_t n = std::min(kSub, a + len - off);
-      const std::vector<at::Tensor>& dst = p.targets.empty() ? p.state : p.targets;
-      if (!p.targets.empty()) {
-        for (size_t j = 0; j <= k; ++j) {
-          const int64_t es = p.state[j].element_size();
-          std::memcpy(static_cast<char*>(dst[j].data_ptr()) + off * es,
-                      static_cast<const char*>(p.state[j].data_ptr()) + off * es, size_t(n * es));
-        }
+    const bool staged = !p.targets.empty();  // computed in the scratch, streamed to the targets
+    thread_local std::vector<float> scratch(size_t(kStagedSub) * (kMaxMoments + 1));
+    void* where[kMaxMoments + 1];  // where the sub-block's value and moments are updated
+    const int64_t sub = staged ? kStagedSub : kSub;
+    for (int64_t off = a; off < a + len; off += sub) {
+      const int64_t n = std::min(sub, a + len - off);
+      for (size_t j = 0; j <= k; ++j) {
+        char* x = static_cast<char*>(p.state[j].data_ptr()) + off * p.state[j].element_size();
+        where[j] = staged ? static_cast<void*>(scratch.data() + j * kStagedSub) : static_cast<void*>(x);
+        if (staged) std::memcpy(where[j], x, size_t(n * p.state[j].element_size()));
       }
       Block b;
-      b.value = dst[0].data_ptr<float>() + off;
+      b.value = static_cast<float*>(where[0]);
       b.grad = static_cast<const char*>(p.grad.data_ptr()) + off * gsize;
-      for (int j = 0; j < kMaxMoments; ++j) {
-        b.moments[j] = size_t(j) < k
-            ? static_cast<void*>(static_cast<char*>(dst[j + 1].data_ptr()) + off * dst[j + 1].element_size())
-            : nullptr;
-      }
+      for (int j = 0; j < kMaxMoments; ++j) b.moments[j] = size_t(j) < k ? where[j + 1] : nullptr;
       b.out = p.out.defined() ? static_cast<char*>(p.out.data_ptr()) + off * gsize : nullptr;
       b.n = n;
       b.scalars = p.scalars.data();
@@ -136,7 +163,14 @@ struct Chunk {
 #pragma omp simd
         for (int64_t t = 0; t < n; ++t) d[t] = lerp(e[t], v[t], w);
       }
+      if (staged) {
+        for (size_t j = 0; j <= k; ++j) {
+          const int64_t es = p.targets[j].element_size();
+          stream_copy(static_cast<char*>(p.targets[j].data_ptr()) + off * es, where[j], size_t(n * es));
+        }
+      }
     }
+    if (staged) fence_streams();
   }
 };
 
