@@ -289,6 +289,24 @@ def test_device_groups_with_missing_grads_decay_mask_and_ema():
         assert torch.allclose(s_dev[k].cpu().double(), s_host[k].cpu().double(), atol=1e-5, rtol=1e-5), k
 
 
+def test_device_group_follows_a_param_dtype_change():
+    """fp32 params with device-resident state (no masters) and one of them cast to fp16 between
+    updates: the next update groups it apart (the fused kernel takes one dtype) and steps it as
+    the same loop does on the CPU."""
+    results = []
+    for dev in (DEV, torch.device("cpu")):
+        g = torch.Generator().manual_seed(0)
+        p = {"a": torch.randn(16, 8, generator=g).to(dev), "b": torch.randn(8, generator=g).to(dev)}
+        opt = fo.adamw(1e-2, placement=fo.placement.on_device(), cpu_kernel="torch")
+        s = opt.init(p)
+        p, s = opt.update({k: torch.randn(v.shape, generator=g).to(dev) for k, v in p.items()}, s)
+        p["b"].data = p["b"].data.half()
+        p, s = opt.update({k: torch.randn(v.shape, generator=g).to(dev, v.dtype) for k, v in p.items()}, s)
+        results.append({k: v.cpu() for k, v in p.items()})
+    assert results[0]["b"].dtype == torch.float16
+    close(results[0], results[1], atol=1e-3, rtol=1e-3)
+
+
 # ---- the failure contract on the GPU (streams, copies, events in flight) -------------------
 
 def _gpu_model():

@@ -226,6 +226,29 @@ def test_param_dtype_change_between_updates_is_followed():
     assert all(v.dtype == torch.float64 and torch.equal(v, torch.full_like(v, -2.0)) for v in params.values())
 
 
+@pytest.mark.parametrize("shape", [(20,), (5, 4)])
+def test_small_packed_param_reshaped_between_updates_is_followed(shape):
+    """``param.data = param.data.reshape(...)`` on a small bf16 param (its host state shares
+    arenas with other small leaves) between updates: the next update steps it as if it had had
+    the new shape from the start."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(4, 5, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16()
+    grads = [(torch.randn(20, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16())
+             for _ in range(2)]
+    p = {"w": w.clone(), "b": b.clone()}
+    opt = fo.adamw(1e-2)
+    state = opt.init(p)
+    p, state = opt.update({"w": grads[0][0].view(4, 5), "b": grads[0][1]}, state)
+    p["w"].data = p["w"].data.reshape(shape)
+    p, state = opt.update({"w": grads[1][0].view(shape), "b": grads[1][1]}, state)
+    q = {"w": w.reshape(-1).clone(), "b": b.clone()}
+    q_state = opt.init(q)
+    for gw, gb in grads:
+        q, q_state = opt.update({"w": gw, "b": gb}, q_state)
+    assert int(state.count) == 2
+    assert torch.equal(p["w"].reshape(-1), q["w"]) and torch.equal(p["b"], q["b"])
+
+
 @pytest.mark.parametrize("first,then", [("native", "torch"), ("torch", "native")])
 def test_cpu_kernel_changed_between_updates_is_followed(first, then):
     """A state stepped with one ``cpu_kernel`` and continued by an optimizer with another runs

@@ -106,6 +106,7 @@ class _Static(NamedTuple):
     view_ptrs: list[int]  # the address each of those views was made at
     pack_runs: list[list[tuple[int, int]]]  # per pack, its runs when every member has a grad
     numels: list[int]  # per leaf
+    params: list[tuple[torch.dtype, torch.Size]]  # per leaf, its param's dtype and shape then
 
 
 def _viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
@@ -141,7 +142,8 @@ def _static(leaves: list[Leaf], packs: list[Pack]) -> _Static:
                    frozenset(lf.param.device for lf in leaves if lf.param.is_cuda),
                    frozenset(leaves[i].param.device for i in host), *_viewed(leaves),
                    [runs_of(pack, [True] * len(leaves), decays) for pack in packs],
-                   [leaf.param.numel() for leaf in leaves])
+                   [leaf.param.numel() for leaf in leaves],
+                   [(leaf.param.dtype, leaf.param.shape) for leaf in leaves])
 
 
 class _Pending:
@@ -311,21 +313,32 @@ class TerminalStep:
                 and (leaf.has_master or not self.speculative) and index not in self.packed)
 
     def _grads(self, grads: Any) -> list[Optional[torch.Tensor]]:
-        """Every leaf's grad: the fed ones, the others from ``grads`` (checked)."""
+        """Every leaf's grad: the fed ones, the others from ``grads`` (checked). A param whose
+        dtype or shape changed since the step's static part was made (``param.data = ...``,
+        ``module.half()``) has it made again (the device groups, the packs' buffers)."""
         params = self.state.params.tree
         given = [None] * len(self.leaves) if grads is None else flatten_like(grads, params, "grads")
         fed, tensor, strided = self.fed, torch.Tensor, torch.strided
-        out = []
-        for leaf, g in zip(self.leaves, given):
+        out: list[Optional[torch.Tensor]] = []
+        changed = False
+        for leaf, g, (dtype, shape) in zip(self.leaves, given, self.static.params):
             p = leaf.param
             if fed and len(out) in fed:
-                out.append(fed[len(out)])
-            elif g is None or (type(g) is tensor and g.dtype is p.dtype and g.shape == p.shape
-                               and g.layout is strided and g.device == p.device
-                               and g.data_ptr() != p.data_ptr()):
+                g = fed[len(out)]
+                changed = changed or g.dtype is not dtype or g.shape != shape
+                out.append(g)
+            elif g is None or (type(g) is tensor and g.dtype is dtype and p.dtype is dtype
+                               and g.shape == shape and p.shape == shape and g.layout is strided
+                               and g.device == p.device and g.data_ptr() != p.data_ptr()):
                 out.append(g)  # the common case, checked quickly
             else:
                 out.append(check_grad(leaf.path, g, p))
+                changed = changed or p.dtype is not dtype or p.shape != shape
+        if changed:
+            for key in [k for k in self.notes if isinstance(k, tuple) and k[0] == "pack"]:
+                del self.notes[key]
+            self.static = _static(self.leaves, self.packs)
+            self.notes["static"] = (self.leaves, self.static)
         return out
 
     def _check_views(self) -> bool:
