@@ -105,7 +105,6 @@ class _Static(NamedTuple):
     viewed: list[tuple[int, torch.Tensor]]  # (leaf, tensor) per host-view
     view_ptrs: list[int]  # the address each of those views was made at
     pack_runs: list[list[tuple[int, int]]]  # per pack, its runs when every member has a grad
-    numels: list[int]  # per leaf
     params: list[tuple[torch.dtype, torch.Size]]  # per leaf, its param's dtype and shape then
 
 
@@ -142,7 +141,6 @@ def _static(leaves: list[Leaf], packs: list[Pack]) -> _Static:
                    frozenset(lf.param.device for lf in leaves if lf.param.is_cuda),
                    frozenset(leaves[i].param.device for i in host), *_viewed(leaves),
                    [runs_of(pack, [True] * len(leaves), decays) for pack in packs],
-                   [leaf.param.numel() for leaf in leaves],
                    [(leaf.param.dtype, leaf.param.shape) for leaf in leaves])
 
 
@@ -562,7 +560,7 @@ class TerminalStep:
                 elements: dict[torch.device, int] = {}
                 for i in rest:
                     device = gs[i].device
-                    elements[device] = elements.get(device, 0) + self.static.numels[i]
+                    elements[device] = elements.get(device, 0) + self.static.params[i][1].numel()
                 packed_out = self._packed_leaves(gs, streams, runs, elements)
                 for device, idx in self._by_device([i for i in rest if i not in self.packed], gs).items():
                     self._run(device, runs, elements).add_all(
