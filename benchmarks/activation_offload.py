@@ -124,7 +124,7 @@ def run_system(args: argparse.Namespace) -> dict:
         loss.backward()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(args.warmup + (4 if kind == "budget" else 0)):  # profile, check the peak
+    for _ in range(args.warmup + (5 if kind == "budget" else 0)):  # profile, check the peak
         step()
     model.zero_grad(set_to_none=True)
     sync()
@@ -189,8 +189,9 @@ def report(rows: list[dict], args: argparse.Namespace, pcie: float | None) -> No
     print(f"\nGPT decoder: d={args.d}, {args.blocks} blocks, {args.heads} heads, vocab {args.vocab}, "
           f"{args.tokens} tokens ({args.tokens // args.seq} x {args.seq}), bf16, {args.device}; "
           f"median of {args.steps} steps" + (f"; pinned D2H {pcie:.1f} GB/s" if pcie else ""))
-    print(f"{'system':<16} {'step s':>8} {'x none':>7} {'peak GiB':>9} {'% none':>7} "
-          f"{'budget':>7} {'GB moved':>9} {'waits':>6} {'grads':>6}  plan")
+    print(f"{'system':<16} {'step s':>8} {'pred s':>7} {'x none':>7} {'peak GiB':>9} "
+          f"{'pred GiB':>9} {'% none':>7} {'budget':>7} {'GB moved':>9} {'waits':>6} {'grads':>6}"
+          "  plan")
     for r in rows:
         same = r["grads"] == none["grads"]
         pct = f"{100 * r['peak_bytes'] / none['peak_bytes']:.0f}" if r["peak_bytes"] else "n/a"
@@ -198,9 +199,11 @@ def report(rows: list[dict], args: argparse.Namespace, pcie: float | None) -> No
         summary = " ".join(f"{d}={dec.count(d)}" for d in dict.fromkeys(dec))
         waits = r["stats"]["waits"] if "stats" in r else "-"
         moved = f"{r['moved_bytes'] / 1e9:.2f}" if "moved_bytes" in r else "-"
-        print(f"{r['system']:<16} {r['step_s']:>8.3f} {r['step_s'] / none['step_s']:>7.2f} "
-              f"{gib(r['peak_bytes']):>9} {pct:>7} {gib(r['budget_bytes']):>7} {moved:>9} "
-              f"{waits:>6} {'same' if same else 'DIFF':>6}  {summary}")
+        pred = f"{r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-"
+        print(f"{r['system']:<16} {r['step_s']:>8.3f} {pred:>7} {r['step_s'] / none['step_s']:>7.2f} "
+              f"{gib(r['peak_bytes']):>9} {gib(r.get('predicted_peak')):>9} {pct:>7} "
+              f"{gib(r['budget_bytes']):>7} {moved:>9} {waits:>6} {'same' if same else 'DIFF':>6}"
+              f"  {summary}")
     by = {r["system"]: r for r in rows}
     if none["peak_bytes"] is None:
         return

@@ -1,4 +1,12 @@
-"""The profiling step: per-group bytes, times and memory, turned into a :class:`Profile`.
+"""The profiling steps: per-group bytes, memory and times, turned into a :class:`Profile`.
+
+Two steps per input shape. The first offloads every group but the last: every saved byte passes
+the hooks, the copy rates are measured, and the memory stays low. Its times are not the
+groups' own: the forward waits for copies and for new pinned host buffers (pinning gigabytes
+stalls the host for seconds). The second recomputes every group that can be recomputed (and
+keeps the last): nothing moves, so each group's forward time is its compute, and each group's
+backward span (from the start of its recompute to the start of the previous group's) less its
+recompute gives the backward's ratio to the forward.
 
 On a GPU, times come from CUDA events on the compute and copy streams (read once, when the
 step's backward ends: one synchronization per profiling step) and memory from the caching
@@ -10,19 +18,25 @@ and the memory model counts saved bytes only.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import time
 from typing import Any, Optional, Sequence
 
 import torch
 
-from functional_offload.activations.planner import KEEP, OFFLOAD, Profile
+from functional_offload.activations.planner import KEEP, OFFLOAD, RECOMPUTE, Profile
 
 
 class Measure:
     """Records one step; :meth:`profile` turns it into a :class:`Profile` after backward."""
 
-    def __init__(self, num_groups: int, device: torch.device, start_bytes: int, can_move: bool):
+    def __init__(self, num_groups: int, device: torch.device, start_bytes: int, can_move: bool,
+                 timing: bool = False):
         n = num_groups
+        self.timing = timing  # the second profiling step (recompute): times only
+        if timing:  # checkpoint's first call imports torch._dynamo (seconds): not a group's time
+            importlib.import_module("torch._dynamo")
         self.cuda = device.type == "cuda"
         self.device, self.start_bytes, self.can_move = device, start_bytes, can_move
         self.enter: list[Any] = [None] * n
@@ -66,12 +80,10 @@ class Measure:
         if raw > self.top[0]:
             self.top = (raw, phase)
 
-    def profile(self, saved: Sequence[int], small: Sequence[int], outside_before: int,
-                outside: int) -> Optional[Profile]:
-        """The step's :class:`Profile` (None when a group did not run)."""
-        n = len(saved)
-        if any(m is None for m in self.enter + self.exit):
-            return None
+    def _forward(self) -> tuple[list[float], float]:
+        """Each group's forward time and the loss head's (between the forward's last group and
+        the backward's first), less the time the compute stood idle in host waits."""
+        n = len(self.enter)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         gap = [0.0] * (n + 1)  # per group; the last slot: outside the groups
@@ -80,6 +92,19 @@ class Measure:
         fwd = [max(self._seconds(self.enter[i], self.exit[i]) - gap[i], 1e-9) for i in range(n)]
         outside_s = 0.0 if self.bwd[n - 1] is None else max(
             self._seconds(self.exit[n - 1], self.bwd[n - 1]) - gap[n], 0.0)
+        return fwd, outside_s
+
+    def complete(self) -> bool:
+        return not any(m is None for m in self.enter + self.exit)
+
+    def profile(self, saved: Sequence[int], small: Sequence[int], outside_before: int,
+                outside: int) -> Optional[Profile]:
+        """The first step's :class:`Profile` (None when a group did not run); its times are
+        replaced by the second step's (:meth:`times`) where that step runs."""
+        n = len(saved)
+        if not self.complete():
+            return None
+        fwd, outside_s = self._forward()
         beta = 2.0
         if n > 1 and self.bwd[n - 1] is not None and self.bwd[n - 2] is not None:
             beta = min(max(self._seconds(self.bwd[n - 1], self.bwd[n - 2]) / fwd[n - 1], 0.5), 4.0)
@@ -105,8 +130,35 @@ class Measure:
         return Profile(list(saved), list(small), list(self.inputs), fwd, list(self.recomputable),
                        other_fwd, other_bwd, head, beta, outside_s, d2h, h2d, peak)
 
+    def times(self, profile: Profile, decisions: Sequence[str]) -> Optional[Profile]:
+        """``profile`` with the second step's times: each group's forward, the backward's ratio
+        (over the groups that did not offload: backward spans less recompute, over forward
+        time), and the loss head's. None when a group did not run."""
+        n = len(decisions)
+        if not self.complete():
+            return None
+        fwd, outside_s = self._forward()
+        spans = forwards = 0.0
+        for i in range(1, n):
+            if decisions[i] != OFFLOAD and self.bwd[i] is not None and self.bwd[i - 1] is not None:
+                span = self._seconds(self.bwd[i], self.bwd[i - 1])
+                spans += span - (fwd[i] if decisions[i] == RECOMPUTE else 0.0)
+                forwards += fwd[i]
+        beta = min(max(spans / forwards, 0.5), 4.0) if forwards > 0 else profile.backward_ratio
+        forward_s = [fwd[i] if decisions[i] != OFFLOAD else profile.forward_s[i] for i in range(n)]
+        return dataclasses.replace(profile, forward_s=forward_s, backward_ratio=beta,
+                                   outside_s=outside_s)
+
 
 def profiling_decisions(num_groups: int, can_move: bool) -> list[str]:
     """The profiling step offloads every group but the last (memory stays low; every saved byte
     is seen by the hooks), or keeps everything where nothing can move."""
     return [OFFLOAD if can_move and i < num_groups - 1 else KEEP for i in range(num_groups)]
+
+
+def timing_decisions(recomputable: Sequence[bool], can_move: bool) -> list[str]:
+    """The second profiling step recomputes every group it can but the last; a group marked
+    with ``group()`` is offloaded (kept where nothing can move) as in the first step."""
+    n = len(recomputable)
+    return [RECOMPUTE if recomputable[i] and i < n - 1 else
+            OFFLOAD if can_move and i < n - 1 else KEEP for i in range(n)]

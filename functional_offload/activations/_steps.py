@@ -1,5 +1,6 @@
-"""Per-step state, and budget mode's bookkeeping: one plan per input shape, made from a profiling
-step and, on a GPU, checked against the measured peak of the next steps and corrected."""
+"""Per-step state, and budget mode's bookkeeping: one plan per input shape, made from two profiling
+steps (memory, then times) and, on a GPU, checked against the measured peak of the next steps and
+corrected."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from functional_offload.activations import planner
-from functional_offload.activations._measure import Measure, profiling_decisions
+from functional_offload.activations._measure import Measure, profiling_decisions, timing_decisions
 from functional_offload.activations.planner import KEEP, OFFLOAD, Plan, Profile
 
 
@@ -45,8 +46,8 @@ class Step:
 
 class _PlanState:
     def __init__(self, profile: Profile):
-        self.profile, self.margin, self.plan = profile, 0, None
-        self.verify_left = 3 if profile.peak_bytes is not None else 0  # GPU: check the peak
+        self.profile, self.margin, self.plan = profile, 0, None  # no plan: times not measured yet
+        self.verify_left = 4 if profile.peak_bytes is not None else 0  # GPU: check the peak
 
 
 class Budget:
@@ -68,9 +69,12 @@ class Budget:
         """Set ``step``'s decisions: its key's plan, or profiling (returns the recorder)."""
         self.last_key = step.key
         state = self.plans.get(step.key)
-        if state is None:
-            step.decisions = profiling_decisions(self.num_groups, can_move)
-            step.measure = Measure(self.num_groups, step.device, step.start_bytes, can_move)
+        if state is None or state.plan is None:
+            timing = state is not None
+            step.decisions = timing_decisions(state.profile.recomputable, can_move) if timing \
+                else profiling_decisions(self.num_groups, can_move)
+            step.measure = Measure(self.num_groups, step.device, step.start_bytes, can_move,
+                                   timing=timing)
             return step.measure
         step.decisions, step.prefetch = list(state.plan.decisions), state.plan.prefetch
         if state.verify_left > 0 and step.device.type == "cuda":
@@ -80,24 +84,20 @@ class Budget:
 
     def backward_done(self, step: Step) -> None:
         """Plan from a profiling step; correct a plan by a measured peak; notice new shapes."""
-        if step.measure is not None:
-            profile = step.measure.profile(step.saved, step.small, step.outside_before, step.outside)
-            if profile is not None:
-                self.stats["measured_steps"] += 1
-                self.plans[step.key] = state = _PlanState(profile)
-                self._replan(state)
-                if len(self.plans) > 8:  # input shapes seen long ago
-                    del self.plans[next(iter(self.plans))]
-            return
         state = self.plans.get(step.key)
-        if state is None or tuple(step.decisions) != state.plan.decisions:
+        if step.measure is not None:
+            self._profiled(step, state)
             return
-        if step.verify:  # the model's error on this plan becomes its margin
+        if state is None or state.plan is None or tuple(step.decisions) != state.plan.decisions:
+            return
+        if step.verify:  # the model's error on this plan becomes its margin (it only grows)
             measured = torch.cuda.max_memory_allocated(step.device) - step.start_bytes
-            state.margin = max(0, state.margin + measured - state.plan.peak_bytes)
-            before = state.plan.decisions
+            if measured <= self.budget_bytes:
+                state.verify_left = 0  # met: keep this plan
+                return
+            state.margin = max(state.margin, measured - (state.plan.peak_bytes - state.margin))
+            state.verify_left -= 1
             self._replan(state)
-            state.verify_left = 0 if state.plan.decisions == before else state.verify_left - 1
             return
         p = state.profile  # shapes changed without a new key (groups marked with group())?
         for i, d in enumerate(step.decisions):
@@ -105,6 +105,30 @@ class Budget:
             if d in (KEEP, OFFLOAD) and abs(now - was) > 0.05 * max(was, 1):
                 del self.plans[step.key]  # the next step profiles again
                 return
+
+    def _profiled(self, step: Step, state: Optional[_PlanState]) -> None:
+        """After a profiling step: the memory profile (first step), or its times and the plan."""
+        m = step.measure
+        if not m.timing:
+            if state is not None:  # a second forward recorded before the first backward
+                return
+            profile = m.profile(step.saved, step.small, step.outside_before, step.outside)
+            if profile is None:
+                return
+            self.stats["measured_steps"] += 1
+            self.plans[step.key] = state = _PlanState(profile)
+            if len(self.plans) > 8:  # input shapes seen long ago
+                del self.plans[next(iter(self.plans))]
+            if not any(profile.recomputable[:-1]):  # nothing to recompute: these times will do
+                self._replan(state)
+            return
+        if state is None or state.plan is not None:
+            return
+        profile = m.times(state.profile, step.decisions)
+        if profile is not None:
+            self.stats["measured_steps"] += 1
+            state.profile = profile
+            self._replan(state)
 
     def _replan(self, state: _PlanState) -> None:
         state.plan = p = planner.plan(state.profile, self.budget_bytes,

@@ -57,10 +57,11 @@ class ActivationOffload:
       offload: offload the earliest groups: a count (int) or a fraction of ``num_groups`` (float,
         rounded down); never the last group. Exclusive with ``budget_bytes``.
       budget_bytes: bound on the step's peak device memory above what was allocated when the
-        forward began (activations, the loss head, grads, workspace: everything). The first step
-        of each input shape profiles (every group offloaded), then a plan (:attr:`plan`) keeps,
-        offloads or recomputes each group for the least predicted time; on a GPU the next steps
-        check the peak and correct the plan (up to three times).
+        forward began (activations, the loss head, grads, workspace: everything). The first two
+        steps of each input shape profile it (memory with every group offloaded, then compute
+        times with every group recomputed), then a plan (:attr:`plan`) keeps, offloads or
+        recomputes each group for the least predicted time; on a GPU the next steps check the
+        peak and correct the plan until it fits (up to four times).
       min_bytes: saved tensors smaller than this stay on the device.
       prefetch: how many groups ahead of the one in backward to reload (>= 1); with
         ``budget_bytes`` the plan chooses it.
@@ -76,12 +77,13 @@ class ActivationOffload:
         blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
         off = fo.ActivationOffload(len(blocks), budget_bytes=1 << 20)
         off.wrap(blocks)  # block i is group i
-        with off.record(exclude=blocks):
-            x = torch.randn(512, 64)
-            for block in blocks:
-                x = torch.tanh(block(x))
-        x.square().mean().backward()
-        print(off.plan)  # made from this first (profiling) step
+        for step in range(2):  # the two profiling steps
+            with off.record(exclude=blocks):
+                x = torch.randn(512, 64)
+                for block in blocks:
+                    x = torch.tanh(block(x))
+            x.square().mean().backward()
+        print(off.plan)  # made from them
     """
 
     def __init__(self, num_groups: int, offload: Union[int, float, None] = None, *,
@@ -142,7 +144,7 @@ class ActivationOffload:
     # ---- the public surface ---------------------------------------------------------------
     @property
     def plan(self) -> Optional[Plan]:
-        """The budget plan for the latest input shape (None before its profiling step)."""
+        """The budget plan for the latest input shape (None before its profiling steps)."""
         return self._budget.plan if self._budget is not None else None
 
     @property
