@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -93,12 +94,13 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, **kw) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.d, **kw)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
         """Logits for token ids ``idx`` of shape (batch, seq); the head is ``wte`` (tied)."""
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if checkpoint \
+                else block(x)
         return F.linear(self.ln_f(x), self.wte.weight)
 
 
@@ -143,9 +145,12 @@ def batch(cfg: GPTConfig, tokens: int, device: torch.device | str,
     return ids[0], ids[1]
 
 
-def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy (computed in fp32) of the model's logits against ``targets``."""
-    logits = model(inputs)
+def loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+         checkpoint: bool = False) -> torch.Tensor:
+    """Mean cross entropy (computed in fp32) of the model's logits against ``targets``;
+    ``checkpoint``: every block under ``torch.utils.checkpoint`` (non-reentrant), for token
+    counts whose activations would not fit."""
+    logits = model(inputs, checkpoint)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 

@@ -195,7 +195,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         return {"system": spec, "error": f"unavailable: {e}"}
 
     def loss_fn() -> torch.Tensor:
-        return gpt.loss(model, inputs, targets)
+        return gpt.loss(model, inputs, targets, args.checkpoint)
 
     for _ in range(args.warmup):
         step(loss_fn)
@@ -259,7 +259,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     """The summary lines: the floor, fwd/bwd, then one row per system."""
     fl = next((r for r in rows if r["system"] == "floor" and "kernel_gelems" in r), None)
     fb = next((r for r in rows if r["system"] == "fwdbwd" and "fwd_s" in r), None)
-    out = [f"\nE2E GPT {args.size}, {args.tokens} tokens, device {args.device}; median of "
+    out = [f"\nE2E GPT {args.size}, {args.tokens} tokens"
+           + (", every block checkpointed" if args.checkpoint else "") + f", device {args.device}; median of "
            f"{args.steps} steps after {args.warmup}; ratios use the mean wall time (incl. flush)"]
     if fl:
         out.append(f"host: kernel {fl['kernel_gelems']:.2f} G elem/s (bf16 moments "
@@ -300,6 +301,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--size", default="1.3b", help="GPT size (gpt.py): tiny, 125m, ..., 6.7b")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch x seq)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="every system recomputes each block in backward (torch.utils.checkpoint), "
+                         "for token counts whose activations would not fit")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--systems", default=DEFAULT)
