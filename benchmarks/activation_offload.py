@@ -232,13 +232,17 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    placed: list[tuple[float, float]] = []  # labelled points, to stack labels of close ones
     for r in rows:
         x = r["peak_bytes"] if r["peak_bytes"] is not None else r.get(
             "peak_proxy", r.get("predicted_peak"))
         if x is None:
             continue
-        ax.scatter(x / GiB, r["step_s"], s=30)
-        ax.annotate(r["system"], (x / GiB, r["step_s"]), textcoords="offset points", xytext=(4, 4),
+        pt = (x / GiB, r["step_s"])
+        near = sum(abs(pt[0] - a) < 1.5 and abs(pt[1] - b) < 0.05 for a, b in placed)
+        placed.append(pt)
+        ax.scatter(*pt, s=30)
+        ax.annotate(r["system"], pt, textcoords="offset points", xytext=(6, 4 - 11 * near),
                     fontsize=8)
     ax.set_xlabel("peak memory above the model, GiB" if rows[0]["peak_bytes"] is not None
                   else "saved bytes (none, checkpoint) or the plan's predicted peak, GiB "
