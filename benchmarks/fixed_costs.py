@@ -3,6 +3,7 @@ torch's fused AdamW, each system and leaf count in a fresh process.
 
     python benchmarks/fixed_costs.py --out fixed.json                 # 4, 64, 292 leaves x 256
     python benchmarks/fixed_costs.py --leaves 292 --numel 4096 --dtype float32
+    python benchmarks/fixed_costs.py --clip                           # clipping at 1.0 first, both
     python benchmarks/fixed_costs.py --smoke                          # on the CPU, few updates
 
 Leaves of ``--numel`` elements on the GPU in ``--dtype`` (bf16 by default: ours then keeps fp32
@@ -32,18 +33,27 @@ from ours import HYPER, fo
 SYSTEMS = ("torch", "device", "host")
 
 
-def updater(system: str, params: dict[str, torch.Tensor],
-            grads: dict[str, torch.Tensor]) -> Callable[[], None]:
-    """One update of ``params`` with ``grads`` by ``system``."""
+def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+            clip: bool = False) -> Callable[[], None]:
+    """One update of ``params`` with ``grads`` by ``system``; ``clip``: gradient clipping at
+    1.0 first (torch: ``clip_grad_norm_``; ours: ``clip_by_global_norm`` chained in front)."""
     if system == "torch":
         for k, p in params.items():
             p.requires_grad_(True).grad = grads[k]
         opt = torch.optim.AdamW(list(params.values()), fused=True, **HYPER)
-        return opt.step
+        if not clip:
+            return opt.step
+
+        def step() -> None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+            opt.step()
+        return step
     if system not in SYSTEMS:
         raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     where = fo.placement.on_device() if system == "device" else fo.placement.on_host()
     opt = fo.adamw(placement=where, **HYPER)
+    if clip:
+        opt = fo.chain(fo.clip_by_global_norm(1.0), opt)
     holder = [opt.init(params)]
 
     def update() -> None:
@@ -57,7 +67,7 @@ def run_one(system: str, leaves: int, args: argparse.Namespace) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     params = {f"p{i}": torch.randn(args.numel, device=device, generator=g).to(dtype) for i in range(leaves)}
     grads = {k: torch.randn(args.numel, device=device, generator=g).to(dtype) for k in params}
-    update = updater(system, params, grads)
+    update = updater(system, params, grads, args.clip)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -90,6 +100,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--clip", action="store_true", help="clip gradients at norm 1.0 first")
     ap.add_argument("--smoke", action="store_true", help="on the CPU, 5 updates (sets the options)")
     ap.add_argument("--one", help="SYSTEM:LEAVES, run in this process and print its JSON")
     ap.add_argument("--out")
@@ -110,7 +121,8 @@ def main() -> None:
                    else {"system": system, "leaves": leaves, "error": proc.stderr[-800:]})
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\nfixed cost per update, leaves of {args.numel} {args.dtype} elements on {args.device} "
+    clipped = " with clipping" if args.clip else ""
+    print(f"\nfixed cost per update{clipped}, leaves of {args.numel} {args.dtype} elements on {args.device} "
           f"({args.updates} updates; ratio: mean over torch's)")
     print(f"{'system':<8} {'leaves':>6} {'mean ms':>8} {'median ms':>10} {'x torch':>8}")
     for r in rows:

@@ -127,28 +127,37 @@ def check_grad(path: str, g: Any, p: torch.Tensor) -> Optional[torch.Tensor]:
     return g
 
 
+def plain_grad(g: Any, p: torch.Tensor) -> bool:
+    """The common case, checked quickly: ``g`` is a plain dense tensor with ``p``'s dtype, shape
+    and device, and not ``p``'s own memory. False sends a grad to :func:`check_grad`."""
+    return (type(g) is torch.Tensor and g.dtype is p.dtype and g.shape == p.shape
+            and g.layout is torch.strided and not g.is_meta and g.device == p.device
+            and g.data_ptr() != p.data_ptr())
+
+
 def check_float_leaves(tree: Any, what: str) -> list[Optional[torch.Tensor]]:
     """The leaves of ``tree`` (``None`` kept), after checking each is a dense floating tensor;
     raises ``TypeError`` naming the first that is not."""
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-    paths = paths_of(spec)
-    for path, x in zip(paths, leaves):
-        if x is None:
+    for i, x in enumerate(leaves):
+        if x is None or (isinstance(x, torch.Tensor) and x.dtype.is_floating_point
+                         and x.layout is torch.strided and not x.is_meta):
             continue
+        path = paths_of(spec)[i]
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} {path!r} is a {type(x).__name__}; expected a tensor or None")
-        if not x.dtype.is_floating_point or x.layout != torch.strided or x.device.type == "meta":
-            raise TypeError(f"{what} {path!r} is a {describe(x)} tensor; expected a dense floating "
-                            "tensor with data (cast it with .float() or pass the real gradient)")
+        raise TypeError(f"{what} {path!r} is a {describe(x)} tensor; expected a dense floating "
+                        "tensor with data (cast it with .float() or pass the real gradient)")
     return leaves
 
 
 def check_grads(grads: Any, params: Any) -> list[Optional[torch.Tensor]]:
     """The grads of ``params``' leaves in flatten order (local shards of DTensors; ``None``
     where there is none), each checked by :func:`check_grad`."""
-    paths, ps, _ = leaves_with_paths(params)
+    ps, spec = optree.tree_flatten(params)
     gs = flatten_like(grads, params, "grads")
-    return [check_grad(path, g, p) for path, p, g in zip(paths, ps, gs)]
+    return [g if g is None or plain_grad(g, p) else check_grad(paths_of(spec)[i], g, p)
+            for i, (p, g) in enumerate(zip(ps, gs))]
 
 
 def check_no_aliasing(paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> None:

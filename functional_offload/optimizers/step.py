@@ -38,7 +38,7 @@ from functional_offload.kernels.host import host_kernel
 from functional_offload.kernels.work import Kernel
 from functional_offload.optimizers.packing import Buffers, Pack, buffers, span
 from functional_offload.optimizers.packing import runs as runs_of
-from functional_offload.tree import check_grad, flatten_like
+from functional_offload.tree import check_grad, flatten_like, plain_grad
 
 __all__ = ["Leaf", "TerminalStep"]
 
@@ -316,7 +316,7 @@ class TerminalStep:
         ``module.half()``) has it made again (the device groups, the packs' buffers)."""
         params = self.state.params.tree
         given = [None] * len(self.leaves) if grads is None else flatten_like(grads, params, "grads")
-        fed, tensor, strided = self.fed, torch.Tensor, torch.strided
+        fed = self.fed
         out: list[Optional[torch.Tensor]] = []
         changed = False
         for leaf, g, (dtype, shape) in zip(self.leaves, given, self.static.params):
@@ -325,9 +325,7 @@ class TerminalStep:
                 g = fed[len(out)]
                 changed = changed or g.dtype is not dtype or g.shape != shape
                 out.append(g)
-            elif g is None or (type(g) is tensor and g.dtype is dtype and p.dtype is dtype
-                               and g.shape == shape and p.shape == shape and g.layout is strided
-                               and g.device == p.device and g.data_ptr() != p.data_ptr()):
+            elif g is None or (p.dtype is dtype and p.shape == shape and plain_grad(g, p)):
                 out.append(g)  # the common case, checked quickly
             else:
                 out.append(check_grad(leaf.path, g, p))

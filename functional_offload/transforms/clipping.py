@@ -15,21 +15,32 @@ from functional_offload.typing import Params, Updates
 __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
 
 
+def _norm_groups(leaves: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """Per device and dtype of ``leaves`` (checked, none ``None``), their norms as one 1-D
+    tensor on the first leaf's device (one multi-tensor launch and one copy per group)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in leaves:
+        groups[(g.device, g.dtype)].append(g)
+    dev = leaves[0].device
+    return [torch.stack(torch._foreach_norm(gs, ord)).to(dev) for gs in groups.values()]
+
+
 def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
     """The ``ord``-norm of each non-``None`` leaf (multi-tensor kernels, one launch per device
     and dtype), each a 0-dim tensor on the first leaf's device; empty for no leaves."""
     leaves = [g for g in check_float_leaves(updates, "grad") if g is not None]
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in leaves:
-        groups[(g.device, g.dtype)].append(g)
-    return [n.to(leaves[0].device) for gs in groups.values() for n in torch._foreach_norm(gs, ord)]
+    return [n for group in _norm_groups(leaves, ord) for n in group.unbind()] if leaves else []
+
+
+def _global_norm(leaves: list[torch.Tensor]) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.cat(_norm_groups(leaves, 2.0)), 2.0)
 
 
 def global_norm(updates: Updates) -> torch.Tensor:
     r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \lVert g_i \rVert^2}`, as a
     0-dim tensor on the first leaf's device (``None`` leaves are skipped)."""
-    norms = leaf_norms(updates, 2.0)
-    return torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+    leaves = [g for g in check_float_leaves(updates, "grad") if g is not None]
+    return _global_norm(leaves) if leaves else torch.zeros(())
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
@@ -57,20 +68,21 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
+    def of(present: list[torch.Tensor]) -> torch.Tensor:
+        return torch.clamp(max_norm / (_global_norm(present) + 1e-6), max=1.0)
+
     def factor(updates: Updates, state: Any = None) -> torch.Tensor:
         present = [g for g in check_float_leaves(updates, "grad") if g is not None]
-        if not present:
-            return torch.ones(())
-        return torch.clamp(max_norm / (global_norm(present) + 1e-6), max=1.0)
+        return of(present) if present else torch.ones(())
 
     def update(updates: Updates, state: EmptyState) -> tuple[Updates, EmptyState]:
-        leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+        leaves = check_float_leaves(updates, "grad")
         present = [g for g in leaves if g is not None]
         if not present:
             return updates, state
-        coef = factor(present)
+        coef = of(present)
         scaled = iter(torch._foreach_mul(present, coef.to(present[0].device)))
         out: list[Any] = [None if g is None else next(scaled) for g in leaves]
-        return optree.tree_unflatten(spec, out), state
+        return optree.tree_unflatten(optree.tree_structure(updates, none_is_leaf=True), out), state
 
     return GradientTransformation(init, update, factor)
