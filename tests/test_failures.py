@@ -246,6 +246,38 @@ def test_exception_in_backward_aborts_the_streamed_step(front):
         assert all(torch.equal(params[k], p_before[k]) for k in params)
 
 
+@pytest.mark.parametrize("after", [0, 5])
+def test_a_fault_after_a_speculative_step_committed_fails_the_state_it_wrote(after):
+    """A streamed step with clipping runs ahead into spare buffers; once ``finish`` knows the
+    factor is 1 the leaves not begun run in place. Chunks of 32,768 grads: the last layer's
+    weight is chunks 0-3 and begins during backward (ahead); the middle one begins at chunk 4,
+    after ``finish`` (the kernel is slowed). A fault at chunk 5 has written the state in place:
+    failed, not usable. A fault at chunk 0 wrote only spare buffers: the state is as it was."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                torch.nn.GELU(), torch.nn.Linear(512, 256)).to(torch.bfloat16)
+    params = dict(model.named_parameters())
+    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, threads=2, worker_elements=1)
+    opt = fo.chain(fo.clip_by_global_norm(1e6), fo.adamw(1e-2, executor=ex))
+    state = opt.init(params)
+    snap, p_before = snapshot(state), clone(params)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    with slow_host_kernel(0.05), fail_host_kernel(after=after):
+        with fo.stream(opt, state) as s:
+            model(x).float().square().mean().backward()
+        with pytest.raises(fo.HostStepError, match="injected failure of the host kernel on 2.weight"
+                           if after else "injected failure of the host kernel on 4.weight"):
+            s.finish()
+    g = {k: torch.zeros_like(v) for k, v in params.items()}
+    if after == 0:
+        assert same(snapshot(state), snap)
+        assert all(torch.equal(params[k], p_before[k]) for k in params)
+        opt.update(g, state)  # usable
+    else:
+        with pytest.raises(fo.StateError, match="failed"):
+            opt.update(g, state)
+
+
 def test_a_state_in_a_streamed_step_refuses_other_updates():
     model = make_model()
     params = dict(model.named_parameters())

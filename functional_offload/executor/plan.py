@@ -33,6 +33,8 @@ class HostLeaf(NamedTuple):
     ema: Optional[torch.Tensor] = None  # fp32 EMA of the value (1-D), or None
     ema_decay: float = 0.0
     ema_target: Optional[torch.Tensor] = None  # the new EMA goes here; None = in place
+    settled: Optional["HostLeaf"] = None  # the leaf writing in place: used instead of this one
+    #                                       when its run is settled before the leaf begins
 
 
 class Segment(NamedTuple):

@@ -73,6 +73,8 @@ class Run:
         self.chunk_done = chunk_done
         self.inline = inline
         self.started = False
+        self.settled = False
+        self.switched: list[HostLeaf] = []  # leaves that ran as their ``settled`` form
         self.error: Optional[BaseException] = None
         self._arrivals: "queue_mod.Queue" = queue_mod.Queue()
         self._cancelled = False
@@ -99,6 +101,12 @@ class Run:
     def close(self) -> None:
         """No more leaves: the run ends after those handed over."""
         self._arrivals.put(None)
+
+    def settle(self) -> None:
+        """From now on a leaf with a ``settled`` form that has not begun runs as that form (in
+        place): a speculative step is known to commit. Those leaves are in :attr:`switched`
+        once the run has ended."""
+        self.settled = True
 
     def cancel(self) -> None:
         """Start no further chunk; the run ends as soon as the chunks under way are done."""
@@ -164,6 +172,7 @@ class _Pipeline:
         self.before = list(self.slot_events)  # copies out of the previous run, per slot
         self.q = queue_for(run.kernel, run.threads, self.tl is not None)
         self.chunks: list[list[Segment]] = []
+        self.begun: set[int] = set()  # leaves whose first segment was issued
         self.in_events: list[Any] = []
         self.out_events: list[Any] = []  # per chunk: its slot's last copy out once it is done
         self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
@@ -183,6 +192,13 @@ class _Pipeline:
     # ---- stages --------------------------------------------------------------------------
     def issue_in(self, k: int) -> None:
         t, tl, chunk = self.t, self.tl, self.chunks[k]
+        for seg in chunk:
+            if seg.leaf not in self.begun:  # its form is decided when it begins
+                self.begun.add(seg.leaf)
+                leaf = self.leaves[seg.leaf]
+                if self.run_.settled and leaf.settled is not None:
+                    self.leaves[seg.leaf] = leaf.settled
+                    self.run_.switched.append(leaf)
         copied = [seg for seg in chunk if self.staged_grad(self.leaves[seg.leaf])]
         grads: dict[int, torch.Tensor] = {}
         if copied:

@@ -16,7 +16,9 @@ The failure contract:
 - A speculative step (``begin(state, speculative=True)``) writes the host leaves it starts ahead
   into spare buffers (``ParamRefs.spare``) and their params into device scratch; ``finish``
   swaps the buffers in (``Tensor.set_``, no copy) and copies the params, so ``abort`` leaves the
-  state as it was.
+  state as it was. ``finish`` commits: from then on the leaves fed ahead whose work has not
+  begun run in place (``Run.settle``), at the in-place kernel's rate; a failure after that marks
+  the state failed if any leaf ran in place.
 - ``KeyboardInterrupt`` / ``SystemExit`` during ``finish`` or a landing: the step is completed
   first, then the interrupt is raised; the state passed to ``update`` then holds the step (its
   count says so).
@@ -241,6 +243,9 @@ class TerminalStep:
             self.abort()
             raise
         self.finished = True
+        if self.speculative:  # finishing commits: leaves fed ahead that have not begun run in place
+            for run in self.runs.values():
+                run.settle()
         streams = {d: torch.cuda.current_stream(d) for d in self.static.cuda}
         ready = ({d: self.ex.ready(d) for d in self.static.host_devices}
                  if len(self.ahead) < len(self.static.host) else {})
@@ -393,7 +398,7 @@ class TerminalStep:
         leaf = self.leaves[index]
         hyper = self.hyper if leaf.decay else self.hyper0
         targets: tuple[torch.Tensor, ...] = ()
-        ema_target = None
+        ema_target = settled = None
         if not leaf.has_master or self.t.delayed:
             out = None  # the value is the param; delayed: the landing gives it a buffer
         elif ahead and self.speculative:
@@ -405,13 +410,16 @@ class TerminalStep:
                                                     device=leaf.param.device)
             if out.is_cuda:  # freed on abort while a copy out may still write it
                 out.record_stream(self.ex.transport(out.device).stream_out)
+            if leaf.param.is_contiguous():  # once the step is known to commit: in place
+                settled = self._host_leaf(index, g, False)
         elif not leaf.param.is_contiguous():  # written back after the run (a strided copy)
             out = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype, device=leaf.param.device)
             self.strided.append((leaf.param, out))
         else:
             out = leaf.param.view(-1)
         return HostLeaf(leaf.path, (g.detach() if g.requires_grad else g).reshape(-1), out,
-                        leaf.flat, hyper, targets, leaf.ema_flat, self.t.ema_decay or 0.0, ema_target)
+                        leaf.flat, hyper, targets, leaf.ema_flat, self.t.ema_decay or 0.0, ema_target,
+                        settled)
 
     def _packed_leaves(self, gs: list, streams: dict, runs: dict,
                        elements: dict[torch.device, int]) -> list[tuple[tuple[int, ...], Buffers, int, int]]:
@@ -585,7 +593,8 @@ class TerminalStep:
                 run.cancel()
             for run in every:
                 run.wait()
-            in_place = [*rest_runs.values(), *([] if self.speculative else self.runs.values())]
+            in_place = [*rest_runs.values(), *(r for r in self.runs.values()
+                                               if not self.speculative or r.switched)]
             failed = touched or any(run.started for run in in_place)
             state.count.fill_(FAILED if failed else self.n)
             raise
@@ -593,8 +602,12 @@ class TerminalStep:
     def _commit(self, streams: dict) -> None:
         """Speculative step: swap the spare buffers in, copy the new params to the device."""
         spares = self.state.params.spare
+        switched = {leaf.path for run in self.runs.values() for leaf in run.switched}  # in place
         for i in sorted(self.ahead):
             leaf = self.leaves[i]
+            if leaf.path in switched:
+                self.scratch.pop(i, None)
+                continue
             mine = (leaf.value, *leaf.moments) + ((leaf.ema,) if leaf.ema is not None else ())
             for a, b in zip(mine, spares[i]):
                 _swap(a, b)
