@@ -6,7 +6,7 @@ A small GPT-style decoder (token and position embeddings, pre-norm blocks with c
 ``scaled_dot_product_attention`` and a GELU MLP, LayerNorms and biases; params named
 ``blocks.N.*``) learns a next-token rule. Each block is one activation group: the activations
 planner keeps, offloads (GPU) or recomputes each block so that the step's peak stays within
-``--budget-mib``, and prints its plan after the two profiling steps. The AdamW state of every
+``--budget-mib``, and prints its plan after the profiling steps. The AdamW state of every
 leaf lives in host memory (``placement.on_host()``). On a machine without a GPU both run their
 CPU path: activations are kept or recomputed (nothing to offload them to).
 """
@@ -99,7 +99,7 @@ def main() -> None:
         loss, grads = value_and_grad(params, torch.cat(tokens, dim=1))
         params, state = opt.update(grads, state)
         if step == 1:
-            print(f"activation plan (from the first two steps):\n{off.plan}\n")
+            print(f"activation plan (from the profiling steps):\n{off.plan}\n")
         if step % 10 == 0 or step == args.steps - 1:
             print(f"step {step:3d}  loss {loss.item():.5f}")
     print(f"\n{args.steps / (time.perf_counter() - t0):.1f} steps/s on {device}; activations: "

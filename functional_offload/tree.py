@@ -132,7 +132,7 @@ def plain_grad(g: Any, p: torch.Tensor) -> bool:
     and device, and not ``p``'s own memory. False sends a grad to :func:`check_grad`."""
     return (type(g) is torch.Tensor and g.dtype is p.dtype and g.shape == p.shape
             and g.layout is torch.strided and not g.is_meta and g.device == p.device
-            and g.data_ptr() != p.data_ptr())
+            and g.untyped_storage().data_ptr() != p.untyped_storage().data_ptr())
 
 
 def check_float_leaves(tree: Any, what: str) -> list[Optional[torch.Tensor]]:

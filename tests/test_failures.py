@@ -552,6 +552,12 @@ def test_grads_that_are_their_params_and_fp8_params_are_refused():
     state = opt.init({"w": w})
     with pytest.raises(ValueError, match="shares memory with its param"):
         opt.update({"w": w}, state)
+    m = torch.linspace(-1, 1, 16).view(4, 4)
+    for opt in (fo.adamw(0.1), fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(0.1))):
+        state = opt.init({"m": m})
+        for alias in (m[1].expand(4, 4), m.as_strided((4, 4), (0, 1), 1)):  # other addresses
+            with pytest.raises(ValueError, match="grad 'm' shares memory with its param"):
+                opt.update({"m": alias}, state)
     with pytest.raises(TypeError, match="fp32, bf16, fp16 or fp64"):
         fo.adamw(0.1).init({"w": torch.zeros(4).to(torch.float8_e5m2)})
 

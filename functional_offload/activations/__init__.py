@@ -5,8 +5,9 @@ device→host on a side stream into pinned buffers from a reused pool and come b
 backward, ``prefetch`` groups ahead; a recomputed group runs under ``torch.utils.checkpoint``
 (non-reentrant) and saves only its inputs. The bytes whose copy has not landed are bounded
 (their sources stay alive until then), so offloading ``k`` groups lowers the peak by close to
-their share. With ``budget_bytes`` the first two steps of each input shape are measured and a
-plan chooses, per group, what meets the budget in the least time (:func:`plan`, :class:`Plan`).
+their share. With ``budget_bytes`` the first steps of each input shape are measured (one, or
+two when keeping everything does not fit) and a plan chooses, per group, what meets the budget
+in the least time (:func:`plan`, :class:`Plan`).
 
 Functional loops use :meth:`ActivationOffload.value_and_grad` (``torch.func.grad`` refuses
 saved-tensor hooks); module loops wrap the forward in :meth:`ActivationOffload.record` and call
@@ -28,7 +29,7 @@ Example::
             x = off.run(i, block, w, x)
         return x.square().mean()
 
-    for step in range(2):                   # the plan is made from two profiling steps
+    for step in range(2):                   # the plan is made from the profiling steps
         loss, grads = off.value_and_grad(loss_fn)(params, x)
     print(off.plan)                         # per group: keep, offload or recompute, and why
 """

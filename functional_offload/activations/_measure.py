@@ -42,6 +42,8 @@ class Measure:
         self.enter: list[Any] = [None] * n
         self.exit: list[Any] = [None] * n
         self.bwd: list[Any] = [None] * n  # first unpack of each group in backward
+        self.fwd_end: Any = None  # the recorded forward's end (the loss head computed)
+        self.bwd_start: Any = None  # the backward's first unpack
         self.gaps: list[tuple[Optional[int], Any, Any]] = []  # (group, before, after)
         self.copies: dict[str, list] = {"d2h": [], "h2d": []}
         self.inputs = [0] * n
@@ -81,8 +83,9 @@ class Measure:
             self.top = (raw, phase)
 
     def _forward(self) -> tuple[list[float], float]:
-        """Each group's forward time and the loss head's (between the forward's last group and
-        the backward's first), less the time the compute stood idle in host waits."""
+        """Each group's forward time and the loss head's (the forward after the last group and
+        the backward before the last group's, not what ran in between, such as another
+        micro-batch's forward), less the time the compute stood idle in host waits."""
         n = len(self.enter)
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -90,9 +93,14 @@ class Measure:
         for g, a, b in self.gaps:
             gap[n if g is None else g] += self._seconds(a, b)
         fwd = [max(self._seconds(self.enter[i], self.exit[i]) - gap[i], 1e-9) for i in range(n)]
-        outside_s = 0.0 if self.bwd[n - 1] is None else max(
-            self._seconds(self.exit[n - 1], self.bwd[n - 1]) - gap[n], 0.0)
-        return fwd, outside_s
+        if self.bwd[n - 1] is None:
+            return fwd, 0.0
+        if self.fwd_end is not None and self.bwd_start is not None:  # not what ran in between
+            head = (self._seconds(self.exit[n - 1], self.fwd_end)
+                    + self._seconds(self.bwd_start, self.bwd[n - 1]))
+        else:
+            head = self._seconds(self.exit[n - 1], self.bwd[n - 1])
+        return fwd, max(head - gap[n], 0.0)
 
     def complete(self) -> bool:
         return not any(m is None for m in self.enter + self.exit)

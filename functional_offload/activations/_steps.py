@@ -1,6 +1,6 @@
-"""Per-step state, and budget mode's bookkeeping: one plan per input shape, made from two profiling
-steps (memory, then times) and, on a GPU, checked against the measured peak of the next steps and
-corrected."""
+"""Per-step state, and budget mode's bookkeeping: one plan per input shape, made from profiling
+steps (memory, then times unless keeping everything fits) and, on a GPU, checked against the
+measured peak of the next steps and corrected."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ class Step:
 class _PlanState:
     def __init__(self, profile: Profile):
         self.profile, self.margin, self.plan = profile, 0, None  # no plan: times not measured yet
+        self.timing_steps = 0  # timing steps begun (one that raised or was dropped never ends)
         self.verify_left = 4 if profile.peak_bytes is not None else 0  # GPU: check the peak
 
 
@@ -68,9 +69,19 @@ class Budget:
     def decide(self, step: Step, can_move: bool) -> Optional[Measure]:
         """Set ``step``'s decisions: its key's plan, or profiling (returns the recorder)."""
         self.last_key = step.key
-        state = self.plans.get(step.key)
+        state = self.plans.pop(step.key, None)
+        if state is not None:
+            self.plans[step.key] = state  # the latest used last: the oldest go first
+            if state.plan is None and state.timing_steps >= 2:
+                warnings.warn("two profiling steps that recompute every group did not end (their "
+                              "forward or backward raised, or the graph was dropped): the plan "
+                              "uses the forward times of the first profiling step, which "
+                              "include its waits for copies", RuntimeWarning, stacklevel=4)
+                self._replan(state)
         if state is None or state.plan is None:
             timing = state is not None
+            if timing:
+                state.timing_steps += 1
             step.decisions = timing_decisions(state.profile.recomputable, can_move) if timing \
                 else profiling_decisions(self.num_groups, can_move)
             step.measure = Measure(self.num_groups, step.device, step.start_bytes, can_move,
@@ -117,11 +128,13 @@ class Budget:
                 return
             self.stats["measured_steps"] += 1
             self.plans[step.key] = state = _PlanState(profile)
-            if len(self.plans) > 8:  # input shapes seen long ago
+            if len(self.plans) > 32:  # the input shape used longest ago
                 del self.plans[next(iter(self.plans))]
-            if not any(profile.recomputable[:-1]):  # nothing to recompute: these times will do
-                self._replan(state)
-            return
+            keep = planner.simulate(profile, [KEEP] * self.num_groups,
+                                    max_inflight_bytes=self.bound).peak_bytes
+            if keep <= self.budget_bytes or not any(profile.recomputable[:-1]):
+                self._replan(state)  # keeping everything fits, or nothing can be recomputed:
+            return                   # no timing step (it would recompute every group)
         if state is None or state.plan is not None:
             return
         profile = m.times(state.profile, step.decisions)

@@ -57,11 +57,12 @@ class ActivationOffload:
       offload: offload the earliest groups: a count (int) or a fraction of ``num_groups`` (float,
         rounded down); never the last group. Exclusive with ``budget_bytes``.
       budget_bytes: bound on the step's peak device memory above what was allocated when the
-        forward began (activations, the loss head, grads, workspace: everything). The first two
-        steps of each input shape profile it (memory with every group offloaded, then compute
-        times with every group recomputed), then a plan (:attr:`plan`) keeps, offloads or
-        recomputes each group for the least predicted time; on a GPU the next steps check the
-        peak and correct the plan until it fits (up to four times).
+        forward began (activations, the loss head, grads, workspace: everything). The first
+        step of each input shape profiles memory (every group offloaded); unless keeping every
+        group fits, a second one profiles compute times (every group recomputed). Then a plan
+        (:attr:`plan`) keeps, offloads or recomputes each group for the least predicted time;
+        on a GPU the next steps check the peak and correct the plan until it fits (up to four
+        times).
       min_bytes: saved tensors smaller than this stay on the device.
       prefetch: how many groups ahead of the one in backward to reload (>= 1); with
         ``budget_bytes`` the plan chooses it.
@@ -77,7 +78,7 @@ class ActivationOffload:
         blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
         off = fo.ActivationOffload(len(blocks), budget_bytes=1 << 20)
         off.wrap(blocks)  # block i is group i
-        for step in range(2):  # the two profiling steps
+        for step in range(2):  # the profiling steps
             with off.record(exclude=blocks):
                 x = torch.randn(512, 64)
                 for block in blocks:
@@ -245,6 +246,8 @@ class ActivationOffload:
                                    "instead of torch.func.grad(loss_fn)") from e
             raise
         finally:
+            if self._step.measure is not None:
+                self._step.measure.fwd_end = self._step.measure.mark()
             self._step, self._group = None, None
             self._mover.close_group()
 
@@ -362,6 +365,8 @@ class ActivationOffload:
         """Backward reached a tensor of group ``g``: start the end callback, prefetch, profile."""
         if step.backward_group == -1:
             step.backward_group = None
+            if step.measure is not None:
+                step.measure.bwd_start = step.measure.mark()
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(self._backward_done, step))
             self._mover.retire()
