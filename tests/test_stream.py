@@ -38,6 +38,16 @@ def train(model, opt, streamed, steps=5, dtype=torch.float32, nan_step=None, com
     return (params, state, counts, kept) if committed else (params, state, counts)
 
 
+def assert_same(pa, sa, pb, sb):
+    """Params and state (every saved tensor) equal bit for bit."""
+    for x, y in zip(optree.tree_leaves(pa), optree.tree_leaves(pb), strict=True):
+        assert torch.equal(x, y)
+    da, db = fo.state_dict(sa), fo.state_dict(sb)
+    assert da.keys() == db.keys()
+    for k in da:
+        assert torch.equal(da[k], db[k]), k
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("make", ["adamw", "sgd"])
@@ -104,12 +114,7 @@ def test_streamed_chain_equals_unstreamed_chain_bit_for_bit(make, front):
             assert committed[nan_step] is None  # a skipped step: nothing was committed
     if nan_step is not None:
         assert int(sb.total_notfinite) == 1 and int(sb.inner_state[-1].count) == 4
-    for x, y in zip(optree.tree_leaves(pa), optree.tree_leaves(pb)):
-        assert torch.equal(x, y)
-    da, db = fo.state_dict(sa), fo.state_dict(sb)
-    assert da.keys() == db.keys()
-    for k in da:
-        assert torch.equal(da[k], db[k]), k
+    assert_same(pa, sa, pb, sb)
 
 
 def test_stream_rejects_transforms_delayed_and_second_gradients():
@@ -192,11 +197,6 @@ def test_leaves_not_begun_when_the_step_commits_run_in_place_bit_for_bit(kernel)
         pb, sb, counts, committed = train(b, mk(), streamed=True, steps=3, dtype=torch.bfloat16,
                                           committed=True)
     assert counts == [6] * 3 and committed == [True] * 3
-    for x, y in zip(optree.tree_leaves(pa), optree.tree_leaves(pb)):
-        assert torch.equal(x, y)
-    da, db = fo.state_dict(sa), fo.state_dict(sb)
-    assert da.keys() == db.keys()
-    for k in da:
-        assert torch.equal(da[k], db[k]), k
+    assert_same(pa, sa, pb, sb)
     assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(fo.ema_params(sa)),
                                                   optree.tree_leaves(fo.ema_params(sb))))
