@@ -33,18 +33,22 @@ def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
 
 
 def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
-    """``leaves`` times ``coef``, as new tensors: per device and dtype one buffer, scaled in place
-    by torch's multi-tensor multiply (as ``clip_grad_norm_`` scales grads). One allocation per
-    group, not one per leaf: with hundreds of small leaves those dominate the cost."""
+    """``leaves`` times ``coef``, as new tensors: per device and dtype of plain tensors one
+    buffer, scaled in place by torch's multi-tensor multiply (as ``clip_grad_norm_`` scales
+    grads). One allocation per group, not one per leaf: with hundreds of small leaves those
+    dominate the cost."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, g in enumerate(leaves):
         groups[(g.device, g.dtype)].append(i)
     out: list[torch.Tensor] = [coef] * len(leaves)
     for (device, _), idx in groups.items():
         members = [leaves[i] for i in idx]
-        views = torch._utils._unflatten_dense_tensors(torch._utils._flatten_dense_tensors(members),
-                                                      members)
-        torch._foreach_mul_(views, coef.to(device))
+        if all(type(g) is torch.Tensor for g in members):
+            views = torch._utils._unflatten_dense_tensors(
+                torch._utils._flatten_dense_tensors(members), members)
+            torch._foreach_mul_(views, coef.to(device))
+        else:  # DTensor shards (FSDP2) and other subclasses: their own multiply, a new tensor each
+            views = torch._foreach_mul(members, coef.to(device))
         for i, v in zip(idx, views):
             out[i] = v
     return out
