@@ -6,7 +6,7 @@ backward, ``prefetch`` groups ahead; a recomputed group runs under ``torch.utils
 (non-reentrant) and saves only its inputs. The bytes whose copy has not landed are bounded
 (their sources stay alive until then), so offloading ``k`` groups lowers the peak by close to
 their share. With ``budget_bytes`` the first steps of each input shape are measured (one, or
-two when keeping everything does not fit) and a plan chooses, per group, what meets the budget
+two when keeping everything does not fit and a group can be recomputed) and a plan chooses, per group, what meets the budget
 in the least time (:func:`plan`, :class:`Plan`).
 
 Functional loops use :meth:`ActivationOffload.value_and_grad` (``torch.func.grad`` refuses
@@ -29,9 +29,8 @@ Example::
             x = off.run(i, block, w, x)
         return x.square().mean()
 
-    for step in range(2):                   # the plan is made from the profiling steps
-        loss, grads = off.value_and_grad(loss_fn)(params, x)
-    print(off.plan)                         # per group: keep, offload or recompute, and why
+    loss, grads = off.value_and_grad(loss_fn)(params, x)  # profiles; keeping everything fits
+    print(off.plan)                         # per group: bytes, keep / offload / recompute, +ms
 """
 
 from functional_offload.activations.offload import ActivationOffload

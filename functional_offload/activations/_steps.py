@@ -47,7 +47,7 @@ class Step:
 class _PlanState:
     def __init__(self, profile: Profile):
         self.profile, self.margin, self.plan = profile, 0, None  # no plan: times not measured yet
-        self.timing_steps = 0  # timing steps begun (one that raised or was dropped never ends)
+        self.timing: list[weakref.ref] = []  # the timing steps begun (their Step objects)
         self.verify_left = 4 if profile.peak_bytes is not None else 0  # GPU: check the peak
 
 
@@ -72,7 +72,8 @@ class Budget:
         state = self.plans.pop(step.key, None)
         if state is not None:
             self.plans[step.key] = state  # the latest used last: the oldest go first
-            if state.plan is None and state.timing_steps >= 2:
+            # a timing step whose graph is gone without a plan made: it raised or was dropped
+            if state.plan is None and sum(r() is None for r in state.timing) >= 2:
                 warnings.warn("two profiling steps that recompute every group did not end (their "
                               "forward or backward raised, or the graph was dropped): the plan "
                               "uses the forward times of the first profiling step, which "
@@ -81,7 +82,7 @@ class Budget:
         if state is None or state.plan is None:
             timing = state is not None
             if timing:
-                state.timing_steps += 1
+                state.timing.append(weakref.ref(step))
             step.decisions = timing_decisions(state.profile.recomputable, can_move) if timing \
                 else profiling_decisions(self.num_groups, can_move)
             step.measure = Measure(self.num_groups, step.device, step.start_bytes, can_move,

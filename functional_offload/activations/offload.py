@@ -58,8 +58,9 @@ class ActivationOffload:
         rounded down); never the last group. Exclusive with ``budget_bytes``.
       budget_bytes: bound on the step's peak device memory above what was allocated when the
         forward began (activations, the loss head, grads, workspace: everything). The first
-        step of each input shape profiles memory (every group offloaded); unless keeping every
-        group fits, a second one profiles compute times (every group recomputed). Then a plan
+        step of each input shape profiles memory (every group but the last offloaded, on a
+        GPU); unless keeping every group fits, a second one profiles compute times (every group
+        marked with ``run`` but the last recomputed; the others offloaded again). Then a plan
         (:attr:`plan`) keeps, offloads or recomputes each group for the least predicted time;
         on a GPU the next steps check the peak and correct the plan until it fits (up to four
         times).
@@ -78,13 +79,12 @@ class ActivationOffload:
         blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
         off = fo.ActivationOffload(len(blocks), budget_bytes=1 << 20)
         off.wrap(blocks)  # block i is group i
-        for step in range(2):  # the profiling steps
-            with off.record(exclude=blocks):
-                x = torch.randn(512, 64)
-                for block in blocks:
-                    x = torch.tanh(block(x))
-            x.square().mean().backward()
-        print(off.plan)  # made from them
+        with off.record(exclude=blocks):
+            x = torch.randn(512, 64)
+            for block in blocks:
+                x = torch.tanh(block(x))
+        x.square().mean().backward()
+        print(off.plan)  # made from this step: keeping every group fits
     """
 
     def __init__(self, num_groups: int, offload: Union[int, float, None] = None, *,
