@@ -197,6 +197,7 @@ class TerminalStep:
         self.ex = t.executor
         self.fed: dict[int, torch.Tensor] = {}
         self.ahead: set[int] = set()  # fed host leaves already handed to a run
+        self.forms: dict[int, int] = {}  # id of each speculative host leaf handed over -> its leaf
         self.scratch: dict[int, torch.Tensor] = {}  # speculative: new params awaiting commit
         self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
         self.runs: dict[torch.device, Run] = {}
@@ -230,7 +231,9 @@ class TerminalStep:
         self.fed[index] = g
         if self._starts_ahead(leaf, index):
             self._land_previous()
-            self._run(g.device).add(self._host_leaf(index, g, ahead=True), self.ex.ready(g.device))
+            form = self._host_leaf(index, g, ahead=True)
+            self.forms[id(form)] = index
+            self._run(g.device).add(form, self.ex.ready(g.device))
             self.ahead.add(index)
 
     def finish(self, grads: Any = None) -> tuple[Any, Any]:
@@ -243,9 +246,6 @@ class TerminalStep:
             self.abort()
             raise
         self.finished = True
-        if self.speculative:  # finishing commits: leaves fed ahead that have not begun run in place
-            for run in self.runs.values():
-                run.settle()
         streams = {d: torch.cuda.current_stream(d) for d in self.static.cuda}
         ready = ({d: self.ex.ready(d) for d in self.static.host_devices}
                  if len(self.ahead) < len(self.static.host) else {})
@@ -291,6 +291,7 @@ class TerminalStep:
         object may live on in the caller's hands until the next one."""
         self.fed.clear()
         self.scratch.clear()
+        self.forms.clear()
         self.strided.clear()
         self.runs.clear()
 
@@ -540,6 +541,8 @@ class TerminalStep:
         rest_runs: dict[torch.device, Run] = {}  # a speculative step's in-place leaves
         try:
             if self.speculative and self.runs:  # what ran ahead must have succeeded first
+                for run in self.runs.values():  # finishing commits: what has not begun runs in place
+                    run.settle()
                 self._wait_runs(self.runs)
                 self._raise_run_errors(self.runs)
             touched = self._device_math(gs, streams)
@@ -602,10 +605,10 @@ class TerminalStep:
     def _commit(self, streams: dict) -> None:
         """Speculative step: swap the spare buffers in, copy the new params to the device."""
         spares = self.state.params.spare
-        switched = {leaf.path for run in self.runs.values() for leaf in run.switched}  # in place
+        switched = {self.forms[id(form)] for run in self.runs.values() for form in run.switched}
         for i in sorted(self.ahead):
             leaf = self.leaves[i]
-            if leaf.path in switched:
+            if i in switched:  # ran in place
                 self.scratch.pop(i, None)
                 continue
             mine = (leaf.value, *leaf.moments) + ((leaf.ema,) if leaf.ema is not None else ())
@@ -616,8 +619,8 @@ class TerminalStep:
             by_device.setdefault(self.leaves[i].param.device, []).append(i)
         for device, idx in by_device.items():
             with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                torch._foreach_copy_([self.leaves[i].param.view(-1) for i in idx],
-                                     [self.scratch[i] for i in idx])
+                torch._foreach_copy_([self.leaves[i].param for i in idx],  # strided ones too
+                                     [self.scratch[i].view(self.leaves[i].param.shape) for i in idx])
                 for i in idx:
                     if device.type == "cuda":
                         self.scratch[i].record_stream(torch.cuda.current_stream(device))
