@@ -6,8 +6,8 @@ backward, ``prefetch`` groups ahead; a recomputed group runs under ``torch.utils
 (non-reentrant) and saves only its inputs. The bytes whose copy has not landed are bounded
 (their sources stay alive until then), so offloading ``k`` groups lowers the peak by close to
 their share. With ``budget_bytes`` the first steps of each input shape are measured (one, or
-two when keeping everything does not fit and a group can be recomputed) and a plan chooses, per group, what meets the budget
-in the least time (:func:`plan`, :class:`Plan`).
+two when keeping everything does not fit and a group can be recomputed) and a plan chooses, per
+group, what meets the budget in the least time (:func:`plan`, :class:`Plan`).
 
 Functional loops use :meth:`ActivationOffload.value_and_grad` (``torch.func.grad`` refuses
 saved-tensor hooks); module loops wrap the forward in :meth:`ActivationOffload.record` and call

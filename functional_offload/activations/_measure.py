@@ -1,7 +1,7 @@
 """The profiling steps: per-group bytes, memory and times, turned into a :class:`Profile`.
 
-Up to two steps per input shape. The first offloads every group but the last: every saved byte passes
-the hooks, the copy rates are measured, and the memory stays low. Its times are not the
+Up to two steps per input shape. The first offloads every group but the last: every saved byte
+passes the hooks, the copy rates are measured, and the memory stays low. Its times are not the
 groups' own: the forward waits for copies and for new pinned host buffers (pinning gigabytes
 stalls the host for seconds). The second recomputes every group that can be recomputed (and
 keeps the last): nothing moves, so each group's forward time is its compute, and each group's

@@ -15,14 +15,20 @@ from functional_offload.typing import Params, Updates
 __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
 
 
+def _by_device_and_dtype(leaves: list[torch.Tensor]) -> dict[tuple, list[int]]:
+    """Positions in ``leaves`` per ``(device, dtype)``: what one multi-tensor launch takes."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, g in enumerate(leaves):
+        groups[(g.device, g.dtype)].append(i)
+    return groups
+
+
 def _norm_groups(leaves: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     """Per device and dtype of ``leaves`` (checked, none ``None``), their norms as one 1-D
     tensor on the first leaf's device (one multi-tensor launch and one copy per group)."""
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-    for g in leaves:
-        groups[(g.device, g.dtype)].append(g)
     dev = leaves[0].device
-    return [torch.stack(torch._foreach_norm(gs, ord)).to(dev) for gs in groups.values()]
+    return [torch.stack(torch._foreach_norm([leaves[i] for i in idx], ord)).to(dev)
+            for idx in _by_device_and_dtype(leaves).values()]
 
 
 def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
@@ -37,11 +43,8 @@ def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor
     buffer, scaled in place by torch's multi-tensor multiply (as ``clip_grad_norm_`` scales
     grads). One allocation per group, not one per leaf: with hundreds of small leaves those
     dominate the cost."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, g in enumerate(leaves):
-        groups[(g.device, g.dtype)].append(i)
     out: list[torch.Tensor] = [coef] * len(leaves)
-    for (device, _), idx in groups.items():
+    for (device, _), idx in _by_device_and_dtype(leaves).items():
         members = [leaves[i] for i in idx]
         if all(type(g) is torch.Tensor for g in members):
             views = torch._utils._unflatten_dense_tensors(
