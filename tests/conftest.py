@@ -1,3 +1,5 @@
+import signal
+
 import pytest
 import torch
 
@@ -14,6 +16,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _sigint_raises_keyboardinterrupt():
+    """The Ctrl-C tests send SIGINT to the main thread (``_thread.interrupt_main``): a process
+    started with SIGINT ignored (a background job of a non-interactive shell) would drop it."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 def make_params(seed: int = 0, dtype=torch.float32, device="cpu", big: bool = False):
