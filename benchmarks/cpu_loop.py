@@ -35,7 +35,7 @@ def flat_shapes(numel: int) -> list[tuple[int, ...]]:
 
 
 def gpt_shapes(numel: int) -> list[tuple[int, ...]]:
-    """Leaf shapes of a 24-layer GPT (vocab 50,257, context 2,048) of at most ``numel`` params
+    """Leaf shapes of a 24-layer GPT (vocab 50,304, context 2,048) of at most ``numel`` params
     (width a multiple of 64, at least 64)."""
     d = 64
     while gpt.count_params(gpt.GPT(gpt.GPTConfig(d + 64, 24, 1), device="meta")) <= numel:

@@ -174,7 +174,11 @@ def _state_nodes(tree: Any, out: list[Any]) -> list[Any]:
 
 def terminal_states(state: OptState) -> list[Any]:
     """The terminal optimizers' states inside ``state`` (those with a :class:`ParamRefs`)."""
-    return [x for x in _state_nodes(state, []) if isinstance(getattr(x, "params", None), ParamRefs)]
+    return _terminal(_state_nodes(state, []))
+
+
+def _terminal(nodes: list[Any]) -> list[Any]:
+    return [x for x in nodes if isinstance(getattr(x, "params", None), ParamRefs)]
 
 
 MARK_FIELDS = ("count", "mini_step", "notfinite_count")
@@ -183,10 +187,11 @@ tensor): terminal states and ``inject_hyperparams`` in ``count``, ``MultiSteps``
 ``mini_step``, ``apply_if_finite`` in ``notfinite_count``."""
 
 
-def _mark_tensors(state: OptState) -> list[tuple[Any, torch.Tensor]]:
-    """``(node, marks tensor)`` for every state NamedTuple inside ``state`` with a marks field."""
+def _mark_tensors(state: OptState, nodes: Optional[list[Any]] = None) -> list[tuple[Any, torch.Tensor]]:
+    """``(node, marks tensor)`` for every state NamedTuple inside ``state`` (or of ``nodes``,
+    its :func:`_state_nodes`) with a marks field."""
     out = []
-    for node in _state_nodes(state, []):
+    for node in _state_nodes(state, []) if nodes is None else nodes:
         field = next((f for f in MARK_FIELDS if f in node._fields), None)
         x = getattr(node, field) if field is not None else None
         if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_floating_point():
@@ -194,9 +199,9 @@ def _mark_tensors(state: OptState) -> list[tuple[Any, torch.Tensor]]:
     return out
 
 
-def _marked(state: OptState) -> list[tuple[Any, int]]:
+def _marked(state: OptState, nodes: Optional[list[Any]] = None) -> list[tuple[Any, int]]:
     """``(node, mark)`` for every state NamedTuple inside ``state`` with a marks field."""
-    return [(node, int(x)) for node, x in _mark_tensors(state)]
+    return [(node, int(x)) for node, x in _mark_tensors(state, nodes)]
 
 
 def mark_tensors(state: OptState) -> list[torch.Tensor]:
@@ -207,7 +212,11 @@ def mark_tensors(state: OptState) -> list[torch.Tensor]:
 def check_usable(state: OptState, action: str) -> None:
     """Raise :class:`StateError` if a state inside ``state`` is consumed, failed or in a step
     (see :data:`MARK_FIELDS`); ``action`` names what was attempted ("update", "save"...)."""
-    for s, n in _marked(state):
+    _refuse_marked(_marked(state), action)
+
+
+def _refuse_marked(marked: list[tuple[Any, int]], action: str) -> None:
+    for s, n in marked:
         name = type(s).__name__
         if n == CONSUMED:
             raise StateError(f"cannot {action}: this {name} was consumed by an earlier update (its "
@@ -230,8 +239,9 @@ def claim(state: OptState, action: str) -> list[tuple[torch.Tensor, int]]:
     cannot both begin a step on one state, or save it while a step begins); returns the
     ``(count, value)`` pairs to restore with :func:`release`."""
     with _claiming:
-        check_usable(state, action)
-        marks = [(s.count, int(s.count)) for s in terminal_states(state)]
+        nodes = _state_nodes(state, [])
+        _refuse_marked(_marked(state, nodes), action)
+        marks = [(s.count, int(s.count)) for s in _terminal(nodes)]
         for count, _ in marks:
             count.fill_(BUSY)
     return marks

@@ -262,15 +262,15 @@ def test_registry_optimizers_on_the_gpu(name, placement):
 
 
 def test_device_groups_with_missing_grads_decay_mask_and_ema():
-    """Device-resident state in several groups (bf16 and fp32 params, a weight-decay mask)
-    with some leaves' grads None on some steps and an EMA: the same state as the host step
-    (torch kernel) after every step."""
+    """Device-resident state in several groups (bf16 and fp32 params in one group, a
+    weight-decay mask) with some leaves' grads None on odd steps and an EMA: the same state as
+    the host step (torch kernel) after every step."""
     g = torch.Generator().manual_seed(0)
     shapes = {"a": ((64, 32), torch.bfloat16), "b": ((32,), torch.bfloat16), "c": ((16, 8), torch.float32),
               "d": ((8,), torch.float32), "e": ((5, 3, 2), torch.bfloat16)}
     params = {k: torch.randn(s, generator=g).to(DEV, dt) for k, (s, dt) in shapes.items()}
     mask = {"a": True, "b": False, "c": True, "d": False, "e": True}
-    grads = [{k: None if (step + i) % 3 == 0 else torch.randn(p.shape, generator=g).to(DEV, p.dtype)
+    grads = [{k: None if step % 2 and (step + i) % 3 == 0 else torch.randn(p.shape, generator=g).to(DEV, p.dtype)
               for i, (k, p) in enumerate(params.items())} for step in range(6)]
     states = []
     for where, kernel in ((fo.placement.on_device(), "auto"), (fo.placement.on_host(), "torch")):

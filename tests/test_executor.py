@@ -241,6 +241,42 @@ def test_param_out_path_copies_values_back():
     assert ex.pinned_bytes == 0
 
 
+def test_grads_laid_end_to_end_in_one_storage_are_copied_as_one_range():
+    """Segments that lie in one storage as they lie in a slot (a delayed step's buffer) are copied
+    with one call per range of bytes; a gap (a leaf whose bytes are not a multiple of 64) and a
+    strided grad start new ranges. The kernel sees the values of separate grads."""
+    sizes = [16, 48, 1000, 33, 4096, 512]  # elements (fp32): 1000 and 33 leave gaps after them
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + -(-n // 16) * 16)
+    flat = torch.randn(starts[-1] + sizes[-1], generator=torch.Generator().manual_seed(0))
+    grads = [flat[a:a + n] for a, n in zip(starts, sizes)] + [torch.randn(600)[::2]]
+
+    def kernel(g, st, out, h):
+        st[0].copy_(g)
+
+    def go(gs):
+        ex = staged(chunk_bytes=8192, slots=2, threads=2)
+        t = ex.transport(CPU)
+        calls = []
+
+        def copy_in(dst, src, plain=t.copy_in):
+            calls.append(dst.numel())
+            plain(dst, src)
+
+        t.copy_in = copy_in
+        values = [torch.zeros(g.numel()) for g in gs]
+        ex.run([HostLeaf(str(i), g, None, (v,), None) for i, (g, v) in enumerate(zip(gs, values))],
+               per_block(kernel))
+        return values, len(calls)
+
+    merged, calls = go(grads)
+    separate, separate_calls = go([g.clone() for g in grads])
+    for v, w, g in zip(merged, separate, grads):
+        assert torch.equal(v, g) and torch.equal(w, g)
+    assert calls < separate_calls
+
+
 def test_host_grads_are_read_in_place_without_a_ring():
     """CPU params: the kernel reads the grads where they are (no staging copy, no ring)."""
     tl = Timeline()

@@ -183,6 +183,30 @@ class _Pipeline:
         base = (2 * (k % self.S) + which) * self.half + seg.offset
         return self.ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
 
+    def spans(self, k: int, which: int, segs: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(device tensor, slot tensor)`` pairs to copy for ``segs`` of chunk ``k``: their
+        grads (``which`` 0) or new params (1). Segments that lie end to end in one storage as
+        they do in the slot (a delayed step's buffer) are copied as one range of bytes: a copy
+        per small leaf costs a call each, and a small copy up waits behind a long kernel."""
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        last = None  # (storage address, byte after the last span there, byte after it in the slot)
+        for seg in segs:
+            x = self.leaves[seg.leaf].grad if which == 0 else self.leaves[seg.leaf].param
+            if x.stride(0) != 1:  # a strided 1-D view: copied as itself
+                out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype)))
+                last = None
+                continue
+            storage, size = x.untyped_storage(), x.element_size()
+            at, offset, nbytes = (x.storage_offset() + seg.start) * size, seg.offset, (seg.stop - seg.start) * size
+            if last == (storage.data_ptr(), at, offset):  # extends the last span
+                before = out.pop()[0].numel()
+                at, offset, nbytes = at - before, offset - before, nbytes + before
+            dev = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage, at, (nbytes,))
+            base = (2 * (k % self.S) + which) * self.half + offset
+            out.append((dev, self.ring[base: base + nbytes]))
+            last = (storage.data_ptr(), at + nbytes, offset + nbytes)
+        return out
+
     def staged_grad(self, leaf: HostLeaf) -> bool:
         return self.ring is not None and (leaf.grad.device.type != "cpu" or self.run_.ex.stage_host_grads)
 
@@ -206,9 +230,9 @@ class _Pipeline:
                 t.wait_in(event)
             s0 = tl.stamp(self.device, t.stream_in) if tl else None
             for seg in copied:
-                leaf = self.leaves[seg.leaf]
-                grads[id(seg)] = g = self.view(k, 0, seg, leaf.grad.dtype)
-                t.copy_in(g, leaf.grad[seg.start:seg.stop])
+                grads[id(seg)] = self.view(k, 0, seg, self.leaves[seg.leaf].grad.dtype)
+            for dev, host in self.spans(k, 0, copied):
+                t.copy_in(host, dev)
             if tl:
                 tl.span("D2H", f"grads c{k}", s0, tl.stamp(self.device, t.stream_in))
         self.in_events.append(t.mark_in() if copied else None)
@@ -266,9 +290,8 @@ class _Pipeline:
             for event in self.leaf_events(out):
                 t.wait_out(event)
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
-            for seg in out:
-                leaf = self.leaves[seg.leaf]
-                t.copy_out(leaf.param[seg.start:seg.stop], self.view(k, 1, seg, leaf.param.dtype))
+            for dev, host in self.spans(k, 1, out):
+                t.copy_out(dev, host)
             if tl:
                 tl.span("H2D", f"params c{k}", s0, tl.stamp(self.device, t.stream_out))
             self.slot_events[k % self.S] = t.mark_out()

@@ -77,15 +77,6 @@ def reference(params: list, grads: list, moments: list, h: AdamHyper) -> None:
     _store(nus, v)
 
 
-def as_fp32(grads: list) -> list:
-    """``grads`` in fp32: low-precision ones cast together (one copy into a flat buffer and one
-    cast, not a kernel per grad), as views of the fp32 buffer shaped like them."""
-    if all(g.dtype == torch.float32 for g in grads):
-        return grads
-    flat = torch._utils._flatten_dense_tensors(grads).float()
-    return list(torch._utils._unflatten_dense_tensors(flat, grads))
-
-
 def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
     """torch's fused CUDA kernels for fp32 values and moments; the reference otherwise (each
     list shares one device and dtype: its first tensor says which)."""
@@ -95,7 +86,7 @@ def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
         return
     step = torch.full((), float(h.step), dtype=torch.float32, device=params[0].device)
     fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
-    fn(params, as_fp32(grads), mus, nus, [], [step] * len(params), lr=h.lr, beta1=h.beta1,
+    fn(params, grads, mus, nus, [], [step] * len(params), lr=h.lr, beta1=h.beta1,
        beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
 
 

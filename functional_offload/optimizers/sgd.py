@@ -9,7 +9,6 @@ import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
-from functional_offload.optimizers.adam import as_fp32
 from functional_offload.optimizers.spec import Moment, OptimizerSpec, check_nonneg
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
@@ -61,7 +60,7 @@ def fused(params: list, grads: list, moments: list, h: SGDHyper) -> None:
     if not params or not all(x[0].is_cuda and x[0].dtype == torch.float32 for x in (params, bufs) if x):
         reference(params, grads, moments, h)
         return
-    torch._fused_sgd_(params, as_fp32(grads), bufs,
+    torch._fused_sgd_(params, grads, bufs,
                       weight_decay=h.weight_decay, momentum=h.momentum, lr=h.lr, dampening=0.0,
                       nesterov=h.nesterov, maximize=False, is_first_step=False)
 

@@ -44,7 +44,8 @@ class Moment(NamedTuple):
 # step and the step t (1 for the first update).
 HyperFn = Callable[[Mapping[str, float], int], Any]
 # In-place math on lists: (values fp32, grads, [one list per moment], hyper) -> None. The
-# values of one call share a device and a dtype, and so do each moment's tensors.
+# values of one call share a device and a dtype, and so do each moment's tensors; the device
+# math gets the grads in the values' dtype (the reference casts them itself).
 MathFn = Callable[[list, list, list, Any], None]
 
 

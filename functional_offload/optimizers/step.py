@@ -79,6 +79,30 @@ def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
     b.set_(held)
 
 
+class _Cast:
+    """Grads in their values' dtype (bf16 grads of fp32 masters): views of one buffer, shaped like
+    the grads, made once. The buffer's memory is taken for a step's math and given back after it
+    (its storage is resized), so nothing is held between steps and no view is made per step."""
+
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, device: torch.device):
+        numels = [x.numel() for x in like]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        self.views = [v.view(x.shape) for v, x in zip(flat.split(numels), like)]
+        self.storage = flat.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.storage.resize_(0)
+
+    def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` cast into the views (one multi-tensor copy); :meth:`release` once the math
+        that reads them is queued."""
+        self.storage.resize_(self.nbytes)
+        torch._foreach_copy_(self.views, grads)
+        return self.views
+
+    def release(self) -> None:
+        self.storage.resize_(0)
+
+
 class _Group(NamedTuple):
     """Device-resident leaves that one call of the spec's device math updates: one device, one
     dtype of values and of each moment, one weight decay."""
@@ -92,6 +116,8 @@ class _Group(NamedTuple):
     params: list[torch.Tensor]  # those params
     news: list[torch.Tensor]  # and their values (masters)
     emas: list[torch.Tensor]  # the leaves' EMAs, or [] without
+    cast_at: list[int]  # positions (in idx) whose params' dtype is not the values'
+    cast: Optional[_Cast]  # their grads in the values' dtype
 
 
 class _Static(NamedTuple):
@@ -129,14 +155,16 @@ def _static(leaves: list[Leaf], packs: list[Pack]) -> _Static:
                    tuple(None if m is None else m.dtype for m in leaf.moments), leaf.decay)
             keyed.setdefault(key, []).append(i)
     groups = []
-    for (device, *_, decay), idx in keyed.items():
+    for (device, dtype, *_, decay), idx in keyed.items():
         written = [k for k, i in enumerate(idx) if leaves[i].has_master]
+        cast_at = [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype]
         groups.append(_Group(
             idx, [leaves[i].value for i in idx],
             [[leaves[i].moments[j] for i in idx] for j in range(len(leaves[idx[0]].moments))],
             decay, device, written, [leaves[idx[k]].param for k in written],
             [leaves[idx[k]].value for k in written],
-            [leaves[i].ema for i in idx if leaves[i].ema is not None]))
+            [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
+            _Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None))
     host = [i for i, leaf in enumerate(leaves) if leaf.on_host]
     decays = [leaf.decay for leaf in leaves]
     return _Static(host, frozenset(i for pack in packs for i in pack.members), groups,
@@ -506,7 +534,10 @@ class TerminalStep:
         for grp in self.static.groups:
             grads = [gs[i] for i in grp.idx]
             values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
+            cast = grp.cast
             if any(g is None for g in grads):  # leaves without a grad this step are left out
+                cast = None  # and the others cast one by one
+                grads = [g if g is None or g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, values)]
                 keep = [k for k, g in enumerate(grads) if g is not None]
                 if not keep:
                     continue
@@ -520,7 +551,18 @@ class TerminalStep:
             stream = streams.get(grp.device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 s0 = tl.stamp(grp.device) if tl else None
-                math(values, grads, moments, self.hyper if grp.decay else self.hyper0)
+                if cast is not None:
+                    if len(grp.cast_at) == len(grads):
+                        grads = cast(grads)
+                    else:
+                        grads = list(grads)
+                        for k, g in zip(grp.cast_at, cast([grads[k] for k in grp.cast_at])):
+                            grads[k] = g
+                try:
+                    math(values, grads, moments, self.hyper if grp.decay else self.hyper0)
+                finally:
+                    if cast is not None:
+                        cast.release()  # after the math is queued: the stream orders its reuse
                 if params:
                     torch._foreach_copy_(params, news)
                 if emas:
