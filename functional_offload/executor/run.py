@@ -174,6 +174,8 @@ class _Pipeline:
         self.chunks: list[list[Segment]] = []
         self.begun: set[int] = set()  # leaves whose first segment was issued
         self.in_events: list[Any] = []
+        self.in_waits: list[list[Any]] = []  # per chunk: the ready events its copy in waited for
+        self.seen: set[Any] = set()  # ready events known to be complete (a copy after them was)
         self.out_events: list[Any] = []  # per chunk: its slot's last copy out once it is done
         self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
         self.failures: list[tuple[int, BaseException]] = []
@@ -225,9 +227,14 @@ class _Pipeline:
                     self.run_.switched.append(leaf)
         copied = [seg for seg in chunk if self.staged_grad(self.leaves[seg.leaf])]
         grads: dict[int, torch.Tensor] = {}
+        waits = self.leaf_events(copied)
+        self.in_waits.append(waits)
         if copied:
-            for event in self.leaf_events(copied):
-                t.wait_in(event)
+            # a stream told to wait for an event of the caller's stream can block this thread
+            # while the caller's launches fill that stream's queue: only events not yet seen done
+            for event in waits:
+                if event not in self.seen:
+                    t.wait_in(event)
             s0 = tl.stamp(self.device, t.stream_in) if tl else None
             for seg in copied:
                 grads[id(seg)] = self.view(k, 0, seg, self.leaves[seg.leaf].grad.dtype)
@@ -260,6 +267,8 @@ class _Pipeline:
     def land_one(self, k: int) -> None:
         """Mark chunk ``k`` ready once its inputs are in place."""
         self.t.wait_host(self.in_events[k])  # grads landed
+        if self.in_events[k] is not None:
+            self.seen.update(self.in_waits[k])
         self.t.wait_host(self.out_events[k - self.S] if k >= self.S else self.before[k % self.S])
         if faults.active():
             if k > 0:
@@ -288,7 +297,8 @@ class _Pipeline:
                if self.leaves[seg.leaf].param is not None and self.leaves[seg.leaf].param.device.type != "cpu"]
         if out:
             for event in self.leaf_events(out):
-                t.wait_out(event)
+                if event not in self.seen:  # params on the device have their grads copied in
+                    t.wait_out(event)
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             for dev, host in self.spans(k, 1, out):
                 t.copy_out(dev, host)
