@@ -89,6 +89,12 @@ def test_clip_does_not_modify_input_and_matches_torch_norm():
     assert torch.allclose(out["b"], torch.tensor([12.0 / (13.0 + 1e-6)]))
     small, _ = fo.clip_by_global_norm(100.0).update(g, ())
     assert torch.equal(small["a"], g["a"])
+    # one grad per device and dtype: flattening one tensor gives a view of it, not a copy
+    alone = {"w": torch.tensor([3.0, 4.0]), "b": torch.tensor([1.0, 1.0], dtype=torch.bfloat16)}
+    before = {k: v.clone() for k, v in alone.items()}
+    out, _ = clip.update(alone, ())
+    assert all(torch.equal(alone[k], before[k]) for k in alone)
+    assert not torch.equal(out["w"], alone["w"])
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

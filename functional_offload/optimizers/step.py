@@ -551,14 +551,14 @@ class TerminalStep:
             stream = streams.get(grp.device)
             with torch.cuda.stream(stream) if stream is not None else nullcontext():
                 s0 = tl.stamp(grp.device) if tl else None
-                if cast is not None:
-                    if len(grp.cast_at) == len(grads):
-                        grads = cast(grads)
-                    else:
-                        grads = list(grads)
-                        for k, g in zip(grp.cast_at, cast([grads[k] for k in grp.cast_at])):
-                            grads[k] = g
                 try:
+                    if cast is not None:
+                        if len(grp.cast_at) == len(grads):
+                            grads = cast(grads)
+                        else:
+                            grads = list(grads)
+                            for k, g in zip(grp.cast_at, cast([grads[k] for k in grp.cast_at])):
+                                grads[k] = g
                     math(values, grads, moments, self.hyper if grp.decay else self.hyper0)
                 finally:
                     if cast is not None:

@@ -47,8 +47,10 @@ def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor
     for (device, _), idx in _by_device_and_dtype(leaves).items():
         members = [leaves[i] for i in idx]
         if all(type(g) is torch.Tensor for g in members):
-            views = torch._utils._unflatten_dense_tensors(
-                torch._utils._flatten_dense_tensors(members), members)
+            flat = torch._utils._flatten_dense_tensors(members)
+            if len(members) == 1:  # flattening one contiguous tensor gives a view of it
+                flat = flat.clone()
+            views = torch._utils._unflatten_dense_tensors(flat, members)
             torch._foreach_mul_(views, coef.to(device))
         else:  # DTensor shards (FSDP2) and other subclasses: their own multiply, a new tensor each
             views = torch._foreach_mul(members, coef.to(device))
