@@ -26,8 +26,8 @@ from functional_offload.typing import OptState, Params, Updates
 __all__ = [
     "TransformInitFn", "TransformUpdateFn", "OptimizerUpdateFn", "GlobalScaleFn", "BeginFn",
     "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
-    "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "ema_params", "flush", "check_usable",
-    "claim", "release", "mark_tensors",
+    "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "grads_for", "ema_params", "flush",
+    "check_usable", "claim", "release", "mark_tensors",
     "terminal_states",
 ]
 
@@ -150,7 +150,8 @@ class StateError(RuntimeError):
 
 def _state_nodes(tree: Any, out: list[Any]) -> list[Any]:
     """Append the NamedTuples inside ``tree`` to ``out``, outer before inner, in a fixed order;
-    tensors and :class:`ParamRefs` are not entered (called on each step: no per-leaf callbacks)."""
+    tensors, :class:`ParamRefs` and the trees of a terminal state (which mirror the params) are
+    not entered (called on each step: no per-leaf work)."""
     if isinstance(tree, (torch.Tensor, ParamRefs)) or tree is None:
         return out
     kind = type(tree)
@@ -161,6 +162,8 @@ def _state_nodes(tree: Any, out: list[Any]) -> list[Any]:
     else:
         if isinstance(tree, tuple) and hasattr(tree, "_fields"):
             out.append(tree)
+            if isinstance(getattr(tree, "params", None), ParamRefs):
+                return out  # a terminal state: its other fields are trees of tensors
             children: Any = tree
         else:
             try:
@@ -313,7 +316,7 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         check_state(state)
         if isinstance(last, Optimizer):
             check_usable(state, "update")
-            check_grads(updates, params_of(state[-1]))
+            grads_for(updates, state[-1])
         new = []
         for t, s in zip(front, state):
             updates, s = t.update(updates, s)
@@ -466,7 +469,19 @@ def ema_params(state: OptState) -> Params:
 
 def params_of(state: OptState) -> Params:
     """The params tree referenced by a (chained) terminal state (the first :class:`ParamRefs`)."""
+    return _refs_of(state).tree
+
+
+def grads_for(grads: Updates, state: OptState) -> list[Optional[torch.Tensor]]:
+    """``grads`` flattened like the params of ``state`` (as :func:`params_of` finds them), each
+    checked (:func:`~functional_offload.tree.check_grads`; the state's notes keep what the check
+    learns of the params, for the next steps)."""
+    refs = _refs_of(state)
+    return check_grads(grads, refs.tree, refs.notes)
+
+
+def _refs_of(state: OptState) -> ParamRefs:
     found = terminal_states(state)
     if not found:
         raise ValueError("this state holds no params: it is not the state of a terminal Optimizer")
-    return found[0].params.tree
+    return found[0].params

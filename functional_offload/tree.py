@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from typing import Any, Callable, Optional, Sequence
 
 import optree
 import torch
 
 __all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "check_grad", "check_grads",
-           "check_float_leaves", "check_no_aliasing", "insertion_order", "local", "is_dtensor",
-           "describe"]
+           "GradsOf", "grads_of", "check_float_leaves", "check_no_aliasing", "insertion_order",
+           "local", "is_dtensor", "describe"]
 
 
 def _entry_name(entry: Any) -> str:
@@ -74,14 +76,16 @@ def _mismatch(tree: Any, reference: Any, what: str) -> str:
     return (f"{what} does not match the params tree ({len(ref_paths)} leaves): " + "; ".join(parts))
 
 
-def flatten_like(tree: Any, reference: Any, what: str) -> list[Any]:
-    """Flatten ``tree`` up to the structure of the tree ``reference`` (the params).
+def flatten_like(tree: Any, reference: Any, what: str,
+                 structure: Optional[optree.PyTreeSpec] = None) -> list[Any]:
+    """Flatten ``tree`` up to the structure of the tree ``reference`` (the params; ``structure``:
+    its structure when the caller has it).
 
     A ``None`` where the reference has a leaf is kept as ``None`` (no gradient for that leaf); a
     ``None`` in the reference is no leaf (it must be ``None`` in ``tree`` too). Raises
     ``ValueError`` naming ``what`` and the first differing paths when the structures differ.
     """
-    spec = optree.tree_structure(reference)
+    spec = optree.tree_structure(reference) if structure is None else structure
     try:
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError):
@@ -151,13 +155,86 @@ def check_float_leaves(tree: Any, what: str) -> list[Optional[torch.Tensor]]:
     return leaves
 
 
-def check_grads(grads: Any, params: Any) -> list[Optional[torch.Tensor]]:
+_META = operator.attrgetter("dtype", "shape", "device", "layout")
+_PTR = torch.Tensor.data_ptr
+_KEY = operator.attrgetter("dtype", "shape")
+_TAKES = itertools.count(1)
+
+
+class GradsOf:
+    """What the grads of a params tree must be, taken from it once, so that a step checks all
+    its grads with a few calls that each run over every leaf below Python.
+
+    :meth:`plain` is true when every grad is a plain dense tensor with its param's dtype, shape
+    and device, outside its param's memory, and no param's memory, dtype or shape was replaced
+    since (then the grads pass :func:`check_grad` as they are); anything else goes to
+    :func:`check_grad` leaf by leaf, which names what is wrong.
+    """
+
+    def __init__(self, params: Any):
+        self.tree = params
+        leaves, self.structure = optree.tree_flatten(params)
+        self.paths = paths_of(self.structure)
+        self.types = [torch.Tensor] * len(leaves)
+        self._take([local(p) for p in leaves])
+
+    def _take(self, params: list[torch.Tensor]) -> None:
+        self.taken = next(_TAKES)  # unique to this taking of the params (see refresh)
+        self.params = params
+        self.meta = [(p.dtype, p.shape, p.device, torch.strided) for p in params]
+        self.keys = list(map(_KEY, params))
+        self.ptrs = list(map(_PTR, params))
+        storages = [p.untyped_storage() for p in params]
+        self.lo = [s.data_ptr() for s in storages]
+        self.hi = [s.data_ptr() + s.nbytes() for s in storages]
+
+    def flatten(self, grads: Any) -> list[Any]:
+        """``grads`` flattened like the params (``None`` kept for leaves without a grad)."""
+        return flatten_like(grads, self.tree, "grads", self.structure)
+
+    def plain(self, grads: list[Any]) -> bool:
+        if list(map(type, grads)) != self.types or list(map(_META, grads)) != self.meta:
+            return False
+        qs = list(map(_PTR, grads))
+        return self._unchanged() and not any(map(operator.and_, map(operator.le, self.lo, qs),
+                                                 map(operator.lt, qs, self.hi)))
+
+    def _unchanged(self) -> bool:
+        return list(map(_PTR, self.params)) == self.ptrs and list(map(_KEY, self.params)) == self.keys
+
+    def refresh(self) -> None:
+        """Take the params anew if one was replaced (``param.data = ...``, ``module.half()``)."""
+        if not self._unchanged():
+            self._take([local(p) for p in optree.tree_leaves(self.tree)])
+
+    def check(self, grads: list[Any]) -> list[Optional[torch.Tensor]]:
+        """``grads`` (flattened) checked: all at once when plain, else leaf by leaf."""
+        if self.plain(grads):
+            return grads
+        self.refresh()
+        return [g if g is None or plain_grad(g, p) else check_grad(path, g, p)
+                for path, g, p in zip(self.paths, grads, self.params)]
+
+
+def grads_of(params: Any, notes: Optional[dict] = None) -> GradsOf:
+    """The :class:`GradsOf` ``params``, kept in ``notes`` (a state's ``ParamRefs.notes``) while
+    the params tree is the same object."""
+    kept = None if notes is None else notes.get("grads_of")
+    if kept is not None and kept.tree is params:
+        return kept
+    made = GradsOf(params)
+    if notes is not None:
+        notes["grads_of"] = made
+    return made
+
+
+def check_grads(grads: Any, params: Any,
+                notes: Optional[dict] = None) -> list[Optional[torch.Tensor]]:
     """The grads of ``params``' leaves in flatten order (local shards of DTensors; ``None``
-    where there is none), each checked by :func:`check_grad`."""
-    ps, spec = optree.tree_flatten(params)
-    gs = flatten_like(grads, params, "grads")
-    return [g if g is None or plain_grad(g, p) else check_grad(paths_of(spec)[i], g, p)
-            for i, (p, g) in enumerate(zip(ps, gs))]
+    where there is none), each checked by :func:`check_grad`; ``notes``: where to keep what
+    the check learns of the params (see :func:`grads_of`)."""
+    of = grads_of(params, notes)
+    return of.check(of.flatten(grads))
 
 
 def check_no_aliasing(paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> None:

@@ -255,6 +255,20 @@ def test_small_packed_param_reshaped_between_updates_is_followed(shape):
     assert torch.equal(p["w"].reshape(-1), q["w"]) and torch.equal(p["b"], q["b"])
 
 
+def test_grad_of_a_params_old_shape_is_refused_after_a_reshape():
+    """``param.data = param.data.reshape(...)`` keeps the param's memory: a grad of its old
+    shape is refused at the next update (naming the leaf), the state left as it was."""
+    p = {"w": torch.randn(4, 5), "b": torch.randn(7)}
+    opt = fo.adamw(1e-2)
+    state = opt.init(p)
+    grads = {"w": torch.randn(4, 5), "b": torch.randn(7)}
+    p, state = opt.update(grads, state)
+    p["w"].data = p["w"].data.reshape(20)
+    with pytest.raises(ValueError, match="'w' has shape"):
+        opt.update(grads, state)
+    assert int(state.count) == 1
+
+
 @pytest.mark.parametrize("first,then", [("native", "torch"), ("torch", "native")])
 def test_cpu_kernel_changed_between_updates_is_followed(first, then):
     """A state stepped with one ``cpu_kernel`` and continued by an optimizer with another runs

@@ -3,9 +3,10 @@
 ``begin`` checks the state, lands a delayed step still in flight, computes this step's
 hyperparameters and marks the state busy. ``feed`` checks a leaf's grad and, for host-resident
 state, hands the leaf to an executor run at once (grad streaming). ``finish`` checks the other
-grads, then applies everything in a helper thread (:func:`~functional_offload.executor.shield.shielded`):
-device-resident leaves with the spec's fused math, host-resident ones through the executor (or
-in the background, for the delayed update).
+grads, then applies everything shielded from interrupts
+(:func:`~functional_offload.executor.shield.shielded`): device-resident leaves with the spec's
+fused math, host-resident ones through the executor (or in the background, for the delayed
+update).
 
 The failure contract:
 
@@ -134,6 +135,8 @@ class _Static(NamedTuple):
     view_ptrs: list[int]  # the address each of those views was made at
     pack_runs: list[list[tuple[int, int]]]  # per pack, its runs when every member has a grad
     params: list[tuple[torch.dtype, torch.Size]]  # per leaf, its param's dtype and shape then
+    taken: int = 0  # the grads check (GradsOf.taken) that saw the params as these; while it
+    #                 is the same, plain grads are checked all at once
 
 
 def _viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
@@ -348,9 +351,12 @@ class TerminalStep:
         """Every leaf's grad: the fed ones, the others from ``grads`` (checked). A param whose
         dtype or shape changed since the step's static part was made (``param.data = ...``,
         ``module.half()``) has it made again (the device groups, the packs' buffers)."""
-        params = self.state.params.tree
-        given = [None] * len(self.leaves) if grads is None else flatten_like(grads, params, "grads")
+        of = grads_of(self.state.params.tree, self.notes)
+        given = [None] * len(self.leaves) if grads is None else of.flatten(grads)
         fed = self.fed
+        if not fed and self.static.taken == of.taken and of.plain(given):
+            return given  # the common case: every grad checked at once
+        of.refresh()
         out: list[Optional[torch.Tensor]] = []
         changed = False
         for leaf, g, (dtype, shape) in zip(self.leaves, given, self.static.params):
@@ -360,7 +366,7 @@ class TerminalStep:
                 changed = changed or g.dtype is not dtype or g.shape != shape
                 out.append(g)
             elif g is None or (p.dtype is dtype and p.shape == shape and plain_grad(g, p)):
-                out.append(g)  # the common case, checked quickly
+                out.append(g)  # checked quickly
             else:
                 out.append(check_grad(leaf.path, g, p))
                 changed = changed or p.dtype is not dtype or p.shape != shape

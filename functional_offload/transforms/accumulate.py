@@ -9,8 +9,8 @@ import optree
 import torch
 
 from functional_offload.base import (CONSUMED, HeldStep, Optimizer, StateError, Step, check_usable,
-                                     params_of, terminal_states)
-from functional_offload.tree import (check_grad, check_grads, flatten_like, is_dtensor,
+                                     grads_for, params_of, terminal_states)
+from functional_offload.tree import (check_grad, flatten_like, is_dtensor,
                                      leaves_with_paths, local)
 from functional_offload.typing import OptState, Params, Updates
 
@@ -112,7 +112,7 @@ def MultiSteps(opt: Optimizer, every_k: int, *,  # noqa: N802 - optax's name
 
     def accumulate(grads: Updates, state: MultiStepsState) -> tuple[Params, MultiStepsState]:
         params = params_of(state.inner_state)
-        gs = check_grads(grads, params)
+        gs = grads_for(grads, state.inner_state)
         accs = flatten_like(state.acc_grads, params, "state.acc_grads")
         present = [i for i, g in enumerate(gs) if g is not None]
         if present:

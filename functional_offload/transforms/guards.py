@@ -8,10 +8,10 @@ import optree
 import torch
 
 from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
-                                     StateError, Step, check_usable, merge_grads, params_of,
-                                     terminal_states)
+                                     StateError, Step, check_usable, grads_for, merge_grads,
+                                     params_of, terminal_states)
 from functional_offload.transforms.clipping import leaf_norms
-from functional_offload.tree import check_float_leaves, check_grads, is_dtensor, local
+from functional_offload.tree import check_float_leaves, is_dtensor, local
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = ["ApplyIfFiniteState", "apply_if_finite", "all_finite"]
@@ -96,7 +96,7 @@ def apply_if_finite(inner: AnyT) -> AnyT:
         if terminal:
             check_usable(state.inner_state, "update")
             if updates is not None:
-                check_grads(updates, params_of(state.inner_state))
+                grads_for(updates, state.inner_state)
         elif updates is not None:
             check_float_leaves(updates, "grad")
 
