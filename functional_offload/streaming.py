@@ -82,7 +82,7 @@ class GradStream:
             raise RuntimeError("this GradStream was already entered; start a new one per step")
         begin = self.opt.begin if self.opt.begin is not None else (
             lambda state: HeldStep(self.opt.update, state))
-        # begun in a helper thread, so a Ctrl-C now cannot lose the step (and its busy state)
+        # begun shielded, so a Ctrl-C now cannot lose the step (and its busy state)
         step, interrupt = shielded(begin, self.state)
         self.step = step
         try:

@@ -460,12 +460,12 @@ def test_runs_in_the_steps_thread_give_the_results_of_spread_runs(dtype, stage):
 
 def test_a_small_update_starts_no_thread(monkeypatch):
     """Below ``worker_elements`` a plain update's run has no driver, lander or worker thread:
-    the step's helper thread does it all."""
+    the step's own thread does it all."""
     params = make_params(big=True)
     opt = fo.adamw(1e-2, executor=HostExecutor(threads=4))
     p = clone(params)
     s = opt.init(p)
-    p, s = opt.update(grad_seq(params, 1)[0], s)  # the step's helper pool exists from here
+    p, s = opt.update(grad_seq(params, 1)[0], s)  # the executor exists from here
     started = []
     start = threading.Thread.start
 

@@ -3,6 +3,8 @@ and nothing uses, streams or checkpoints a failed state. Faults go through fo.te
 
 import _thread
 import contextlib
+import os
+import signal
 import threading
 import time
 
@@ -121,6 +123,55 @@ def test_ctrl_c_during_update_completes_the_step_then_raises():
     params, state = opt.update(grads[2], state)
     _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
     assert same(fo.state_dict(state), fo.state_dict(ref))
+
+
+class Stop(Exception):
+    """What a signal handler of the user's raises (torchrun's raises SignalException)."""
+
+
+def test_a_handler_that_raises_during_a_step_runs_once_the_step_is_done():
+    """A signal whose Python handler raises arrives during the host step: the handler runs
+    once the step's work is done, its exception reaches the caller with the state passed in
+    holding the step, and the handler is in place again."""
+    params = make_params(dtype=torch.bfloat16, big=True)
+    grads = grad_seq(params, 2)
+    mk = lambda: fo.adamw(1e-2, executor=small_chunks())  # noqa: E731
+    opt = mk()
+    state = opt.init(params)
+    calls = []
+
+    def handler(signum, frame):
+        calls.append(signum)
+        raise Stop(signum)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with slow_host_kernel(0.1):
+            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
+            timer.start()
+            with pytest.raises(Stop):
+                opt.update(grads[0], state)
+            timer.join()
+        assert calls == [signal.SIGUSR1] and int(state.count) == 1
+        assert signal.getsignal(signal.SIGUSR1) is handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        params, state = opt.update(grads[1], state)  # the state passed in held the step
+        _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
+        assert same(fo.state_dict(state), fo.state_dict(ref))
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_steps_from_another_thread_leave_the_handlers_alone():
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=small_chunks())
+    state = opt.init(params)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(opt.update(grad_seq(params, 1)[0], state)))
+    worker.start()
+    worker.join()
+    assert int(out[0][1].count) == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def one_chunk():

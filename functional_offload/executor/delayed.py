@@ -83,7 +83,7 @@ class Landing:
     def land(self, ready: Any) -> None:
         """Wait for the run, then copy the new params of its finished chunks over the params
         (after ``ready``, the caller's stream's mark) and raise the run's error. Idempotent;
-        call from a helper thread."""
+        call from shielded work."""
         with self._lock:
             if not self._landed:
                 self._land(ready)

@@ -22,7 +22,7 @@ import torch
 
 from functional_offload.executor.plan import HostLeaf, Segment
 from functional_offload.executor.run import Run
-from functional_offload.executor.shield import in_helper
+from functional_offload.executor.shield import shielding
 from functional_offload.executor.timeline import Timeline
 from functional_offload.executor.transport import Transport, transport_for
 from functional_offload.kernels.work import Kernel
@@ -215,15 +215,15 @@ class HostExecutor:
 
         ``elements``: the run's total elements, when every leaf is handed over and the run
         closed before ``wait``. It then gets a worker per ``worker_elements`` elements at most,
-        and, opened in a step's helper thread (:func:`~functional_offload.executor.shield.shielded`),
-        runs in that thread (see :class:`~functional_offload.executor.run.Run`): a small run
+        and, opened in a step's shielded work (:func:`~functional_offload.executor.shield.shielded`),
+        runs in the step's thread (see :class:`~functional_offload.executor.run.Run`): a small run
         starts no thread at all.
         """
         self.reserve(device)
         n = min(threads or self.threads, self.threads)
         if elements is not None:
             n = max(1, min(n, -(-elements // self.worker_elements)))
-        return Run(self, device, kernel, n, chunk_done, inline=elements is not None and in_helper())
+        return Run(self, device, kernel, n, chunk_done, inline=elements is not None and shielding())
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
         """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered

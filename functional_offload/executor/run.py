@@ -18,7 +18,7 @@ only after the copy out that read it completed. Grads already in host memory are
 they are, and host params are written in place: no staging, no copies.
 
 A run whose leaves are all handed over before it starts may be ``inline``: :meth:`Run.wait`
-drives it in the calling thread (a step's helper thread, where no interrupt lands), and a run
+drives it in the calling thread (a step's shielded work, which no interrupt cuts), and a run
 of one chunk and one worker does every stage there, with no thread of its own (unless the
 executor pins its workers to cores: the kernel then runs on one of them).
 """

@@ -41,7 +41,7 @@ from functional_offload.kernels.host import host_kernel
 from functional_offload.kernels.work import Kernel
 from functional_offload.optimizers.packing import Buffers, Pack, buffers, span
 from functional_offload.optimizers.packing import runs as runs_of
-from functional_offload.tree import check_grad, flatten_like, plain_grad
+from functional_offload.tree import check_grad, grads_of, plain_grad
 
 __all__ = ["Leaf", "TerminalStep"]
 
@@ -375,6 +375,8 @@ class TerminalStep:
                 del self.notes[key]
             self.static = _static(self.leaves, self.packs)
             self.notes["static"] = (self.leaves, self.static)
+        self.static = self.static._replace(taken=of.taken)
+        self.notes["static"] = (self.leaves, self.static)
         return out
 
     def _check_views(self) -> bool:
@@ -581,7 +583,7 @@ class TerminalStep:
 
     @torch.no_grad()
     def _apply(self, gs: list, streams: dict, ready: dict) -> Any:
-        """Apply the step (in a helper thread); the new state, or raise after marking this one:
+        """Apply the step (shielded); the new state, or raise after marking this one:
         failed if anything may have been written in place, else as it was."""
         state, t = self.state, self.t
         touched = False
