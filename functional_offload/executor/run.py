@@ -181,9 +181,13 @@ class _Pipeline:
         self.failures: list[tuple[int, BaseException]] = []
 
     # ---- helpers -------------------------------------------------------------------------
+    def slot_bytes(self, k: int, which: int, offset: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` from ``offset`` of chunk ``k``'s slot half: grads (``which`` 0) or params."""
+        base = (2 * (k % self.S) + which) * self.half + offset
+        return self.ring[base: base + nbytes]
+
     def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
-        base = (2 * (k % self.S) + which) * self.half + seg.offset
-        return self.ring[base: base + (seg.stop - seg.start) * dtype.itemsize].view(dtype)
+        return self.slot_bytes(k, which, seg.offset, (seg.stop - seg.start) * dtype.itemsize).view(dtype)
 
     def spans(self, k: int, which: int, segs: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(device tensor, slot tensor)`` pairs to copy for ``segs`` of chunk ``k``: their
@@ -204,8 +208,7 @@ class _Pipeline:
                 before = out.pop()[0].numel()
                 at, offset, nbytes = at - before, offset - before, nbytes + before
             dev = torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage, at, (nbytes,))
-            base = (2 * (k % self.S) + which) * self.half + offset
-            out.append((dev, self.ring[base: base + nbytes]))
+            out.append((dev, self.slot_bytes(k, which, offset, nbytes)))
             last = (storage.data_ptr(), at + nbytes, offset + nbytes)
         return out
 
