@@ -27,7 +27,6 @@ The failure contract:
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -129,7 +128,6 @@ class _Static(NamedTuple):
     host: list[int]  # leaves whose state is on the host
     packed: frozenset[int]
     groups: list[_Group]
-    cuda: frozenset[torch.device]  # the params' CUDA devices
     host_devices: frozenset[torch.device]  # the devices of the host leaves' params
     viewed: list[tuple[int, torch.Tensor]]  # (leaf, tensor) per host-view
     view_ptrs: list[int]  # the address each of those views was made at
@@ -171,7 +169,6 @@ def _static(leaves: list[Leaf], packs: list[Pack]) -> _Static:
     host = [i for i, leaf in enumerate(leaves) if leaf.on_host]
     decays = [leaf.decay for leaf in leaves]
     return _Static(host, frozenset(i for pack in packs for i in pack.members), groups,
-                   frozenset(lf.param.device for lf in leaves if lf.param.is_cuda),
                    frozenset(leaves[i].param.device for i in host), *_viewed(leaves),
                    [runs_of(pack, [True] * len(leaves), decays) for pack in packs],
                    [(leaf.param.dtype, leaf.param.shape) for leaf in leaves])
@@ -277,11 +274,10 @@ class TerminalStep:
             self.abort()
             raise
         self.finished = True
-        streams = {d: torch.cuda.current_stream(d) for d in self.static.cuda}
         ready = ({d: self.ex.ready(d) for d in self.static.host_devices}
                  if len(self.ahead) < len(self.static.host) else {})
         try:
-            new, interrupt = shielded(self._apply, gs, streams, ready)
+            new, interrupt = shielded(self._apply, gs, ready)
         finally:
             del gs
             self._release()
@@ -458,7 +454,7 @@ class TerminalStep:
                         leaf.flat, hyper, targets, leaf.ema_flat, self.t.ema_decay or 0.0, ema_target,
                         settled)
 
-    def _packed_leaves(self, gs: list, streams: dict, runs: dict,
+    def _packed_leaves(self, gs: list, runs: dict,
                        elements: dict[torch.device, int]) -> list[tuple[tuple[int, ...], Buffers, int, int]]:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one
         multi-tensor copy), handed to ``runs`` as one host leaf over the arenas. Returns
@@ -478,9 +474,8 @@ class TerminalStep:
                                               [self.leaves[i].param.shape for i in pack.members])
                 bufs = self.notes[key]
                 lo, hi = pack.offsets[first], pack.offsets[last] + self.leaves[members[-1]].param.numel()
-                with torch.cuda.stream(streams[g0.device]) if g0.device in streams else nullcontext():
-                    torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
-                    ready = self.ex.ready(g0.device)  # after the gather, on the caller's stream
+                torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
+                ready = self.ex.ready(g0.device)  # after the gather, on the caller's stream
                 hyper = self.hyper if lead.decay else self.hyper0
                 leaf = HostLeaf(f"{lead.path} (and {len(members) - 1} more small leaves)",
                                 bufs.grad[lo:hi], bufs.out[lo:hi],
@@ -491,12 +486,10 @@ class TerminalStep:
                 out.append((members, bufs, first, last))
         return out
 
-    def _scatter(self, packed: list, streams: dict) -> None:
+    def _scatter(self, packed: list) -> None:
         """The packed runs' new params to the params (after the copies out are ordered)."""
         for members, bufs, first, last in packed:
-            device = self.leaves[members[0]].param.device
-            with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                torch._foreach_copy_([self.leaves[i].param for i in members], bufs.outs[first:last + 1])
+            torch._foreach_copy_([self.leaves[i].param for i in members], bufs.outs[first:last + 1])
 
     @staticmethod
     def _by_device(idx: list[int], gs: list) -> dict[torch.device, list[int]]:
@@ -533,7 +526,7 @@ class TerminalStep:
             if run.error is not None:
                 raise run.error
 
-    def _device_math(self, gs: list, streams: dict) -> bool:
+    def _device_math(self, gs: list) -> bool:
         """Device-resident leaves with a grad, grouped by device, dtypes and weight decay;
         whether any was updated."""
         spec, tl = self.t.spec, self.ex.timeline
@@ -556,35 +549,34 @@ class TerminalStep:
                 news = [v for k, v in zip(grp.written, grp.news) if k in kept]
                 emas = [emas[k] for k in keep] if emas else []
             touched = True
-            stream = streams.get(grp.device)
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                s0 = tl.stamp(grp.device) if tl else None
-                try:
-                    if cast is not None:
-                        if len(grp.cast_at) == len(grads):
-                            grads = cast(grads)
-                        else:
-                            grads = list(grads)
-                            for k, g in zip(grp.cast_at, cast([grads[k] for k in grp.cast_at])):
-                                grads[k] = g
-                    math(values, grads, moments, self.hyper if grp.decay else self.hyper0)
-                finally:
-                    if cast is not None:
-                        cast.release()  # after the math is queued: the stream orders its reuse
-                if params:
-                    torch._foreach_copy_(params, news)
-                if emas:
-                    torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
-                                                for v, e in zip(values, emas)],
-                                         1 - (self.t.ema_decay or 0.0))
-                if tl:
-                    tl.span("GPU update", f"{len(grads)} leaves", s0, tl.stamp(grp.device))
+            s0 = tl.stamp(grp.device) if tl else None
+            try:
+                if cast is not None:
+                    if len(grp.cast_at) == len(grads):
+                        grads = cast(grads)
+                    else:
+                        grads = list(grads)
+                        for k, g in zip(grp.cast_at, cast([grads[k] for k in grp.cast_at])):
+                            grads[k] = g
+                math(values, grads, moments, self.hyper if grp.decay else self.hyper0)
+            finally:
+                if cast is not None:
+                    cast.release()  # after the math is queued: the stream orders its reuse
+            if params:
+                torch._foreach_copy_(params, news)
+            if emas:
+                torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
+                                            for v, e in zip(values, emas)],
+                                     1 - (self.t.ema_decay or 0.0))
+            if tl:
+                tl.span("GPU update", f"{len(grads)} leaves", s0, tl.stamp(grp.device))
         return touched
 
     @torch.no_grad()
-    def _apply(self, gs: list, streams: dict, ready: dict) -> Any:
-        """Apply the step (shielded); the new state, or raise after marking this one:
-        failed if anything may have been written in place, else as it was."""
+    def _apply(self, gs: list, ready: dict) -> Any:
+        """Apply the step (shielded, in the caller's thread: its device work is queued on the
+        caller's current streams); the new state, or raise after marking this one: failed if
+        anything may have been written in place, else as it was."""
         state, t = self.state, self.t
         touched = False
         packed_out: list = []
@@ -595,32 +587,29 @@ class TerminalStep:
                     run.settle()
                 self._wait_runs(self.runs)
                 self._raise_run_errors(self.runs)
-            touched = self._device_math(gs, streams)
+            touched = self._device_math(gs)
             rest = [i for i in self.static.host if gs[i] is not None and i not in self.ahead]
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             refs = state.params
             if rest and t.delayed:
-                device = gs[rest[0]].device
-                with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                    landing = Landing(self.ex, [self._host_leaf(i, gs[i], False) for i in rest],
-                                      self._kernel_for_run(),
-                                      [self.leaves[i].param.view(-1) if self.leaves[i].has_master else None
-                                       for i in rest], t.threads)
+                landing = Landing(self.ex, [self._host_leaf(i, gs[i], False) for i in rest],
+                                  self._kernel_for_run(),
+                                  [self.leaves[i].param.view(-1) if self.leaves[i].has_master else None
+                                   for i in rest], t.threads)
                 touched = True  # the run has started (a failure before, e.g. allocating, changed nothing)
                 refs = refs._replace(pending=_Pending(landing, new_count))
             elif rest and not t.spec.elementwise:
                 touched = True
                 for device, idx in self._by_device(rest, gs).items():
                     run_leaves(self.ex, device, [self._leaf_item(i, gs[i]) for i in idx], ready[device])
-                    with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                        self.ex.order_after_copies(device)
+                    self.ex.order_after_copies(device)
             else:
                 runs = rest_runs if self.speculative or self.closed else self.runs
                 elements: dict[torch.device, int] = {}
                 for i in rest:
                     device = gs[i].device
                     elements[device] = elements.get(device, 0) + self.static.params[i][1].numel()
-                packed_out = self._packed_leaves(gs, streams, runs, elements)
+                packed_out = self._packed_leaves(gs, runs, elements)
                 for device, idx in self._by_device([i for i in rest if i not in self.packed], gs).items():
                     self._run(device, runs, elements).add_all(
                         [self._host_leaf(i, gs[i], False) for i in idx], ready[device])
@@ -629,16 +618,14 @@ class TerminalStep:
             self._raise_run_errors(self.runs)
             self._raise_run_errors(rest_runs)
             for device in {*self.runs, *rest_runs}:
-                with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                    self.ex.order_after_copies(device)
+                self.ex.order_after_copies(device)
             if packed_out:
-                self._scatter(packed_out, streams)
+                self._scatter(packed_out)
             for param, new in self.strided:
-                with torch.cuda.stream(streams[param.device]) if param.device in streams else nullcontext():
-                    param.copy_(new.view(param.shape))
+                param.copy_(new.view(param.shape))
             if self.speculative and self.ahead:
                 touched = True
-                self._commit(streams)
+                self._commit()
             return state._replace(count=new_count, params=refs)
         except BaseException:
             every = [*self.runs.values(), *rest_runs.values()]
@@ -652,7 +639,7 @@ class TerminalStep:
             state.count.fill_(FAILED if failed else self.n)
             raise
 
-    def _commit(self, streams: dict) -> None:
+    def _commit(self) -> None:
         """Speculative step: swap the spare buffers in, copy the new params to the device."""
         spares = self.state.params.spare
         switched = {self.forms[id(form)] for run in self.runs.values() for form in run.switched}
@@ -668,11 +655,10 @@ class TerminalStep:
         for i in self.scratch:
             by_device.setdefault(self.leaves[i].param.device, []).append(i)
         for device, idx in by_device.items():
-            with torch.cuda.stream(streams[device]) if device in streams else nullcontext():
-                torch._foreach_copy_([self.leaves[i].param for i in idx],  # strided ones too
-                                     [self.scratch[i].view(self.leaves[i].param.shape) for i in idx])
-                for i in idx:
-                    if device.type == "cuda":
-                        self.scratch[i].record_stream(torch.cuda.current_stream(device))
+            torch._foreach_copy_([self.leaves[i].param for i in idx],  # strided ones too
+                                 [self.scratch[i].view(self.leaves[i].param.shape) for i in idx])
+            for i in idx:
+                if device.type == "cuda":
+                    self.scratch[i].record_stream(torch.cuda.current_stream(device))
         self.scratch.clear()
 
