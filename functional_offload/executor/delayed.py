@@ -95,8 +95,11 @@ class Landing:
     def _land(self, ready: Any) -> None:
         self.run.wait()
         t, tl = self.ex.transport(self.device), self.ex.timeline
-        pairs = [(self.targets[s.leaf][s.start:s.stop], self._up[s.leaf][s.start:s.stop])
-                 for s in self._done if self.targets[s.leaf] is not None]
+        if self.run.error is None:  # every chunk is done: whole leaves, no slice per segment
+            pairs = [(d, s) for d, s in zip(self.targets, self._up) if d is not None]
+        else:
+            pairs = [(self.targets[s.leaf][s.start:s.stop], self._up[s.leaf][s.start:s.stop])
+                     for s in self._done if self.targets[s.leaf] is not None]
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
