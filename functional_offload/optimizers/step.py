@@ -231,6 +231,7 @@ class TerminalStep:
         self.runs: dict[torch.device, Run] = {}
         self._kernel: Optional[Kernel] = None
         self._views_checked = False
+        self.every_grad = False  # every leaf has a grad this step (the grads check found so)
         self.finished = False
         self.closed = False
         self.delayed = t.delayed
@@ -351,6 +352,7 @@ class TerminalStep:
         given = [None] * len(self.leaves) if grads is None else of.flatten(grads)
         fed = self.fed
         if not fed and self.static.taken == of.taken and of.plain(given):
+            self.every_grad = True
             return given  # the common case: every grad checked at once
         of.refresh()
         out: list[Optional[torch.Tensor]] = []
@@ -536,8 +538,9 @@ class TerminalStep:
             grads = [gs[i] for i in grp.idx]
             values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
             cast = grp.cast
-            if any(g is None for g in grads):  # leaves without a grad this step are left out
-                cast = None  # and the others cast one by one
+            if not self.every_grad and any(g is None for g in grads):
+                # leaves without a grad this step are left out, the others cast one by one
+                cast = None
                 grads = [g if g is None or g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, values)]
                 keep = [k for k, g in enumerate(grads) if g is not None]
                 if not keep:
