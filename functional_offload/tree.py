@@ -11,8 +11,8 @@ import optree
 import torch
 
 __all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "check_grad", "check_grads",
-           "GradsOf", "grads_of", "check_float_leaves", "check_no_aliasing", "insertion_order",
-           "local", "is_dtensor", "describe"]
+           "GradsOf", "grads_of", "check_float_leaves", "float_leaves", "check_no_aliasing",
+           "insertion_order", "local", "is_dtensor", "describe"]
 
 
 def _entry_name(entry: Any) -> str:
@@ -139,10 +139,21 @@ def plain_grad(g: Any, p: torch.Tensor) -> bool:
             and g.untyped_storage().data_ptr() != p.untyped_storage().data_ptr())
 
 
+_FLOAT_DENSE = operator.attrgetter("dtype.is_floating_point", "layout", "is_meta")
+
+
 def check_float_leaves(tree: Any, what: str) -> list[Optional[torch.Tensor]]:
     """The leaves of ``tree`` (``None`` kept), after checking each is a dense floating tensor;
     raises ``TypeError`` naming the first that is not."""
+    return float_leaves(tree, what)[0]
+
+
+def float_leaves(tree: Any, what: str) -> tuple[list[Optional[torch.Tensor]], optree.PyTreeSpec]:
+    """:func:`check_float_leaves` and the structure of ``tree`` (``None`` as a leaf)."""
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    if (leaves and set(map(type, leaves)) == {torch.Tensor}  # the common case, all at once
+            and set(map(_FLOAT_DENSE, leaves)) == {(True, torch.strided, False)}):
+        return leaves, spec
     for i, x in enumerate(leaves):
         if x is None or (isinstance(x, torch.Tensor) and x.dtype.is_floating_point
                          and x.layout is torch.strided and not x.is_meta):
@@ -152,7 +163,7 @@ def check_float_leaves(tree: Any, what: str) -> list[Optional[torch.Tensor]]:
             raise TypeError(f"{what} {path!r} is a {type(x).__name__}; expected a tensor or None")
         raise TypeError(f"{what} {path!r} is a {describe(x)} tensor; expected a dense floating "
                         "tensor with data (cast it with .float() or pass the real gradient)")
-    return leaves
+    return leaves, spec
 
 
 _META = operator.attrgetter("dtype", "shape", "device", "layout")

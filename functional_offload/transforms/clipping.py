@@ -2,33 +2,48 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import defaultdict
-from typing import Any
+from typing import Any, Optional
 
 import optree
 import torch
 
 from functional_offload.base import EmptyState, GradientTransformation
-from functional_offload.tree import check_float_leaves
+from functional_offload.tree import check_float_leaves, float_leaves
 from functional_offload.typing import Params, Updates
 
 __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
 
 
-def _by_device_and_dtype(leaves: list[torch.Tensor]) -> dict[tuple, list[int]]:
+_DEVICE_DTYPE = operator.attrgetter("device", "dtype")
+Groups = dict[tuple, list[int]]
+
+
+def _by_device_and_dtype(leaves: list[torch.Tensor]) -> Groups:
     """Positions in ``leaves`` per ``(device, dtype)``: what one multi-tensor launch takes."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, g in enumerate(leaves):
-        groups[(g.device, g.dtype)].append(i)
+    keys = list(map(_DEVICE_DTYPE, leaves))
+    if keys.count(keys[0]) == len(keys):  # one group (the common case), without a loop
+        return {keys[0]: list(range(len(keys)))}
+    groups: Groups = defaultdict(list)
+    for i, key in enumerate(keys):
+        groups[key].append(i)
     return groups
 
 
-def _norm_groups(leaves: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
-    """Per device and dtype of ``leaves`` (checked, none ``None``), their norms as one 1-D
-    tensor on the first leaf's device (one multi-tensor launch and one copy per group)."""
+def _members(leaves: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
+    return leaves if len(idx) == len(leaves) else [leaves[i] for i in idx]
+
+
+def _norm_groups(leaves: list[torch.Tensor], ord: float,
+                 groups: Optional[Groups] = None) -> list[torch.Tensor]:
+    """Per device and dtype of ``leaves`` (checked, none ``None``; ``groups``: their
+    :func:`_by_device_and_dtype` when known), their norms as one 1-D tensor on the first leaf's
+    device (one multi-tensor launch and one copy per group)."""
     dev = leaves[0].device
-    return [torch.stack(torch._foreach_norm([leaves[i] for i in idx], ord)).to(dev)
-            for idx in _by_device_and_dtype(leaves).values()]
+    return [torch.stack(torch._foreach_norm(_members(leaves, idx), ord)).to(dev)
+            for idx in (groups or _by_device_and_dtype(leaves)).values()]
 
 
 def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
@@ -38,29 +53,35 @@ def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
     return [n for group in _norm_groups(leaves, ord) for n in group.unbind()] if leaves else []
 
 
-def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
+def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor, groups: Groups) -> list[torch.Tensor]:
     """``leaves`` times ``coef``, as new tensors: per device and dtype of plain tensors one
     buffer, scaled in place by torch's multi-tensor multiply (as ``clip_grad_norm_`` scales
     grads). One allocation per group, not one per leaf: with hundreds of small leaves those
     dominate the cost."""
+    if len(groups) == 1:
+        (device, _), = groups
+        return _scaled_group(leaves, coef.to(device))
     out: list[torch.Tensor] = [coef] * len(leaves)
-    for (device, _), idx in _by_device_and_dtype(leaves).items():
-        members = [leaves[i] for i in idx]
-        if all(type(g) is torch.Tensor for g in members):
-            flat = torch._utils._flatten_dense_tensors(members)
-            if len(members) == 1:  # flattening one contiguous tensor gives a view of it
-                flat = flat.clone()
-            views = torch._utils._unflatten_dense_tensors(flat, members)
-            torch._foreach_mul_(views, coef.to(device))
-        else:  # DTensor shards (FSDP2) and other subclasses: their own multiply, a new tensor each
-            views = torch._foreach_mul(members, coef.to(device))
-        for i, v in zip(idx, views):
+    for (device, _), idx in groups.items():
+        for i, v in zip(idx, _scaled_group([leaves[i] for i in idx], coef.to(device))):
             out[i] = v
     return out
 
 
-def _global_norm(leaves: list[torch.Tensor]) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.cat(_norm_groups(leaves, 2.0)), 2.0)
+def _scaled_group(members: list[torch.Tensor], coef: torch.Tensor) -> list[torch.Tensor]:
+    """``members`` (one device and dtype) times ``coef`` (on their device), as new tensors."""
+    if set(map(type, members)) != {torch.Tensor}:  # DTensor shards (FSDP2), other subclasses:
+        return list(torch._foreach_mul(members, coef))  # their own multiply, a new tensor each
+    flat = torch._utils._flatten_dense_tensors(members)
+    if len(members) == 1:  # flattening one contiguous tensor gives a view of it
+        flat = flat.clone()
+    views = list(torch._utils._unflatten_dense_tensors(flat, members))
+    torch._foreach_mul_(views, coef)
+    return views
+
+
+def _global_norm(leaves: list[torch.Tensor], groups: Optional[Groups] = None) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.cat(_norm_groups(leaves, 2.0, groups)), 2.0)
 
 
 def global_norm(updates: Updates) -> torch.Tensor:
@@ -95,20 +116,24 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
-    def of(present: list[torch.Tensor]) -> torch.Tensor:
-        return torch.clamp(max_norm / (_global_norm(present) + 1e-6), max=1.0)
+    def of(present: list[torch.Tensor], groups: Optional[Groups] = None) -> torch.Tensor:
+        return torch.clamp(max_norm / (_global_norm(present, groups) + 1e-6), max=1.0)
 
     def factor(updates: Updates, state: Any = None) -> torch.Tensor:
         present = [g for g in check_float_leaves(updates, "grad") if g is not None]
         return of(present) if present else torch.ones(())
 
     def update(updates: Updates, state: EmptyState) -> tuple[Updates, EmptyState]:
-        leaves = check_float_leaves(updates, "grad")
-        present = [g for g in leaves if g is not None]
+        leaves, spec = float_leaves(updates, "grad")
+        every = all(map(operator.is_not, leaves, itertools.repeat(None)))
+        present = leaves if every else [g for g in leaves if g is not None]
         if not present:
             return updates, state
-        scaled = iter(_scaled(present, of(present)))
-        out: list[Any] = [None if g is None else next(scaled) for g in leaves]
-        return optree.tree_unflatten(optree.tree_structure(updates, none_is_leaf=True), out), state
+        groups = _by_device_and_dtype(present)
+        scaled = _scaled(present, of(present, groups), groups)
+        if not every:
+            it = iter(scaled)
+            scaled = [None if g is None else next(it) for g in leaves]
+        return optree.tree_unflatten(spec, scaled), state
 
     return GradientTransformation(init, update, factor)
