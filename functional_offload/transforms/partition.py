@@ -294,7 +294,7 @@ class _Partitioned:
         calls = {label: functools.partial(step.finish,
                                           {self.paths[i]: flat[i] for i in self.parts[label]})
                  for label, step in self.steps.items()}
-        results, interrupt = shielded(_concurrently, calls, _caller_context(flat))
+        results, held = shielded(_concurrently, calls, _caller_context(flat))
         done = {label: r for label, (ok, r) in results.items() if ok}
         errors = [r for ok, r in results.values() if not ok]
         news = {label: s for label, (_, s) in done.items()}
@@ -303,15 +303,18 @@ class _Partitioned:
             if news or moved:
                 self.state.inner_states.update(news)  # torn: loading a checkpoint into it recovers
                 self.state.refs.count.fill_(FAILED)
-            if interrupt is not None:
-                raise interrupt from errors[0]
+            if held is not None:
+                try:
+                    held.deliver()
+                except BaseException as e:
+                    raise e from errors[0]
             raise errors[0]
         whole = optree.tree_unflatten(
             self.spec, [done[self.route[i][0]][0][p] for i, p in enumerate(self.paths)])
-        if interrupt is not None:  # every part completed: the state passed in holds the step
-            self.state.inner_states.update(news)
+        if held is not None:  # every part completed: the state passed in holds the step while
+            self.state.inner_states.update(news)  # the signals' handlers run
             self.state.refs.count.fill_(self.n + 1)
-            raise interrupt
+            held.deliver()
         new = PartitionState(PartitionRefs(torch.tensor(self.n + 1, dtype=torch.int64),
                                            ParamRefs(whole)), news)
         self.state.refs.count.fill_(CONSUMED)
@@ -323,10 +326,15 @@ class _Partitioned:
 
     def abort(self) -> None:
         self.finished = True
-        results, interrupt = shielded(_concurrently, {k: s.abort for k, s in self.steps.items()},
-                                      _caller_context([]))  # concurrently, as finish
-        for ok, error in results.values():
-            if not ok:
-                raise error
-        if interrupt is not None:
-            raise interrupt
+        results, held = shielded(_concurrently, {k: s.abort for k, s in self.steps.items()},
+                                 _caller_context([]))  # concurrently, as finish
+        errors = [error for ok, error in results.values() if not ok]
+        if held is not None:
+            try:
+                held.deliver()
+            except BaseException as e:
+                if errors:
+                    raise e from errors[0]
+                raise
+        if errors:
+            raise errors[0]

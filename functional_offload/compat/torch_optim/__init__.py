@@ -294,22 +294,24 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
             state = slot.state
             hidden = (Slot.moment_fields(state) - run.moments) if run.moments is not None else ()
             given = state._replace(**{f: () for f in hidden}) if hidden else state
+            count = int(state.count)
             try:
                 _, new = run.opt.update(run.grads, given)
-            except (KeyboardInterrupt, SystemExit) as e:
-                new = given  # the step completed into the state passed in (the core's contract)
-                interrupt = interrupt or e
-            except BaseException:
-                # the state is as it was, or marked failed; if another group already stepped,
-                # the optimizer as a whole is torn: every group is marked failed
-                if stepped or int(state.count) == FAILED:
+            except BaseException as e:
+                if int(state.count) == count + 1:  # a signal's handler raised once the step
+                    new = given  # had completed into the state passed in (the core's contract)
+                    interrupt = interrupt or e
+                else:
+                    # the state is as it was, or marked failed; if another group already
+                    # stepped, the optimizer as a whole is torn: every group is marked failed
+                    if stepped or int(state.count) == FAILED:
+                        for other in runs:
+                            if other.slot.state is not None:
+                                other.slot.state.count.fill_(FAILED)
                     for other in runs:
                         if other.slot.state is not None:
-                            other.slot.state.count.fill_(FAILED)
-                for other in runs:
-                    if other.slot.state is not None:
-                        other.slot.refresh()
-                raise
+                            other.slot.refresh()
+                    raise
             stepped = True
             if hidden:
                 new = new._replace(**{f: getattr(state, f) for f in hidden})
