@@ -28,7 +28,7 @@ __all__ = [
     "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
     "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "grads_for", "ema_params", "flush",
     "check_usable", "claim", "release", "mark_tensors",
-    "terminal_states",
+    "terminal_states", "terminal_counts", "stepped",
 ]
 
 CONSUMED, FAILED, BUSY = -1, -2, -3
@@ -178,6 +178,18 @@ def _state_nodes(tree: Any, out: list[Any]) -> list[Any]:
 def terminal_states(state: OptState) -> list[Any]:
     """The terminal optimizers' states inside ``state`` (those with a :class:`ParamRefs`)."""
     return _terminal(_state_nodes(state, []))
+
+
+def terminal_counts(state: OptState) -> list[int]:
+    """The counts (or marks) of the terminal states inside ``state``."""
+    return [int(s.count) for s in terminal_states(state)]
+
+
+def stepped(state: OptState, counts: list[int]) -> bool:
+    """Whether every terminal state inside ``state`` holds one step more than ``counts`` (its
+    :func:`terminal_counts` when a step began): the step completed, even if what ran it then
+    raised (a signal's handler, run once the step was done)."""
+    return all(c == n + 1 for n, c in zip(counts, terminal_counts(state)))
 
 
 def _terminal(nodes: list[Any]) -> list[Any]:

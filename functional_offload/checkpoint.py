@@ -119,9 +119,9 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
         for p, x in zip(paths, leaves):
             x.copy_(sd[p])
 
-    _, held = shielded(copy_all)  # all of it, or an interrupt would leave it torn
-    if held is not None:
-        held.deliver()
+    _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn
+    if interrupt is not None:
+        raise interrupt
     return like
 
 

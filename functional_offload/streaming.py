@@ -83,11 +83,11 @@ class GradStream:
         begin = self.opt.begin if self.opt.begin is not None else (
             lambda state: HeldStep(self.opt.update, state))
         # begun shielded, so a Ctrl-C now cannot lose the step (and its busy state)
-        step, held = shielded(begin, self.state)
+        step, interrupt = shielded(begin, self.state)
         self.step = step
         try:
-            if held is not None:
-                held.deliver()
+            if interrupt is not None:
+                raise interrupt
             if getattr(step, "delayed", False):
                 raise ValueError("grad streaming and delayed=True are two ways to hide the host "
                                  "step; build the optimizer with one of them")

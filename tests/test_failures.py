@@ -129,40 +129,33 @@ class Stop(Exception):
     """What a signal handler of the user's raises (torchrun's raises SignalException)."""
 
 
-@pytest.mark.parametrize("raises", [True, False])
-def test_a_signal_handler_runs_once_the_step_is_done_and_may_checkpoint(raises, tmp_path):
-    """A signal whose Python handler saves a checkpoint (as preemption handlers do) arrives
-    during the host step: the handler runs after the step, with the state passed in holding it,
-    so the checkpoint is that of the completed step; what the handler raises reaches the
-    caller; a handler that raises nothing lets the update return as usual. The handler is in
-    place again afterwards."""
+def test_a_handler_that_raises_during_a_step_runs_once_the_step_is_done():
+    """A signal whose Python handler raises arrives during the host step: the handler runs
+    once the step's work is done, its exception reaches the caller with the state passed in
+    holding the step, and the handler is in place again."""
     params = make_params(dtype=torch.bfloat16, big=True)
     grads = grad_seq(params, 2)
     mk = lambda: fo.adamw(1e-2, executor=small_chunks())  # noqa: E731
     opt = mk()
     state = opt.init(params)
-    seen = []
+    calls = []
 
     def handler(signum, frame):
-        seen.append(int(state.count))
-        fo.save(state, tmp_path / "preempted")
-        if raises:
-            raise Stop(signum)
+        calls.append(signum)
+        raise Stop(signum)
 
     old = signal.signal(signal.SIGUSR1, handler)
     try:
         with slow_host_kernel(0.1):
             timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
             timer.start()
-            with pytest.raises(Stop) if raises else contextlib.nullcontext():
-                params, state = opt.update(grads[0], state)
+            with pytest.raises(Stop):
+                opt.update(grads[0], state)
             timer.join()
-        assert seen == [1] and signal.getsignal(signal.SIGUSR1) is handler
+        assert calls == [signal.SIGUSR1] and int(state.count) == 1
+        assert signal.getsignal(signal.SIGUSR1) is handler
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        assert int(state.count) == 1
-        resumed = fo.load(tmp_path / "preempted", like=mk().init(make_params(dtype=torch.bfloat16, big=True)))
-        assert same(fo.state_dict(resumed), fo.state_dict(state))
-        params, state = opt.update(grads[1], state)
+        params, state = opt.update(grads[1], state)  # the state passed in held the step
         _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
         assert same(fo.state_dict(state), fo.state_dict(ref))
     finally:

@@ -5,9 +5,9 @@ Python runs signal handlers in the main thread, between any two bytecodes: Ctrl-
 ``SignalException`` on SIGTERM). An update applying its math from the main thread could be cut
 between two leaves. :func:`shielded` runs the work in the calling thread with every Python-level
 handler replaced by one that only records the signal; once the work has returned, the handlers
-are put back, and the caller, once its state is consistent again, hands the recorded signals to
-them (:meth:`Held.deliver`): a handler that saves a checkpoint sees the step complete. Other
-threads receive no signals: there the work simply runs.
+are put back and run for the signals recorded, and the first exception they raise goes back to
+the caller, who re-raises it once the state is consistent. Other threads receive no signals:
+there the work simply runs.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import threading
 from types import FrameType
 from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["Held", "shielded", "shielding"]
+__all__ = ["shielded", "shielding"]
 
 T = TypeVar("T")
 _SIGNALS = sorted(int(s) for s in signal.valid_signals())
@@ -30,18 +30,21 @@ def shielding() -> bool:
     return getattr(_local, "shielded", False)
 
 
-class Held:
-    """The Python-level signal handlers of this process, replaced by :attr:`record` between
-    :meth:`take` and :meth:`give_back` (main thread only), and the signals that arrived."""
+class _Held:
+    """The Python-level signal handlers of this process, replaced by :attr:`record` from
+    :meth:`take` to :meth:`give_back` (main thread only)."""
 
     def __init__(self) -> None:
         self.handlers: dict[int, Any] = {}
         self.arrived: list[tuple[int, Optional[FrameType]]] = []
         self.record = self._record  # one bound method: compared by identity
-        self.raised: Optional[BaseException] = None  # by a handler not yet replaced
+        self.interrupt: Optional[BaseException] = None
 
     def _record(self, signum: int, frame: Optional[FrameType]) -> None:
         self.arrived.append((signum, frame))
+
+    def _keep(self, e: BaseException) -> None:
+        self.interrupt = self.interrupt or e
 
     def take(self) -> None:
         while True:  # a handler not yet replaced may raise meanwhile: kept, and go on
@@ -51,11 +54,11 @@ class Held:
                         self.handlers[s] = h
                         _signal.signal(s, self.record)
                 return
-            except BaseException as e:  # noqa: BLE001 - raised again by deliver
-                self.raised = self.raised or e
+            except BaseException as e:  # noqa: BLE001 - handed back by give_back
+                self._keep(e)
 
-    def give_back(self) -> None:
-        """Put the handlers back (each signal that arrives from now on runs its own)."""
+    def give_back(self) -> Optional[BaseException]:
+        """Put the handlers back, run them for the signals recorded; the first exception."""
         left = list(self.handlers.items())
         while left:
             try:
@@ -65,54 +68,41 @@ class Held:
                         _signal.signal(s, h)
                     left.pop()
             except BaseException as e:  # noqa: BLE001 - a handler put back ran at once
-                self.raised = self.raised or e
-
-    def deliver(self) -> None:
-        """Run the handlers of the signals that arrived, in order; raise the first exception
-        raised (the other handlers still run)."""
-        raised, self.raised = self.raised, None
+                self._keep(e)
         while self.arrived:
             try:
                 while self.arrived:
                     signum, frame = self.arrived.pop(0)
                     self.handlers[signum](signum, frame)
-            except BaseException as e:  # noqa: BLE001 - raised below
-                raised = raised or e
-        if raised is not None:
-            raise raised
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                self._keep(e)
+        return self.interrupt
 
 
-def shielded(fn: Callable[..., T], *args: Any) -> tuple[T, Optional[Held]]:
-    """``(fn(*args), held)``: run ``fn`` to its end whatever signals arrive meanwhile.
+def shielded(fn: Callable[..., T], *args: Any) -> tuple[T, Optional[BaseException]]:
+    """``(fn(*args), interrupt)``: run ``fn`` to its end whatever signals arrive meanwhile.
 
-    ``held`` is None when no signal arrived; else the caller puts its state in order, then
-    calls ``held.deliver()``, which runs their handlers and raises what they raise. An
-    exception of ``fn`` is raised after the handlers ran (one a handler raised instead, with
-    ``fn``'s as its cause). Nested calls, and calls outside the main thread, simply run.
+    ``interrupt`` is the first exception raised by the handlers of the signals that arrived
+    while ``fn`` ran, run once it returned (None if none, or if they raised nothing): the caller
+    re-raises it after putting its state in order. An exception of ``fn`` is raised — the
+    interrupt, if one came, instead, with ``fn``'s exception as cause. Nested calls simply run.
     """
     if shielding():
         return fn(*args), None
-    held = Held() if threading.current_thread() is threading.main_thread() else None
+    held = _Held() if threading.current_thread() is threading.main_thread() else None
     _local.shielded = True
     try:
         if held is not None:
             held.take()
         result = fn(*args)
     except BaseException as error:
-        late = _end(held)
-        if late is not None:
-            try:
-                late.deliver()
-            except BaseException as e:
-                raise e from error
+        interrupt = _end(held)
+        if interrupt is not None:
+            raise interrupt from error
         raise
     return result, _end(held)
 
 
-def _end(held: Optional[Held]) -> Optional[Held]:
-    """Handlers back; ``held`` if a signal arrived (or a handler raised), else None."""
+def _end(held: Optional[_Held]) -> Optional[BaseException]:
     _local.shielded = False
-    if held is None:
-        return None
-    held.give_back()
-    return held if held.arrived or held.raised is not None else None
+    return None if held is None else held.give_back()

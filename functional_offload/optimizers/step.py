@@ -20,10 +20,9 @@ The failure contract:
   state as it was. ``finish`` commits: from then on the leaves fed ahead whose work has not
   begun run in place (``Run.settle``), at the in-place kernel's rate; a failure after that marks
   the state failed if any leaf ran in place.
-- A signal during ``finish`` or a landing (Ctrl-C's ``KeyboardInterrupt``, a handler's
-  ``SystemExit``...): the step is completed first, then the signal's handler runs, with the
-  state passed to ``update`` holding the step (its count says so); what the handler raises is
-  raised, and the state passed in still holds the step.
+- ``KeyboardInterrupt`` / ``SystemExit`` during ``finish`` or a landing: the step is completed
+  first, then the interrupt is raised; the state passed to ``update`` then holds the step (its
+  count says so).
 """
 
 from __future__ import annotations
@@ -192,7 +191,7 @@ class _Pending:
         ex, device = self.landing.ex, self.landing.device
         ready = ex.ready(device)  # the caller's reads of the old params come first
         try:
-            _, held = shielded(self.landing.land, ready)
+            _, interrupt = shielded(self.landing.land, ready)
         except BaseException as e:
             self.done, self.error = True, e
             self.count.fill_(FAILED)
@@ -200,14 +199,14 @@ class _Pending:
         finally:
             ex.order_after_copies(device)
         self.done = True
-        if held is not None:
-            held.deliver()
+        if interrupt is not None:
+            raise interrupt
 
     def settle(self) -> None:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
-        _, held = shielded(self.landing.run.wait)
-        if held is not None:
-            held.deliver()
+        _, interrupt = shielded(self.landing.run.wait)
+        if interrupt is not None:
+            raise interrupt
 
 
 class TerminalStep:
@@ -279,19 +278,19 @@ class TerminalStep:
         ready = ({d: self.ex.ready(d) for d in self.static.host_devices}
                  if len(self.ahead) < len(self.static.host) else {})
         try:
-            new, held = shielded(self._apply, gs, ready)
+            new, interrupt = shielded(self._apply, gs, ready)
         finally:
             del gs
             self._release()
-        if held is not None:  # signals came: the state passed in holds the step while their
-            if new.params.pending is not None:  # handlers run (and if one raises)
+        if interrupt is not None:  # the step is applied: the state passed in now holds it
+            if new.params.pending is not None:
                 try:
                     new.params.pending.land()
                 finally:
                     self.state.count.copy_(new.count)
-            else:
-                self.state.count.fill_(self.n + 1)
-            held.deliver()
+                raise interrupt
+            self.state.count.fill_(self.n + 1)
+            raise interrupt
         self.state.count.fill_(CONSUMED)
         return self.state.params.tree, new
 
@@ -308,12 +307,12 @@ class TerminalStep:
         self.finished = True
         for run in self.runs.values():
             run.cancel()
-        _, held = shielded(self._wait_runs, self.runs)
+        _, interrupt = shielded(self._wait_runs, self.runs)
         started = any(run.started for run in self.runs.values())
         self.state.count.fill_(FAILED if started and not self.speculative else self.n)
         self._release()
-        if held is not None:  # the state is in order: now the signals' handlers run
-            held.deliver()
+        if interrupt is not None:  # the state is in order: now the interrupt goes on
+            raise interrupt
 
     def _release(self) -> None:
         """Drop what the step held (grads, device scratch) once it is over: a finished step

@@ -9,7 +9,7 @@ import optree
 import torch
 
 from functional_offload.base import (CONSUMED, HeldStep, Optimizer, StateError, Step, check_usable,
-                                     grads_for, params_of, terminal_states)
+                                     grads_for, params_of, stepped, terminal_counts)
 from functional_offload.tree import (check_grad, flatten_like, is_dtensor,
                                      leaves_with_paths, local)
 from functional_offload.typing import OptState, Params, Updates
@@ -26,10 +26,6 @@ class MultiStepsState(NamedTuple):
     #                    shard), acc dtype, on each param's device
     seen: torch.Tensor  # bool [leaves] (CPU): the leaves that got a grad in this cycle
     inner_state: OptState  # the wrapped optimizer's state
-
-
-def _counts(state: OptState) -> list[int]:
-    return [int(s.count) for s in terminal_states(state)]
 
 
 def MultiSteps(opt: Optimizer, every_k: int, *,  # noqa: N802 - optax's name
@@ -123,7 +119,7 @@ def MultiSteps(opt: Optimizer, every_k: int, *,  # noqa: N802 - optax's name
         return params, new
 
     def last(state: MultiStepsState, speculative: bool) -> "_LastMicroStep":
-        counts = _counts(state.inner_state)
+        counts = terminal_counts(state.inner_state)
         step = (opt.begin(state.inner_state, speculative) if opt.begin is not None
                 else HeldStep(opt.update, state.inner_state))
         return _LastMicroStep(step, state, every_k, counts)
@@ -196,8 +192,8 @@ class _LastMicroStep:
         state = self.state
         try:
             out, inner_state = self.inner.finish(optree.tree_unflatten(self.spec, means))
-        except (KeyboardInterrupt, SystemExit):
-            if _counts(state.inner_state) != self.counts:  # the inner step completed
+        except BaseException:  # a signal's handler may raise once the inner step completed
+            if stepped(state.inner_state, self.counts):  # the inner step completed
                 _restart(state)  # so did the cycle: the state passed in holds it
             raise
         self.committed = getattr(self.inner, "committed", None)

@@ -9,7 +9,7 @@ import torch
 
 from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
                                      StateError, Step, check_usable, grads_for, merge_grads,
-                                     params_of, terminal_states)
+                                     params_of, stepped, terminal_counts)
 from functional_offload.transforms.clipping import leaf_norms
 from functional_offload.tree import check_float_leaves, is_dtensor, local
 from functional_offload.typing import OptState, Params, Updates
@@ -50,10 +50,6 @@ def all_finite(updates: Updates) -> torch.Tensor:
 
 
 AnyT = Union[Optimizer, GradientTransformation]
-
-
-def _counts(state: OptState) -> list[torch.Tensor]:
-    return [s.count for s in terminal_states(state)]
 
 
 def apply_if_finite(inner: AnyT) -> AnyT:
@@ -117,12 +113,12 @@ def apply_if_finite(inner: AnyT) -> AnyT:
         check(updates, state)
         if not bool(all_finite(updates)):  # the one host read the API promises
             return skipped(updates, state)
-        counts = [int(c) for c in _counts(state.inner_state)]
+        counts = terminal_counts(state.inner_state)
         try:
             out, inner_state = inner.update(updates, state.inner_state)
-        except (KeyboardInterrupt, SystemExit):
-            # the inner step completed before the interrupt was raised: so does this one
-            if [int(c) for c in _counts(state.inner_state)] != counts:
+        except BaseException:
+            # the inner step completed before a signal's handler raised: so does this one
+            if stepped(state.inner_state, counts):
                 state.notfinite_count.zero_()
             raise
         return out, finite_state(state, inner_state)
@@ -132,7 +128,7 @@ def apply_if_finite(inner: AnyT) -> AnyT:
 
     def begin(state: ApplyIfFiniteState, speculative: bool = False) -> Step:
         check(None, state)
-        counts = [int(c) for c in _counts(state.inner_state)]
+        counts = terminal_counts(state.inner_state)
         step = (inner.begin(state.inner_state, True) if inner.begin is not None
                 else HeldStep(inner.update, state.inner_state))
         return _Guarded(step, state, skipped, finite_state, counts)
@@ -169,9 +165,9 @@ class _Guarded:
             return self.skipped(full, self.state)
         try:
             out, inner_state = self.inner.finish(grads)
-        except (KeyboardInterrupt, SystemExit):
-            # the inner step completed before the interrupt was raised: so does this one
-            if [int(c) for c in _counts(self.state.inner_state)] != self.counts:
+        except BaseException:
+            # the inner step completed before a signal's handler raised: so does this one
+            if stepped(self.state.inner_state, self.counts):
                 self.state.notfinite_count.zero_()
             raise
         self.committed = getattr(self.inner, "committed", None)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 import torch
 
 from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
-                                     StateError, Step, check_usable, terminal_states)
+                                     StateError, Step, check_usable, stepped, terminal_counts)
 from functional_offload.tree import describe
 from functional_offload.typing import OptState, Params, Updates
 
@@ -25,10 +25,6 @@ class InjectHyperparamsState(NamedTuple):
     hyperparams: dict[str, torch.Tensor]  # name -> float64 0-d (CPU): the value the next update
     #                                       uses; a scheduled one's value at the last update
     inner_state: OptState  # the inner transformation's state
-
-
-def _counts(state: OptState) -> list[int]:
-    return [int(s.count) for s in terminal_states(state)]
 
 
 def _int_params(sig: inspect.Signature) -> set[str]:
@@ -179,7 +175,7 @@ def inject_hyperparams(inner_factory: Callable[..., AnyT],
 
         def update(updates: Updates, state: InjectHyperparamsState) -> tuple[Any, OptState]:
             inner, values = current(state)
-            return _complete(state, values, scheduled, _counts(state.inner_state),
+            return _complete(state, values, scheduled, terminal_counts(state.inner_state),
                              lambda: inner.update(updates, state.inner_state))
 
         if not terminal:
@@ -187,7 +183,7 @@ def inject_hyperparams(inner_factory: Callable[..., AnyT],
 
         def begin(state: InjectHyperparamsState, speculative: bool = False) -> Step:
             inner, values = current(state)
-            counts = _counts(state.inner_state)
+            counts = terminal_counts(state.inner_state)
             step = (inner.begin(state.inner_state, speculative) if inner.begin is not None
                     else HeldStep(inner.update, state.inner_state))
             return _Injected(step, state, values, scheduled, counts)
@@ -204,8 +200,8 @@ def _complete(state: InjectHyperparamsState, values: dict[str, float], scheduled
     counts moved) leaves ``state`` holding the step, as a terminal optimizer does."""
     try:
         out, inner_state = run()
-    except (KeyboardInterrupt, SystemExit):
-        if _counts(state.inner_state) != counts:
+    except BaseException:  # a signal's handler may raise once the inner step completed
+        if stepped(state.inner_state, counts):
             state.count.add_(1)
             for k in scheduled:
                 state.hyperparams[k].fill_(values[k])

@@ -12,7 +12,7 @@ import torch
 
 from functional_offload.base import (CONSUMED, FAILED, EmptyState, GradientTransformation, HeldStep,
                                      Optimizer, ParamRefs, Step, check_usable, merge_grads,
-                                     params_of, terminal_states)
+                                     params_of, terminal_counts)
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import check_grads, insertion_order, leaves_with_paths, paths_of
 from functional_offload.typing import OptState, Params, Updates
@@ -40,10 +40,6 @@ class PartitionState(NamedTuple):
 
     refs: Any  # PartitionRefs (a partition of optimizers) or EmptyState() (of transformations)
     inner_states: dict[str, OptState]  # label -> the state of that label's transformation
-
-
-def _counts(state: OptState) -> list[int]:
-    return [int(s.count) for s in terminal_states(state)]
 
 
 def partition(transforms: Mapping[str, AnyT], labels: Labels) -> AnyT:
@@ -180,7 +176,7 @@ def partition(transforms: Mapping[str, AnyT], labels: Labels) -> AnyT:
     def begin(state: PartitionState, speculative: bool = False) -> Step:
         check(state)
         check_usable(state, "update")
-        counts = {label: _counts(s) for label, s in state.inner_states.items()}
+        counts = {label: terminal_counts(s) for label, s in state.inner_states.items()}
         steps: dict[str, Step] = {}
         try:
             for label, t in transforms.items():
@@ -294,27 +290,24 @@ class _Partitioned:
         calls = {label: functools.partial(step.finish,
                                           {self.paths[i]: flat[i] for i in self.parts[label]})
                  for label, step in self.steps.items()}
-        results, held = shielded(_concurrently, calls, _caller_context(flat))
+        results, interrupt = shielded(_concurrently, calls, _caller_context(flat))
         done = {label: r for label, (ok, r) in results.items() if ok}
         errors = [r for ok, r in results.values() if not ok]
         news = {label: s for label, (_, s) in done.items()}
         if errors:
-            moved = [k for k, c in self.counts.items() if _counts(self.state.inner_states[k]) != c]
+            moved = [k for k, c in self.counts.items() if terminal_counts(self.state.inner_states[k]) != c]
             if news or moved:
                 self.state.inner_states.update(news)  # torn: loading a checkpoint into it recovers
                 self.state.refs.count.fill_(FAILED)
-            if held is not None:
-                try:
-                    held.deliver()
-                except BaseException as e:
-                    raise e from errors[0]
+            if interrupt is not None:
+                raise interrupt from errors[0]
             raise errors[0]
         whole = optree.tree_unflatten(
             self.spec, [done[self.route[i][0]][0][p] for i, p in enumerate(self.paths)])
-        if held is not None:  # every part completed: the state passed in holds the step while
-            self.state.inner_states.update(news)  # the signals' handlers run
+        if interrupt is not None:  # every part completed: the state passed in holds the step
+            self.state.inner_states.update(news)
             self.state.refs.count.fill_(self.n + 1)
-            held.deliver()
+            raise interrupt
         new = PartitionState(PartitionRefs(torch.tensor(self.n + 1, dtype=torch.int64),
                                            ParamRefs(whole)), news)
         self.state.refs.count.fill_(CONSUMED)
@@ -326,15 +319,10 @@ class _Partitioned:
 
     def abort(self) -> None:
         self.finished = True
-        results, held = shielded(_concurrently, {k: s.abort for k, s in self.steps.items()},
-                                 _caller_context([]))  # concurrently, as finish
-        errors = [error for ok, error in results.values() if not ok]
-        if held is not None:
-            try:
-                held.deliver()
-            except BaseException as e:
-                if errors:
-                    raise e from errors[0]
-                raise
-        if errors:
-            raise errors[0]
+        results, interrupt = shielded(_concurrently, {k: s.abort for k, s in self.steps.items()},
+                                      _caller_context([]))  # concurrently, as finish
+        for ok, error in results.values():
+            if not ok:
+                raise error
+        if interrupt is not None:
+            raise interrupt
