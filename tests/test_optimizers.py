@@ -255,6 +255,44 @@ def test_small_packed_param_reshaped_between_updates_is_followed(shape):
     assert torch.equal(p["w"].reshape(-1), q["w"]) and torch.equal(p["b"], q["b"])
 
 
+def test_small_param_reshaped_then_left_without_a_grad_is_followed():
+    """A small bf16 param (packed with others on the host) reshaped in place, then an update
+    where it has no grad, then one where it has: stepped as if it had had the new shape."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(4, 5, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16()
+    gw, gb = [torch.randn(20, generator=g).bfloat16() for _ in range(2)], torch.randn(7, generator=g).bfloat16()
+    p, q = {"w": w.clone(), "b": b.clone()}, {"w": w.reshape(-1).clone(), "b": b.clone()}
+    opt = fo.adamw(1e-2)
+    state, q_state = opt.init(p), opt.init(q)
+    p, state = opt.update({"w": gw[0].view(4, 5), "b": gb}, state)
+    q, q_state = opt.update({"w": gw[0], "b": gb}, q_state)
+    p["w"].data = p["w"].data.reshape(20)
+    for grads in ({"w": None, "b": gb}, {"w": gw[1], "b": gb}):
+        p, state = opt.update(grads, state)
+        q, q_state = opt.update(grads, q_state)
+    assert torch.equal(p["w"], q["w"]) and torch.equal(p["b"], q["b"])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("n", [64, 5000])
+def test_strided_and_expanded_grads_of_host_params(kernel, n):
+    """1-D grads that are strided slices or expanded scalars (of params in host memory, whose
+    grads the kernel reads where they are): stepped as their dense copies."""
+    g = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(64, 48, generator=g), "b": torch.randn(n, generator=g)}
+    grads = [{"a": torch.randn(64, 48, generator=g), "b": torch.randn(n, 2, generator=g)[:, 0]},
+             {"a": torch.randn(64, 48, generator=g), "b": torch.randn(1, generator=g).expand(n)}]
+    results = []
+    for dense in (False, True):
+        p = clone(params)
+        opt = fo.adamw(1e-2, cpu_kernel=kernel)
+        state = opt.init(p)
+        for gs in grads:
+            p, state = opt.update({k: v.contiguous() if dense else v for k, v in gs.items()}, state)
+        results.append(p)
+    assert all(torch.equal(results[0][k], results[1][k]) for k in params)
+
+
 def test_grad_of_a_params_old_shape_is_refused_after_a_reshape():
     """``param.data = param.data.reshape(...)`` keeps the param's memory: a grad of its old
     shape is refused at the next update (naming the leaf), the state left as it was."""

@@ -359,15 +359,14 @@ class TerminalStep:
         changed = False
         for leaf, g, (dtype, shape) in zip(self.leaves, given, self.static.params):
             p = leaf.param
+            same = p.dtype is dtype and p.shape == shape  # (a leaf without a grad too)
+            changed = changed or not same
             if fed and len(out) in fed:
-                g = fed[len(out)]
-                changed = changed or g.dtype is not dtype or g.shape != shape
-                out.append(g)
-            elif g is None or (p.dtype is dtype and p.shape == shape and plain_grad(g, p)):
+                out.append(fed[len(out)])
+            elif g is None or (same and plain_grad(g, p)):
                 out.append(g)  # checked quickly
             else:
                 out.append(check_grad(leaf.path, g, p))
-                changed = changed or p.dtype is not dtype or p.shape != shape
         if changed:
             for key in [k for k in self.notes if isinstance(k, tuple) and k[0] == "pack"]:
                 del self.notes[key]
@@ -452,7 +451,10 @@ class TerminalStep:
             self.strided.append((leaf.param, out))
         else:
             out = leaf.param.view(-1)
-        return HostLeaf(leaf.path, (g.detach() if g.requires_grad else g).reshape(-1), out,
+        grad = (g.detach() if g.requires_grad else g).reshape(-1)
+        if grad.device.type == "cpu" and not grad.is_contiguous():
+            grad = grad.contiguous()  # read where it is by the kernel, which takes dense grads
+        return HostLeaf(leaf.path, grad, out,
                         leaf.flat, hyper, targets, leaf.ema_flat, self.t.ema_decay or 0.0, ema_target,
                         settled)
 
