@@ -129,6 +129,25 @@ class Stop(Exception):
     """What a signal handler of the user's raises (torchrun's raises SignalException)."""
 
 
+@contextlib.contextmanager
+def stop_signal_after(seconds, calls):
+    """SIGUSR1 sent to this process after ``seconds``; its handler (yielded) appends the signal
+    to ``calls`` and raises :class:`Stop`. The old handler is back after the block."""
+    def handler(signum, frame):
+        calls.append(signum)
+        raise Stop(signum)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        yield handler
+        timer.join()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, old)
+
+
 def test_a_handler_that_raises_during_a_step_runs_once_the_step_is_done():
     """A signal whose Python handler raises arrives during the host step: the handler runs
     once the step's work is done, its exception reaches the caller with the state passed in
@@ -139,27 +158,15 @@ def test_a_handler_that_raises_during_a_step_runs_once_the_step_is_done():
     opt = mk()
     state = opt.init(params)
     calls = []
-
-    def handler(signum, frame):
-        calls.append(signum)
-        raise Stop(signum)
-
-    old = signal.signal(signal.SIGUSR1, handler)
-    try:
-        with slow_host_kernel(0.1):
-            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
-            timer.start()
-            with pytest.raises(Stop):
-                opt.update(grads[0], state)
-            timer.join()
-        assert calls == [signal.SIGUSR1] and int(state.count) == 1
+    with slow_host_kernel(0.1), stop_signal_after(0.05, calls) as handler:
+        with pytest.raises(Stop):
+            opt.update(grads[0], state)
         assert signal.getsignal(signal.SIGUSR1) is handler
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        params, state = opt.update(grads[1], state)  # the state passed in held the step
-        _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
-        assert same(fo.state_dict(state), fo.state_dict(ref))
-    finally:
-        signal.signal(signal.SIGUSR1, old)
+    assert calls == [signal.SIGUSR1] and int(state.count) == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    params, state = opt.update(grads[1], state)  # the state passed in held the step
+    _, ref = run_reference(mk, make_params(dtype=torch.bfloat16, big=True), grads)
+    assert same(fo.state_dict(state), fo.state_dict(ref))
 
 
 def test_torch_optimizer_step_with_a_raising_signal_handler_completes_every_group():
@@ -170,20 +177,11 @@ def test_torch_optimizer_step_with_a_raising_signal_handler_completes_every_grou
     opt = fo.TorchOptimizer([{"params": model[0].parameters()}, {"params": model[1].parameters()}],
                             fo.adamw, lr=1e-2, executor=small_chunks())
     model(torch.randn(4, 64)).sum().backward()
-
-    def handler(signum, frame):
-        raise Stop(signum)
-
-    old = signal.signal(signal.SIGUSR1, handler)
-    try:
-        with slow_host_kernel(0.1):
-            timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
-            timer.start()
-            with pytest.raises(Stop):
-                opt.step()
-            timer.join()
-    finally:
-        signal.signal(signal.SIGUSR1, old)
+    calls = []
+    with slow_host_kernel(0.1), stop_signal_after(0.05, calls):
+        with pytest.raises(Stop):
+            opt.step()
+    assert calls == [signal.SIGUSR1]
     assert [int(s["step"]) for s in opt.state_dict()["state"].values()] == [1, 1, 1, 1]
 
 
