@@ -16,8 +16,10 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from functional_offload.tree import check_tensor_leaves, insertion_order, leaves_with_paths
-from functional_offload.typing import Params
+from functional_offload.base import terminal_states
+from functional_offload.tree import (check_tensor_leaves, flatten_like, insertion_order,
+                                     leaves_with_paths)
+from functional_offload.typing import OptState, Params
 
 __all__ = [
     "LeafInfo",
@@ -82,13 +84,28 @@ class Plan(NamedTuple):
         return out
 
     def summary(self) -> str:
-        """A table: path, elements, state bytes, where the state lives; then the totals."""
+        """A table: path, elements, state bytes, where the state lives; then the totals.
+
+        A leaf whose param is in host memory keeps its state there whatever the policy: its
+        row says ``host (param)``, and the fraction counts only the other leaves.
+        """
         w = max([len(p) for p in self.paths] + [4])
         rows = [f"{'leaf':<{w}}  {'elements':>12}  {'state bytes':>12}  where"]
-        for p, n, b, h in zip(self.paths, self.numels, self.state_bytes, self.on_host):
-            rows.append(f"{p:<{w}}  {n:>12,}  {b:>12,}  {'host' if h else 'device'}")
-        rows.append(f"offloaded fraction {self.fraction:.4f}; state bytes on host "
-                    f"{self.host_bytes:,}, on device {self.device_bytes:,}")
+        for p, n, b, h, a in zip(self.paths, self.numels, self.state_bytes, self.on_host,
+                                 self.already_on_host):
+            where = "host (param)" if a else "host" if h else "device"
+            rows.append(f"{p:<{w}}  {n:>12,}  {b:>12,}  {where}")
+        kept = sum(self.already_on_host)
+        if kept == len(self.paths):
+            rows.append("every param is in host memory, so all state is in host memory with it "
+                        "(a placement decides only for params on a device); state bytes on host "
+                        f"{self.host_bytes:,}, on device {self.device_bytes:,}")
+        else:
+            also = (f"; {kept} of {len(self.paths)} leaves have their param in host memory and "
+                    "keep their state there" if kept else "")
+            rows.append(f"offloaded fraction {self.fraction:.4f} of the device params' elements"
+                        f"{also}; state bytes on host {self.host_bytes:,}, on device "
+                        f"{self.device_bytes:,}")
         return "\n".join(rows)
 
 
@@ -160,12 +177,14 @@ def record_plan(p: Plan) -> None:
 
 
 def plan(opt: Any, params: Params) -> Plan:
-    """The placement ``opt.init(params)`` would make, with the optimizer's real state bytes
-    (masters, moments, EMA), without allocating anything (the state comes out on ``meta``).
+    """The placement ``opt.init(params)`` would make, without allocating anything (the state
+    comes out on ``meta``): each row's ``state_bytes`` are the bytes of the state tensors that
+    ``init`` makes for that leaf (masters, moments, EMA), counted on that state.
 
     Works for any optimizer built from this library's parts (chains, partitions, wrappers);
-    with several terminal optimizers inside, their plans' rows come one part after the other
-    (``index`` and ``host_mask()`` then follow the rows).
+    with several terminal optimizers inside (a :func:`~functional_offload.partition`), every
+    part's rows come together, one per leaf in the order the params were built, and ``index``
+    and ``host_mask()`` refer to ``params``' flatten order.
 
     Example::
 
@@ -177,16 +196,43 @@ def plan(opt: Any, params: Params) -> Plan:
     """
     token = _previews.set([])
     try:
-        opt.init(params)
+        state = opt.init(params)
         plans = _previews.get() or []
     finally:
         _previews.reset(token)
     if not plans:
         raise ValueError("this optimizer holds no terminal optimizer: nothing is placed")
-    if len(plans) == 1:
-        return plans[0]
-    rows = Plan(*(tuple(x for p in plans for x in getattr(p, f)) for f in Plan._fields))
-    return rows._replace(index=tuple(range(len(rows.paths))))  # the parts' rows in turn
+    sizes = [_leaf_bytes(s) for s in terminal_states(state) if "master" in s._fields]
+    paths = leaves_with_paths(params)[0]
+    at = {p: i for i, p in enumerate(paths)}
+    rows = [(at.get(path, -1), path, h, n, size[i], a)
+            for p, size in zip(plans, sizes)
+            for path, h, n, i, a in zip(p.paths, p.on_host, p.numels, p.index, p.already_on_host)]
+    if len(sizes) != len(plans) or sorted(r[0] for r in rows) != list(range(len(paths))):
+        raise ValueError(f"fo.plan cannot match this optimizer's placement to the params: its "
+                         f"init placed {len(rows)} leaves in {len(plans)} terminal optimizers and "
+                         f"its state holds {len(sizes)} of their states, for params of "
+                         f"{len(paths)} leaves; fo.plan shows optimizers whose state holds each "
+                         "part's state, every leaf of params in one part")
+    rank = {i: k for k, i in enumerate(insertion_order(params))}
+    rows.sort(key=lambda r: rank[r[0]])
+    index, paths_, on_host, numels, state_bytes, already = (tuple(x) for x in zip(*rows))
+    return Plan(paths_, on_host, numels, state_bytes, already, index)
+
+
+def _leaf_bytes(state: OptState) -> list[int]:
+    """Bytes of a terminal optimizer's state per leaf (masters, moments, EMA; not the count),
+    in its params' flatten order."""
+    tree = state.params.tree
+    out = [0] * len(leaves_with_paths(tree)[1])
+    for field in state._fields:
+        value = getattr(state, field)
+        if field in ("count", "params") or (isinstance(value, tuple) and not value):
+            continue  # not per leaf, or a field this state does not fill
+        for i, x in enumerate(flatten_like(value, tree, f"state.{field}")):
+            if isinstance(x, torch.Tensor):
+                out[i] += x.numel() * x.element_size()
+    return out
 
 
 def _check_fraction(f: Any) -> float:
