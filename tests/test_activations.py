@@ -150,6 +150,91 @@ def test_inplace_change_of_a_saved_activation_raises(copy):
             loss.backward()
 
 
+INPLACE = {  # what backward saved (the tensor or a view of it), and a change in place of it
+    "itself": (lambda a: a, lambda a: a.mul_(2.0)),
+    "through a view": (lambda a: a, lambda a: a[:4].zero_()),
+    "through a detached alias": (lambda a: a, lambda a: a.detach().add_(1.0)),
+    "a view, through its base": (lambda a: a[:4], lambda a: a.add_(1.0)),
+}
+PATHS = {"keep": dict(offload=0), "offload": dict(offload=2, copy_on_cpu=True),
+         "recompute": dict(offload=0, recompute_groups=[0])}
+
+
+def changed_in_place(off, case, when):
+    """``loss_fn(w, x)``: group 0 saves an activation ``a`` (or a view), which is changed in
+    place ``when`` ("before" it is saved, "inside" the group after, or "after" the group);
+    ``a`` is a local of the forward, freed by the time backward runs."""
+    view, change = INPLACE[case]
+
+    def group0(w, x):
+        a = x * w
+        if when == "before":
+            change(a)
+        b = view(a).sin()  # saves view(a)
+        if when == "inside":
+            change(a)
+        return b, a
+
+    def loss_fn(w, x):
+        if off is None:
+            b, a = group0(w, x)
+        elif "recompute_groups" in PATHS[off[1]]:
+            b, a = off[0].run(0, group0, w, x)
+        else:
+            with off[0].group(0):
+                b, a = group0(w, x)
+        with off[0].group(1) if off else torch.enable_grad():
+            if when == "after":
+                change(a)
+            c = b * 3.0
+        with off[0].group(2) if off else torch.enable_grad():
+            return c.sum()
+    return loss_fn
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("when", ["before", "inside", "after"])
+@pytest.mark.parametrize("case", list(INPLACE))
+def test_inplace_change_of_a_freed_saved_activation_raises(case, when, path):
+    """A change in place of what a group saved raises as in plain autograd, whether the group
+    keeps, offloads or recomputes it, also once the tensor itself is gone (the check used to
+    hold weak references, dead by backward: no error and a wrong gradient); a change before the
+    save is no change."""
+    w, x = torch.randn(8, D), torch.randn(8, D)
+    wr = w.clone().requires_grad_()
+    if when == "before":
+        want = torch.autograd.grad(changed_in_place(None, case, when)(wr, x), wr)[0]
+    else:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(changed_in_place(None, case, when)(wr, x), wr)  # the oracle
+    off = ActivationOffload(3, min_bytes=0, **PATHS[path])
+    vg = off.value_and_grad(changed_in_place((off, path), case, when))
+    if when == "before":
+        assert torch.equal(vg(w, x)[1], want)
+        return
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*in group 0"):
+        vg(w, x)
+    assert off.held_bytes == 0
+
+
+def test_inplace_change_in_the_reported_case_raises():
+    """An offloaded activation changed in place inside its group, then used again."""
+    for copy in (False, True):
+        off = fo.ActivationOffload(3, 2, min_bytes=0, copy_on_cpu=copy)
+
+        def loss_fn(w, x):
+            with off.group(0):
+                a = x * w
+                b = a.sin()
+                a.mul_(2.0)
+                c = b * a
+            with off.group(2):
+                return c.sum()
+
+        with pytest.raises(RuntimeError, match="modified by an inplace operation.*group 0"):
+            off.value_and_grad(loss_fn)(torch.randn(64, 64), torch.randn(64, 64))
+
+
 @pytest.mark.parametrize("copy", [False, True])
 def test_forward_without_backward_frees_everything(copy):
     """An eval forward or a skipped step must not keep its activations (a reference cycle through

@@ -175,6 +175,29 @@ def test_inplace_change_before_the_copy_raises():
         loss.backward()
 
 
+@pytest.mark.parametrize("mode", [dict(offload=2), dict(offload=0, recompute_groups=[0])])
+def test_inplace_change_of_a_freed_activation_raises(mode):
+    """4 MiB activations (offloaded with the default min_bytes), changed in place inside their
+    group and freed before backward: plain autograd raises, so must offload and recompute."""
+    w, x = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    off = ActivationOffload(3, **mode)
+
+    def group0(w, x):
+        a = x * w
+        b = a.sin()
+        a.mul_(2.0)
+        return b * a
+
+    def loss_fn(w, x):
+        c = off.run(0, group0, w, x)
+        with off.group(2):
+            return c.sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*group 0"):
+        off.value_and_grad(loss_fn)(w, x)
+    assert (off.stats["offloaded_bytes"] > 0) == ("recompute_groups" not in mode)
+
+
 def test_module_loop_wrap_and_budget():
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(torch.nn.Sequential(

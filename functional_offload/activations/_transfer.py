@@ -122,9 +122,38 @@ def version_error(what: str, now: int, then: int) -> RuntimeError:
         "the out-of-place op (x = x + y, not x += y) or clone the tensor before changing it.")
 
 
-def describe(t: Any, group: Optional[int]) -> str:
+def describe(shape: Any, dtype: torch.dtype, group: Optional[int]) -> str:
     where = "outside the groups" if group is None else f"in group {group}"
-    return f"a tensor saved {where} ({list(t.shape)}, {str(t.dtype).replace('torch.', '')})"
+    return f"a tensor saved {where} ({list(shape)}, {str(dtype).replace('torch.', '')})"
+
+
+_NO_DATA = torch.empty(0)
+
+
+def version_counter(t: torch.Tensor) -> torch.Tensor:
+    """A tensor that shares ``t``'s version counter (the one of its base and every view of it)
+    and none of its memory, as autograd's saved variables keep the counter: a change in place
+    is seen even when it was made before the tensor was freed, or through a detached alias."""
+    counter = t.detach()
+    counter.data = _NO_DATA  # swaps the storage only: the version counter stays shared
+    return counter
+
+
+class Versioned:
+    """What checkpoint's hook packed for a tensor, and that tensor's version counter: a
+    recomputed group's saved tensors are checked too (checkpoint itself does not check)."""
+
+    __slots__ = ("packed", "counter", "version", "size", "dtype", "group")
+
+    def __init__(self, packed: Any, t: torch.Tensor, group: int):
+        self.packed, self.counter, self.version = packed, version_counter(t), t._version
+        self.size, self.dtype, self.group = t.size(), t.dtype, group
+
+    def get(self) -> Any:
+        now = self.counter._version
+        if now != self.version:
+            raise version_error(describe(self.size, self.dtype, self.group), now, self.version)
+        return self.packed
 
 
 class Kept:
@@ -137,28 +166,28 @@ class Kept:
 
     def get(self) -> torch.Tensor:
         if self.tensor._version != self.version:
-            raise version_error(describe(self.tensor, self.group), self.tensor._version,
-                                self.version)
+            raise version_error(describe(self.tensor.shape, self.tensor.dtype, self.group),
+                                self.tensor._version, self.version)
         return self.tensor
 
 
 class Moved:
-    """A view of an offloaded storage; weak references to the tensor (and its base) let the
-    unpack see an in-place change without holding its memory."""
+    """A view of an offloaded storage, with the tensor's version counter (not its memory) to
+    check in the unpack, as autograd does."""
 
-    __slots__ = ("stored", "dtype", "size", "stride", "offset", "version", "refs")
+    __slots__ = ("stored", "dtype", "size", "stride", "offset", "version", "counter")
 
     def __init__(self, stored: Stored, t: torch.Tensor):
         self.stored, self.dtype, self.size = stored, t.dtype, t.size()
         self.stride, self.offset, self.version = t.stride(), t.storage_offset(), t._version
-        self.refs = [weakref.ref(x) for x in (t, t._base) if x is not None]
+        self.counter = version_counter(t)
         stored.unpacks_left += 1
 
     def check(self) -> None:
-        for ref in self.refs:
-            t = ref()
-            if t is not None and t._version != self.version:
-                raise version_error(describe(t, self.stored.group), t._version, self.version)
+        now = self.counter._version
+        if now != self.version:
+            raise version_error(describe(self.size, self.dtype, self.stored.group), now,
+                                self.version)
 
 
 class Mover:

@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from functional_offload.activations._steps import Budget, Step
-from functional_offload.activations._transfer import Kept, Moved, Mover, Pool
+from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
                                                     Plan)
 
@@ -29,6 +29,25 @@ class _GroupForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.off.run(self.index, self.forward, *args, **kwargs)
+
+
+class _Recomputed:
+    """A recomputed group's function. Its first call, the forward (under checkpoint's hooks),
+    keeps each saved tensor's version counter and checks it when backward unpacks the tensor,
+    as autograd does: changed in place after it was saved, inside the group or later, it would
+    otherwise be recomputed from the changed values. The recomputes call ``fn`` plainly."""
+
+    def __init__(self, fn: Callable, index: int):
+        self.fn, self.index, self.ran = fn, index, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.ran:
+            return self.fn(*args, **kwargs)
+        self.ran, index = True, self.index
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: Versioned(pack(t), t, index),
+                                                      lambda h: unpack(h.get())):
+            return self.fn(*args, **kwargs)
 
 
 def _param_like(t: torch.Tensor) -> bool:
@@ -180,7 +199,7 @@ class ActivationOffload:
                 step.measure.inputs[index] = sum(seen.values())
             if step.decisions[index] in _RECOMPUTING:
                 self.stats["recomputed_groups"] += 1
-                return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+                return checkpoint(_Recomputed(fn, index), *args, use_reentrant=False, **kwargs)
             return fn(*args, **kwargs)
 
     @contextlib.contextmanager
