@@ -1,13 +1,16 @@
-"""The native host kernels (``csrc/``), built once per CPU capability and cached.
+"""The native host kernels (``csrc/``), built once per machine and CPU capability and cached.
 
 :func:`module` builds and loads the extension on first use: ``queue.cpp`` (the run's queue,
 optimizer-agnostic), ``math.cpp`` (one struct per element-wise op, registered by name) and the
 headers. Compiler flags follow the architecture and the CPU capability torch reports
-(``torch.backends.cpu.get_cpu_capability()``); the build directory's name holds the capability
-and a hash of sources, flags and the sources' folder, so a cache shared by machines with
-different CPUs never loads a build made for another instruction set. A build prints one line with its time; when no
-compiler is there, a :class:`RuntimeWarning` says so and :func:`module` returns ``None`` (the
-callers then use the torch kernel).
+(``torch.backends.cpu.get_cpu_capability()``). The build folder is named by :func:`build_key`:
+the capability and a hash of the sources' bytes, the flags, the compiler and the torch and
+Python versions, not of the sources' path. The sources are copied into it and built from there,
+so every checkout (or installed copy) of the same sources loads one build, and a cache shared by
+machines with different CPUs never loads a build made for another instruction set. A build
+prints one line to stderr before it starts and one with its time; when no compiler is there, a
+:class:`RuntimeWarning` says so and :func:`module` returns ``None`` (the callers then use the
+torch kernel).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 
 from functional_offload.kernels.work import Work
 
-__all__ = ["module", "NativeKernel", "NativeQueue", "ops"]
+__all__ = ["module", "build_key", "NativeKernel", "NativeQueue", "ops"]
 
 _DIR = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ["queue.cpp", "math.cpp"]
@@ -47,34 +50,71 @@ def _flags(capability: str) -> list[str]:
     return list(_COMMON)
 
 
-def _build_dir(capability: str, flags: Sequence[str]) -> str:
-    # the sources' folder too: the build files name it, so two checkouts share no build
-    digest = hashlib.sha256(" ".join([*flags, os.path.realpath(_DIR)]).encode())
+def build_key(sources: str = _DIR, capability: Optional[str] = None) -> str:
+    """The name of the build folder of the kernel sources in the folder ``sources``:
+    ``<machine>-<capability>-<hash>``, the hash over the sources' bytes, the compiler flags of
+    ``capability`` (default: this CPU's), the compiler (``$CXX``) and the torch and Python
+    versions. The folder's path is not part of it: two copies of the sources share a build."""
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    config = [*_flags(capability), os.environ.get("CXX", "c++"), torch.__version__,
+              sys.implementation.cache_tag or sys.version]
+    digest = hashlib.sha256("\0".join(config).encode())
     for name in _SOURCES + _HEADERS:
-        with open(os.path.join(_DIR, name), "rb") as f:
-            digest.update(f.read())
+        with open(os.path.join(sources, name), "rb") as f:
+            data = f.read()
+        digest.update(f"\0{name}\0{len(data)}\0".encode())
+        digest.update(data)
+    return f"{platform.machine()}-{capability}-{digest.hexdigest()[:16]}"
+
+
+def _build_dir(key: str) -> str:
     base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "torch_extensions")
-    tag = f"{platform.machine()}-{capability}-{digest.hexdigest()[:12]}"
-    return os.path.join(base, "functional_offload", tag)
+    return os.path.join(base, "functional_offload", key)
+
+
+def _copy_sources(folder: str) -> str:
+    """The sources copied into ``folder/src`` (a file is written only when it is missing or
+    differs, atomically): the build names these paths, the same for every checkout."""
+    src = os.path.join(folder, "src")
+    os.makedirs(src, exist_ok=True)
+    for name in _SOURCES + _HEADERS:
+        with open(os.path.join(_DIR, name), "rb") as f:
+            data = f.read()
+        target = os.path.join(src, name)
+        try:
+            with open(target, "rb") as f:
+                if f.read() == data:
+                    continue
+        except FileNotFoundError:
+            pass
+        tmp = f"{target}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    return src
 
 
 @functools.lru_cache(maxsize=None)
 def module() -> Optional[ModuleType]:
-    """The compiled module (built on first use), or ``None`` with one warning when it cannot be
-    built here (no compiler, no ninja)."""
+    """The compiled module (built on first use, once per machine and CPU capability), or
+    ``None`` with one warning when it cannot be built here (no compiler, no ninja)."""
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
     flags = _flags(capability)
-    folder = _build_dir(capability, flags)
+    folder = _build_dir(build_key(_DIR, capability))
     name = "functional_offload_native"
     cached = os.path.exists(os.path.join(folder, name + ".so"))
     start = time.perf_counter()
     try:
-        os.makedirs(folder, exist_ok=True)
-        mod = cpp_extension.load(name=name, sources=[os.path.join(_DIR, s) for s in _SOURCES],
-                                 extra_cflags=flags, extra_include_paths=[_DIR],
+        src = _copy_sources(folder)
+        if not cached:
+            print(f"functional_offload: building the native CPU kernel for {capability} in "
+                  f"{folder} (once per machine and CPU capability; about a minute)",
+                  file=sys.stderr, flush=True)
+        mod = cpp_extension.load(name=name, sources=[os.path.join(src, s) for s in _SOURCES],
+                                 extra_cflags=flags, extra_include_paths=[src],
                                  build_directory=folder, verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported flags: fall back, loudly
         warnings.warn(f"functional_offload: native CPU kernel unavailable ({type(e).__name__}: "
@@ -82,8 +122,8 @@ def module() -> Optional[ModuleType]:
                       stacklevel=2)
         return None
     if not cached:
-        print(f"functional_offload: built the native CPU kernel for {capability} in "
-              f"{time.perf_counter() - start:.1f} s (cached in {folder})", file=sys.stderr)
+        print(f"functional_offload: built the native CPU kernel in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return mod
 
 
