@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import defaultdict
+import threading
 from typing import Any, Optional
 
 import optree
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from functional_offload.base import EmptyState, GradientTransformation
-from functional_offload.tree import check_float_leaves, float_leaves
+from functional_offload.tree import check_float_leaves
 from functional_offload.typing import Params, Updates
 
 __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
@@ -19,38 +20,61 @@ __all__ = ["leaf_norms", "global_norm", "clip_by_global_norm"]
 
 _DEVICE_DTYPE = operator.attrgetter("device", "dtype")
 Groups = dict[tuple, list[int]]
+_BUILT = "functional_offload.built"  # an optree namespace whose dicts keep insertion order
+_BUILT_LOCK = threading.Lock()  # optree's dict order mode is global, not per thread
+
+
+def _built(tree: Any) -> tuple[list[Optional[torch.Tensor]], optree.PyTreeSpec]:
+    """The leaves of ``tree`` (``None`` kept) in the order it was built, each dict's in its
+    insertion order (``named_parameters()``'s), not optree's sorted keys: the order
+    ``clip_grad_norm_(model.parameters())`` sums the norms in. And the structure to rebuild
+    ``tree`` from them."""
+    with _BUILT_LOCK, optree.dict_insertion_ordered(True, namespace=_BUILT):
+        return optree.tree_flatten(tree, none_is_leaf=True, namespace=_BUILT)
 
 
 def _by_device_and_dtype(leaves: list[torch.Tensor]) -> Groups:
-    """Positions in ``leaves`` per ``(device, dtype)``: what one multi-tensor launch takes."""
+    """Positions in ``leaves`` per ``(device, dtype)``: what one multi-tensor launch takes. The
+    groups come in the order torch's ``clip_grad_norm_`` takes them (its own grouping), which
+    is the order their norms are summed in."""
     keys = list(map(_DEVICE_DTYPE, leaves))
     if keys.count(keys[0]) == len(keys):  # one group (the common case), without a loop
         return {keys[0]: list(range(len(keys)))}
-    groups: Groups = defaultdict(list)
-    for i, key in enumerate(keys):
-        groups[key].append(i)
-    return groups
+    grouped = _group_tensors_by_device_and_dtype([leaves], with_indices=True)
+    return {key: list(idx) for key, (_, idx) in grouped.items()}
 
 
 def _members(leaves: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
     return leaves if len(idx) == len(leaves) else [leaves[i] for i in idx]
 
 
-def _norm_groups(leaves: list[torch.Tensor], ord: float,
-                 groups: Optional[Groups] = None) -> list[torch.Tensor]:
-    """Per device and dtype of ``leaves`` (checked, none ``None``; ``groups``: their
-    :func:`_by_device_and_dtype` when known), their norms as one 1-D tensor on the first leaf's
-    device (one multi-tensor launch and one copy per group)."""
+def _norm_groups(leaves: list[torch.Tensor], ord: float, groups: Groups) -> list[torch.Tensor]:
+    """Per group of ``leaves`` (checked, none ``None``; ``groups``: their
+    :func:`_by_device_and_dtype`), their norms as one 1-D tensor on the first leaf's device:
+    one multi-tensor launch and one copy per group, computed as ``clip_grad_norm_`` does."""
     dev = leaves[0].device
-    return [torch.stack(torch._foreach_norm(_members(leaves, idx), ord)).to(dev)
-            for idx in (groups or _by_device_and_dtype(leaves)).values()]
+    out = []
+    for (device, _), idx in groups.items():
+        members = _members(leaves, idx)
+        norms = (torch._foreach_norm(members, ord) if _has_foreach_support(members, device)
+                 else [torch.linalg.vector_norm(g, ord) for g in members])
+        out.append(torch.stack(norms).to(dev))
+    return out
 
 
 def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
-    """The ``ord``-norm of each non-``None`` leaf (multi-tensor kernels, one launch per device
-    and dtype), each a 0-dim tensor on the first leaf's device; empty for no leaves."""
+    """The ``ord``-norm of each non-``None`` leaf, in flatten order (multi-tensor kernels, one
+    launch per device and dtype), each a 0-dim tensor on the first leaf's device; empty for no
+    leaves."""
     leaves = [g for g in check_float_leaves(updates, "grad") if g is not None]
-    return [n for group in _norm_groups(leaves, ord) for n in group.unbind()] if leaves else []
+    if not leaves:
+        return []
+    groups = _by_device_and_dtype(leaves)
+    out: list[torch.Tensor] = [None] * len(leaves)  # type: ignore[list-item]
+    for idx, norms in zip(groups.values(), _norm_groups(leaves, ord, groups)):
+        for i, n in zip(idx, norms.unbind()):
+            out[i] = n
+    return out
 
 
 def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor, groups: Groups) -> list[torch.Tensor]:
@@ -80,21 +104,34 @@ def _scaled_group(members: list[torch.Tensor], coef: torch.Tensor) -> list[torch
     return views
 
 
-def _global_norm(leaves: list[torch.Tensor], groups: Optional[Groups] = None) -> torch.Tensor:
+def _global_norm(leaves: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+    """The L2 norm of ``leaves`` (in build order), as ``clip_grad_norm_`` of them computes it:
+    the leaves' norms stacked group by group, then their norm."""
     return torch.linalg.vector_norm(torch.cat(_norm_groups(leaves, 2.0, groups)), 2.0)
+
+
+def _present(updates: Updates) -> list[torch.Tensor]:
+    """The grads of ``updates`` checked, in build order, without the ``None`` leaves."""
+    check_float_leaves(updates, "grad")
+    return [g for g in _built(updates)[0] if g is not None]
 
 
 def global_norm(updates: Updates) -> torch.Tensor:
     r"""The L2 norm of all leaves together, :math:`\sqrt{\sum_i \lVert g_i \rVert^2}`, as a
-    0-dim tensor on the first leaf's device (``None`` leaves are skipped)."""
-    leaves = [g for g in check_float_leaves(updates, "grad") if g is not None]
-    return _global_norm(leaves) if leaves else torch.zeros(())
+    0-dim tensor on the first leaf's device (``None`` leaves are skipped).
+
+    Bit for bit ``torch.nn.utils.get_total_norm`` of the leaves in the order the tree was built
+    (each dict's insertion order, as ``named_parameters()`` gives them), which is the order
+    ``clip_grad_norm_(model.parameters())`` sums their norms in."""
+    leaves = _present(updates)
+    return _global_norm(leaves, _by_device_and_dtype(leaves)) if leaves else torch.zeros(())
 
 
 def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     r"""Scale all gradients by one factor so that their global norm is at most ``max_norm``.
 
-    As ``torch.nn.utils.clip_grad_norm_``, with :math:`N` the :func:`global_norm`:
+    As ``torch.nn.utils.clip_grad_norm_``, bit for bit (the norm sums the leaves in the order
+    the tree was built, as :func:`global_norm`), with :math:`N` that norm:
 
     .. math:: g_i \leftarrow g_i \cdot \min\!\left(1, \frac{c}{N + 10^{-6}}\right)
 
@@ -116,15 +153,16 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
-    def of(present: list[torch.Tensor], groups: Optional[Groups] = None) -> torch.Tensor:
+    def of(present: list[torch.Tensor], groups: Groups) -> torch.Tensor:
         return torch.clamp(max_norm / (_global_norm(present, groups) + 1e-6), max=1.0)
 
     def factor(updates: Updates, state: Any = None) -> torch.Tensor:
-        present = [g for g in check_float_leaves(updates, "grad") if g is not None]
-        return of(present) if present else torch.ones(())
+        present = _present(updates)
+        return of(present, _by_device_and_dtype(present)) if present else torch.ones(())
 
     def update(updates: Updates, state: EmptyState) -> tuple[Updates, EmptyState]:
-        leaves, spec = float_leaves(updates, "grad")
+        check_float_leaves(updates, "grad")
+        leaves, spec = _built(updates)  # in build order: the order the norm sums them in
         every = all(map(operator.is_not, leaves, itertools.repeat(None)))
         present = leaves if every else [g for g in leaves if g is not None]
         if not present:
