@@ -55,7 +55,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, ``blocks.N``, a final LayerNorm and a linear head."""
+    """Token and position embeddings, ``blocks.N``, a final LayerNorm and a linear head; the
+    logits of all the batch's tokens as one ``(batch * ctx, vocab)`` tensor."""
 
     def __init__(self, vocab: int, ctx: int, d: int, layers: int, heads: int):
         super().__init__()
@@ -67,7 +68,9 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        # the head on (tokens, width): a Linear of a 3-D input returns a view of its 2-D
+        # result, and FSDP2 warns when a sharded module returns a view
+        return self.head(self.ln_f(x).flatten(0, 1))
 
 
 def setup(args: argparse.Namespace) -> tuple[torch.device, DeviceMesh]:
@@ -170,7 +173,7 @@ def main() -> None:
     t0 = time.perf_counter()
     for step in range(start, start + args.steps):
         inputs, targets = batch(args, step, device)
-        loss = F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
+        loss = F.cross_entropy(model(inputs).float(), targets.flatten())
         if args.mode == "stream":
             with fo.stream(opt, state) as s:  # hooks on the sharded params, after reduce-scatter
                 loss.backward()

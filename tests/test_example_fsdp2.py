@@ -1,6 +1,7 @@
 """``examples/train_fsdp2.py`` under torchrun on 2 CPU processes (gloo): it trains, saves DCP
 checkpoints, and a run resumed from one at another world size (1 process) continues the same
-trajectory."""
+trajectory; in every mode, with any ``UserWarning`` an error (FSDP2 warns, for one, when a
+sharded module returns a view)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ SMALL = ["--device", "cpu", "--width", "32", "--layers", "2", "--vocab", "64", "
 
 def torchrun(nproc: int, *args: str) -> str:
     """The example's stdout under ``torchrun --standalone`` (a free port), importing this
-    checkout's library."""
+    checkout's library, with warnings of the ``UserWarning`` kind turned into errors."""
     path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc_per_node={nproc}", os.path.join(ROOT, "examples", "train_fsdp2.py"),
            *SMALL, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": path})
+                          env={**os.environ, "PYTHONPATH": path,
+                               "PYTHONWARNINGS": "error::UserWarning"})
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "Warning" not in proc.stderr, proc.stderr[-4000:]
     return proc.stdout
 
 
@@ -50,3 +53,10 @@ def test_train_save_and_resume_at_another_world_size(tmp_path):
     assert sorted(again) == [4, 5, 6]
     for step, loss in again.items():  # the same trajectory, up to reductions in another order
         assert abs(loss - first[step]) <= 1e-3, (step, loss, first[step])
+
+
+@pytest.mark.parametrize("mode", ["plain", "stream"])
+def test_the_other_modes_train_without_warnings(mode):
+    out = torchrun(2, "--steps", "3", "--mode", mode)
+    assert f"2 rank(s) (cpu), mode {mode}" in out
+    assert sorted(losses(out)) == [1, 2, 3]
