@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Union
 import optree
 import torch
 
-from functional_offload.tree import check_grads, flatten_like
+from functional_offload.tree import check_grads, flatten_like, local
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
@@ -28,7 +28,8 @@ __all__ = [
     "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
     "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "grads_for", "ema_params", "flush",
     "check_usable", "claim", "release", "mark_tensors",
-    "terminal_states", "terminal_counts", "stepped",
+    "terminal_states", "terminal_counts", "stepped", "mark_failed", "check_recoverable",
+    "restore_params",
 ]
 
 CONSUMED, FAILED, BUSY = -1, -2, -3
@@ -246,6 +247,51 @@ def _refuse_marked(marked: list[tuple[Any, int]], action: str) -> None:
                              "thread); finish that step first")
 
 
+def mark_failed(count: torch.Tensor, notes: Optional[dict], lost: list[str]) -> None:
+    """Mark a terminal state (its ``count`` and ``ParamRefs.notes``) :data:`FAILED`. ``lost``:
+    the paths of the params its failed step may have changed in place that the state keeps no
+    master of, so that a checkpoint of the state alone cannot put them back
+    (:func:`check_recoverable`)."""
+    count.fill_(FAILED)
+    if notes is not None:
+        notes["lost_params"] = list(lost)
+
+
+def check_recoverable(state: OptState) -> None:
+    """Before a checkpoint is loaded into ``state``: raise :class:`StateError` if a failed step
+    changed params that loading cannot restore; else note that the params of failed terminal
+    states are to be set from their loaded masters (:func:`restore_params`)."""
+    for s in terminal_states(state):
+        if int(s.count) != FAILED or s.params.notes is None:
+            continue
+        lost = s.params.notes.get("lost_params", [])
+        if lost:
+            shown = ", ".join(repr(p) for p in lost[:8]) + (f" (of {len(lost)})" if len(lost) > 8 else "")
+            raise StateError(
+                f"cannot load into this failed {type(s).__name__}: its failed step changed "
+                f"params {shown} in place, and the state keeps no master copy of them, so "
+                "loading the optimizer's checkpoint cannot put them back. Restore the params "
+                "from your model checkpoint, then load into a fresh state: "
+                "state = fo.load(path, like=opt.init(params))")
+        s.params.notes["restore_params"] = True
+
+
+@torch.no_grad()
+def restore_params(state: OptState) -> None:
+    """Set the params of the terminal states that :func:`check_recoverable` noted from their
+    masters, just loaded (the params a failed step left half stepped are then those of the
+    checkpoint, as after any completed step: each is its master rounded)."""
+    for s in terminal_states(state):
+        notes = s.params.notes
+        if notes is None or not notes.pop("restore_params", False):
+            continue
+        notes.pop("lost_params", None)
+        params = flatten_like(s.params.tree, s.params.tree, "params")
+        for p, m in zip(params, flatten_like(s.master, s.params.tree, "state.master")):
+            if m is not None:
+                local(p).copy_(m)
+
+
 _claiming = threading.Lock()
 
 
@@ -275,9 +321,12 @@ def flush(state: OptState) -> OptState:
     device, and the caller's stream is ordered after the copies. A no-op for states with nothing
     in flight. If the step failed, its error is raised and the state is marked failed (later
     calls raise :class:`StateError`, as for any failed or consumed state). An interrupt (Ctrl-C)
-    arriving meanwhile is raised once the step has landed. Returns ``state``.
+    arriving meanwhile is raised once the step has landed. After ``dcp.load`` into a failed
+    state, it sets the params from the masters loaded (the next update does it otherwise).
+    Returns ``state``.
     """
     check_usable(state, "flush")
+    restore_params(state)  # loaded into a failed state in place (DCP): its params now
     for s in terminal_states(state):
         if s.params.pending is not None:
             s.params.pending.land()
@@ -326,15 +375,20 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
 
     def update(updates: Updates, state: tuple) -> tuple[Any, tuple]:
         check_state(state)
-        if isinstance(last, Optimizer):
-            check_usable(state, "update")
-            grads_for(updates, state[-1])
-        new = []
-        for t, s in zip(front, state):
-            updates, s = t.update(updates, s)
-            new.append(s)
-        out, s = last.update(updates, state[-1])
-        return out, (*new, s)
+        if isinstance(last, GradientTransformation):
+            return _through(transforms, updates, state)
+        check_usable(state, "update")
+        grads_for(updates, state[-1])
+        counts = terminal_counts(state[-1])
+        marks = [(x, int(x)) for x in mark_tensors(state[:-1])]
+        try:
+            return _through(transforms, updates, state)
+        except BaseException:
+            # the front's transforms are pure: their states are as they were but for their
+            # marks, so a terminal step that did not happen leaves the whole chain usable
+            if not stepped(state[-1], counts):
+                release(marks)
+            raise
 
     if isinstance(last, GradientTransformation):
         return GradientTransformation(init, update)
@@ -352,6 +406,14 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         return HeldStep(update, state)
 
     return Optimizer(init, update, begin)
+
+
+def _through(transforms: tuple, updates: Updates, state: tuple) -> tuple[Any, tuple]:
+    new = []
+    for t, s in zip(transforms, state):
+        updates, s = t.update(updates, s)
+        new.append(s)
+    return updates, tuple(new)
 
 
 class HeldStep:

@@ -56,7 +56,9 @@ class GradStream:
     produced it; host-resident state starts its copies and CPU kernel at once. :meth:`finish`
     feeds the rest and returns ``(params, state)``, bit for bit what ``opt.update`` returns for
     the grads ``{path: p.grad}``. An exception inside the block aborts the step: the state is
-    left as it was, or marked failed when part of it was already applied in place. A grad
+    left as it was, or marked failed if a host leaf was already handed to work that applies it
+    in place (a step not run ahead speculatively; whether that work had begun does not matter,
+    so the outcome does not depend on timing). A grad
     changed (or replaced) after it was streamed makes :meth:`finish` abort the same way and
     raise ``ValueError`` naming it: its step ran on the old values.
 
@@ -82,10 +84,13 @@ class GradStream:
             raise RuntimeError("this GradStream was already entered; start a new one per step")
         begin = self.opt.begin if self.opt.begin is not None else (
             lambda state: HeldStep(self.opt.update, state))
-        # begun shielded, so a Ctrl-C now cannot lose the step (and its busy state)
-        step, interrupt = shielded(begin, self.state)
-        self.step = step
-        try:
+
+        def begun() -> None:  # the step is held by self once the shield ends
+            self.step = begin(self.state)
+
+        try:  # begun shielded, so a Ctrl-C now cannot lose the step (and its busy state)
+            _, interrupt = shielded(begun)
+            step = self.step
             if interrupt is not None:
                 raise interrupt
             if getattr(step, "delayed", False):
@@ -98,7 +103,8 @@ class GradStream:
         except BaseException:  # nothing may outlive a failed enter: no hook, no busy state
             self._unhook()
             self.finished = True
-            step.abort()
+            if self.step is not None:
+                self.step.abort()
             raise
         return self
 

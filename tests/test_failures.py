@@ -30,6 +30,11 @@ def same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def flat(tree):
+    paths, leaves, _ = optree.tree_flatten_with_path(tree)
+    return {p: x.detach().clone() for p, x in zip(paths, leaves)}
+
+
 def run_reference(opt_fn, params, grads):
     p = clone(params)
     opt = opt_fn()
@@ -488,22 +493,75 @@ def test_unrepresentable_hyperparameters_are_refused_before_any_change(lr):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_a_failed_state_recovers_through_dcp(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_failed_state_recovers_through_dcp(tmp_path, dtype):
+    """bf16 params: dcp.load into the failed state recovers it and its params (set from the
+    masters loaded); fp32 params (no master) that the failed step changed: refused, naming
+    them, and the documented recovery (params restored, a fresh state loaded) is exact."""
     import torch.distributed.checkpoint as dcp
-    params = make_params(big=True)
+    params = make_params(dtype=dtype, big=True)
+    grads = grad_seq(params, 3)
     opt = fo.adamw(1e-2, executor=small_chunks())
     state = opt.init(params)
-    params, state = opt.update(grad_seq(params, 1)[0], state)
+    params, state = opt.update(grads[0], state)
     dcp.save({"optim": fo.dcp.state_dict(state)}, checkpoint_id=tmp_path / "ck")
-    saved = snapshot(state)
+    saved, kept = snapshot(state), clone(params)
     with fail_host_kernel(after=1):
         with pytest.raises(fo.HostStepError):
-            opt.update(grad_seq(params, 1, seed=5)[0], state)
+            opt.update(grads[1], state)
     with pytest.raises(fo.StateError, match="failed"):
         fo.dcp.state_dict(state)
+    if dtype == torch.float32:
+        assert not same(flat(params), flat(kept))  # half stepped
+        with pytest.raises(fo.StateError, match="no master copy.*opt.init"):
+            fo.dcp.state_dict(state, loading=True)
+        optree.tree_map(lambda p, k: p.detach().copy_(k), params, kept)  # the model's checkpoint
+        state = opt.init(params)
     dcp.load({"optim": fo.dcp.state_dict(state, loading=True)}, checkpoint_id=tmp_path / "ck",
              planner=fo.dcp.StrictLoadPlanner())
-    assert same(snapshot(state), saved)
+    fo.flush(state)
+    assert same(snapshot(state), saved) and same(flat(params), flat(kept))
+    for g in grads[1:]:
+        params, state = opt.update(g, state)
+    ref_p, ref_s = run_reference(lambda: fo.adamw(1e-2, executor=small_chunks()),
+                                 make_params(dtype=dtype, big=True), grads)
+    assert same(flat(params), flat(ref_p)) and same(snapshot(state), snapshot(ref_s))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_documented_recovery_restores_params_too(tmp_path, dtype):
+    """A failed in-place step changed part of the params. With masters (bf16 params) fo.load
+    alone puts them back (from the masters loaded); without (fp32 params, updated in place)
+    fo.load into the failed state is refused before anything changes, naming the params, and
+    the recovery it names (params from the model's checkpoint, a fresh state) is exact: either
+    way the next updates equal a run that never failed."""
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(40000, generator=g).to(dtype)}
+    grads = [{k: torch.randn(v.shape, generator=g).to(dtype) for k, v in base.items()} for _ in range(3)]
+    opt = fo.adamw(1e-2, executor=small_chunks())
+    params = clone(base)
+    state = opt.init(params)
+    params, state = opt.update(grads[0], state)
+    fo.save(state, tmp_path / "opt")
+    kept = clone(params)
+    with fail_host_kernel(after=3):
+        with pytest.raises(fo.HostStepError):
+            opt.update(grads[1], state)
+    assert not torch.equal(params["w"], kept["w"])  # half stepped
+    if dtype == torch.float32:
+        with pytest.raises(fo.StateError, match=r"'w'.*no master copy.*opt\.init\(params\)"):
+            fo.load(tmp_path / "opt", like=state)
+        assert not torch.equal(params["w"], kept["w"])  # the refusal changed nothing
+        for k in params:
+            params[k].copy_(kept[k])
+        state = fo.load(tmp_path / "opt", like=opt.init(params))
+    else:
+        state = fo.load(tmp_path / "opt", like=state)
+    assert same(params, kept)
+    for gs in grads[1:]:
+        params, state = opt.update(gs, state)
+    ref_p, ref_s = run_reference(lambda: fo.adamw(1e-2, executor=small_chunks()), base, grads)
+    assert same(params, ref_p) and same(snapshot(state), snapshot(ref_s))
 
 
 # ---- found by trying to break it ---------------------------------------------------------

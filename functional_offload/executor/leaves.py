@@ -31,15 +31,17 @@ class LeafItem(NamedTuple):
 
 
 @torch.no_grad()
-def run_leaves(executor: Any, device: torch.device, items: Sequence[LeafItem], ready: Any) -> None:
+def run_leaves(executor: Any, device: torch.device, items: Sequence[LeafItem], ready: Any,
+               begun: list[str]) -> None:
     """Run ``items`` (grads on ``device``, complete once ``ready``) one leaf at a time; errors
-    name the leaf. The caller orders its stream after the copies out
+    name the leaf. Each leaf's path is appended to ``begun`` as its function starts (what a
+    failure may have changed). The caller orders its stream after the copies out
     (``executor.order_after_copies``)."""
     if not items:
         return
     if device.type == "cpu":
         for item in items:
-            _call(item, item.grad, item.param)
+            _call(item, item.grad, item.param, begun)
         return
     t = executor.transport(device)
     with executor.holding(device):  # the arena serves one run at a time
@@ -56,17 +58,18 @@ def run_leaves(executor: Any, device: torch.device, items: Sequence[LeafItem], r
         last = None
         for item, (view, event) in zip(items, views):
             t.wait_host(event)
-            _call(item, view, view if item.param is not None else None)
+            _call(item, view, view if item.param is not None else None, begun)
             if item.param is not None:
                 t.copy_out(item.param, view)
                 last = t.mark_out()
         executor.set_leaf_arena_free(device, last)
 
 
-def _call(item: LeafItem, grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+def _call(item: LeafItem, grad: torch.Tensor, out: Optional[torch.Tensor], begun: list[str]) -> None:
     try:
         if faults.active():  # fault injection treats each leaf as a chunk
             faults.before_chunk(0, [item.path])
+        begun.append(item.path)
         item.fn(grad, out)
     except Exception as e:  # an interrupt goes through as itself
         raise HostStepError(f"host optimizer step failed on leaf {item.path!r}: "

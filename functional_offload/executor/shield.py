@@ -5,8 +5,8 @@ Python runs signal handlers in the main thread, between any two bytecodes: Ctrl-
 ``SignalException`` on SIGTERM). An update applying its math from the main thread could be cut
 between two leaves. :func:`shielded` runs the work in the calling thread with every Python-level
 handler replaced by one that only records the signal; once the work has returned, the handlers
-are put back and run for the signals recorded, and the first exception they raise goes back to
-the caller, who re-raises it once the state is consistent. Other threads receive no signals:
+run for the signals recorded (still held, so that the state can be put in order before anything
+else arrives) and are put back, and the first exception they raise goes back to the caller. Other threads receive no signals:
 there the work simply runs.
 """
 
@@ -57,18 +57,9 @@ class _Held:
             except BaseException as e:  # noqa: BLE001 - handed back by give_back
                 self._keep(e)
 
-    def give_back(self) -> Optional[BaseException]:
-        """Put the handlers back, run them for the signals recorded; the first exception."""
-        left = list(self.handlers.items())
-        while left:
-            try:
-                while left:
-                    s, h = left[-1]
-                    if _signal.getsignal(s) is self.record:  # (unless the work set its own)
-                        _signal.signal(s, h)
-                    left.pop()
-            except BaseException as e:  # noqa: BLE001 - a handler put back ran at once
-                self._keep(e)
+    def deliver(self) -> Optional[BaseException]:
+        """Run the handlers of the signals recorded, the handlers still held (a signal arriving
+        meanwhile is recorded and delivered in turn); the first exception they raised."""
         while self.arrived:
             try:
                 while self.arrived:
@@ -78,31 +69,70 @@ class _Held:
                 self._keep(e)
         return self.interrupt
 
+    def give_back(self) -> Optional[BaseException]:
+        """Put the handlers back (a signal recorded meanwhile is delivered); the first exception."""
+        left = list(self.handlers.items())
+        while True:
+            try:
+                while left:
+                    s, h = left[-1]
+                    if _signal.getsignal(s) is self.record:  # (unless the work set its own)
+                        _signal.signal(s, h)
+                    left.pop()
+                return self.deliver()
+            except BaseException as e:  # noqa: BLE001 - a handler put back ran at once
+                self._keep(e)
 
-def shielded(fn: Callable[..., T], *args: Any) -> tuple[T, Optional[BaseException]]:
+
+def shielded(fn: Callable[..., T], *args: Any,
+             settle: Optional[Callable[[T], None]] = None) -> tuple[T, Optional[BaseException]]:
     """``(fn(*args), interrupt)``: run ``fn`` to its end whatever signals arrive meanwhile.
 
     ``interrupt`` is the first exception raised by the handlers of the signals that arrived
-    while ``fn`` ran, run once it returned (None if none, or if they raised nothing): the caller
-    re-raises it after putting its state in order. An exception of ``fn`` is raised — the
-    interrupt, if one came, instead, with ``fn``'s exception as cause. Nested calls simply run.
+    while ``fn`` ran, run once it returned (None if none, or if they raised nothing). When there
+    is one, ``settle(result)`` runs first, with the handlers still held: it puts the caller's
+    state in the order an interrupted caller leaves it (the state passed to ``update`` holding
+    the step), so no signal can arrive between the work and that order. An exception of ``fn``
+    is raised — the interrupt, if one came, instead, with ``fn``'s exception as cause.
+
+    Nested calls run ``fn`` and return no interrupt; their ``settle`` runs if the outermost
+    call's interrupt comes (innermost first), so a step begun and finished inside one shielded
+    call (``update``) has no window between claiming its state and marking it.
     """
     if shielding():
-        return fn(*args), None
+        result = fn(*args)
+        if settle is not None:
+            _local.settles.append((settle, result))
+        return result, None
     held = _Held() if threading.current_thread() is threading.main_thread() else None
-    _local.shielded = True
-    try:
+    try:  # (the flags inside: an interrupt before the handlers are held must reset them)
+        _local.shielded, _local.settles = True, []
         if held is not None:
             held.take()
         result = fn(*args)
+        if settle is not None:
+            _local.settles.append((settle, result))
+        settles = _local.settles
+        interrupt = None if held is None else held.deliver()
+        if interrupt is not None:
+            _settle(settles)
     except BaseException as error:
         interrupt = _end(held)
-        if interrupt is not None:
+        if interrupt is not None and interrupt is not error:
             raise interrupt from error
         raise
-    return result, _end(held)
+    if _end(held) is not None and interrupt is None:  # it came as the handlers were put back
+        interrupt = held.interrupt if held is not None else None
+        _settle(settles)
+    return result, interrupt
+
+
+def _settle(settles: list[tuple[Callable[[Any], None], Any]]) -> None:
+    while settles:
+        then, value = settles.pop(0)
+        then(value)
 
 
 def _end(held: Optional[_Held]) -> Optional[BaseException]:
-    _local.shielded = False
+    _local.shielded, _local.settles = False, []
     return None if held is None else held.give_back()

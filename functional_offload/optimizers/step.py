@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from functional_offload.base import BUSY, CONSUMED, FAILED, claim
+from functional_offload.base import BUSY, CONSUMED, claim, mark_failed, restore_params
 from functional_offload.executor import HostLeaf, Run
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.leaves import LeafItem, run_leaves
@@ -69,6 +69,17 @@ def with_flat_views(leaf: Leaf) -> Leaf:
     not follow a tensor whose storage is replaced: they are made anew when that happened)."""
     return leaf._replace(flat=(leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
                          ema_flat=None if leaf.ema is None else leaf.ema.view(-1))
+
+
+def _check_master(leaf: Leaf) -> None:
+    """Refuse a leaf whose param changed dtype since ``init`` so that its master no longer
+    fits it (an fp32 master made for an fp32 param that is fp64 now: ``module.double()``);
+    params without a master, and low-precision params of an fp32 master, are followed."""
+    p, v = leaf.param, leaf.value
+    if leaf.has_master and p.dtype not in (torch.bfloat16, torch.float16) and p.dtype != v.dtype:
+        raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps a {v.dtype} "
+                        "master made for its dtype at init; convert it back, or make a new state "
+                        "for the new dtype with opt.init(params)")
 
 
 def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -178,8 +189,8 @@ class _Pending:
     """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
     waits for it and drops its result (before a checkpoint is loaded over the state)."""
 
-    def __init__(self, landing: Landing, count: torch.Tensor):
-        self.landing, self.count = landing, count
+    def __init__(self, landing: Landing, count: torch.Tensor, notes: Optional[dict], lost: list[str]):
+        self.landing, self.count, self.notes, self.lost = landing, count, notes, lost
         self.done = False
         self.error: Optional[BaseException] = None
 
@@ -194,7 +205,7 @@ class _Pending:
             _, interrupt = shielded(self.landing.land, ready)
         except BaseException as e:
             self.done, self.error = True, e
-            self.count.fill_(FAILED)
+            mark_failed(self.count, self.notes, self.lost)
             raise
         finally:
             ex.order_after_copies(device)
@@ -217,6 +228,8 @@ class TerminalStep:
         self.t, self.state, self.speculative = t, state, bool(speculative)
         ((_, self.n),) = claim(state, "update")  # busy from here: nobody else begins on it
         try:
+            if state.params.notes and state.params.notes.get("restore_params"):
+                restore_params(state)  # loaded into a failed state in place (DCP) since
             self.hyper, self.hyper0 = t.hyper_at(self.n)
             self.leaves: list[Leaf] = t.layout(state)
         except BaseException:
@@ -257,6 +270,7 @@ class TerminalStep:
         g = check_grad(leaf.path, grad, leaf.param)
         if g is None:
             return
+        _check_master(leaf)
         self.fed[index] = g
         if self._starts_ahead(leaf, index):
             self._land_previous()
@@ -268,6 +282,13 @@ class TerminalStep:
     def finish(self, grads: Any = None) -> tuple[Any, Any]:
         if self.finished:
             raise RuntimeError("this step already finished; begin a new one for each update")
+        new, interrupt = shielded(self._finish, grads, settle=self._hold)
+        if interrupt is not None:  # the step is applied: the state passed in holds it
+            raise interrupt
+        return self.state.params.tree, new
+
+    def _finish(self, grads: Any) -> Any:
+        """Check the grads, apply the step, consume the state (shielded); the new state."""
         try:
             gs = self._grads(grads)
             self._land_previous()
@@ -278,21 +299,23 @@ class TerminalStep:
         ready = ({d: self.ex.ready(d) for d in self.static.host_devices}
                  if len(self.ahead) < len(self.static.host) else {})
         try:
-            new, interrupt = shielded(self._apply, gs, ready)
+            new = self._apply(gs, ready)
         finally:
             del gs
             self._release()
-        if interrupt is not None:  # the step is applied: the state passed in now holds it
-            if new.params.pending is not None:
-                try:
-                    new.params.pending.land()
-                finally:
-                    self.state.count.copy_(new.count)
-                raise interrupt
-            self.state.count.fill_(self.n + 1)
-            raise interrupt
         self.state.count.fill_(CONSUMED)
-        return self.state.params.tree, new
+        return new
+
+    def _hold(self, new: Any) -> None:
+        """An interrupt came once the step was applied: the state passed in holds the step (a
+        delayed one landed first), so a checkpoint saved as the interrupt unwinds is whole."""
+        if new.params.pending is not None:
+            try:
+                new.params.pending.land()
+            finally:
+                self.state.count.copy_(new.count)
+        else:
+            self.state.count.fill_(self.n + 1)
 
     def close(self) -> None:
         """No more feeds: the runs of the leaves fed so far end once their chunks are done (and
@@ -308,8 +331,11 @@ class TerminalStep:
         for run in self.runs.values():
             run.cancel()
         _, interrupt = shielded(self._wait_runs, self.runs)
-        started = any(run.started for run in self.runs.values())
-        self.state.count.fill_(FAILED if started and not self.speculative else self.n)
+        if self.ahead and not self.speculative:  # handed over in place: whether a run began
+            #                                     is timing, so the state is failed either way
+            self._fail(self.ahead)
+        else:
+            self.state.count.fill_(self.n)
         self._release()
         if interrupt is not None:  # the state is in order: now the interrupt goes on
             raise interrupt
@@ -324,6 +350,15 @@ class TerminalStep:
         self.runs.clear()
 
     # ---- helpers --------------------------------------------------------------------------
+    def _lost(self, written: Any) -> list[str]:
+        """The paths of the leaves in ``written`` (indices) whose param is the value updated in
+        place: no master keeps what a failed step would have to undo."""
+        return [self.leaves[i].path for i in sorted(written) if not self.leaves[i].has_master]
+
+    def _fail(self, written: Any) -> None:
+        """Mark the state failed; ``written``: the leaves whose step may have run in place."""
+        mark_failed(self.state.count, self.state.params.notes, self._lost(written))
+
     def _land_previous(self) -> None:
         """A delayed step still in flight lands before this one changes anything (not at begin:
         a streamed step begins after the forward, which read the params it would change)."""
@@ -361,6 +396,8 @@ class TerminalStep:
             p = leaf.param
             same = p.dtype is dtype and p.shape == shape  # (a leaf without a grad too)
             changed = changed or not same
+            if not same:
+                _check_master(leaf)
             if fed and len(out) in fed:
                 out.append(fed[len(out)])
             elif g is None or (same and plain_grad(g, p)):
@@ -602,12 +639,17 @@ class TerminalStep:
                                   [self.leaves[i].param.view(-1) if self.leaves[i].has_master else None
                                    for i in rest], t.threads)
                 touched = True  # the run has started (a failure before, e.g. allocating, changed nothing)
-                refs = refs._replace(pending=_Pending(landing, new_count))
+                refs = refs._replace(pending=_Pending(landing, new_count, self.notes,
+                                                      self._lost(i for i, g in enumerate(gs) if g is not None)))
             elif rest and not t.spec.elementwise:
-                touched = True
-                for device, idx in self._by_device(rest, gs).items():
-                    run_leaves(self.ex, device, [self._leaf_item(i, gs[i]) for i in idx], ready[device])
-                    self.ex.order_after_copies(device)
+                begun: list[str] = []
+                try:
+                    for device, idx in self._by_device(rest, gs).items():
+                        run_leaves(self.ex, device, [self._leaf_item(i, gs[i]) for i in idx],
+                                   ready[device], begun)
+                        self.ex.order_after_copies(device)
+                finally:
+                    touched = touched or bool(begun)
             else:
                 runs = rest_runs if self.speculative or self.closed else self.runs
                 elements: dict[torch.device, int] = {}
@@ -640,8 +682,10 @@ class TerminalStep:
                 run.wait()
             in_place = [*rest_runs.values(), *(r for r in self.runs.values()
                                                if not self.speculative or r.switched)]
-            failed = touched or any(run.started for run in in_place)
-            state.count.fill_(FAILED if failed else self.n)
+            if touched or any(run.started for run in in_place):
+                self._fail(i for i, g in enumerate(gs) if g is not None)
+            else:
+                state.count.fill_(self.n)
             raise
 
     def _commit(self) -> None:

@@ -19,6 +19,7 @@ import torch
 
 from functional_offload.base import Optimizer, ParamRefs, Step
 from functional_offload.executor import HostExecutor, default_executor
+from functional_offload.executor.shield import shielded
 from functional_offload.kernels import native
 from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
@@ -269,7 +270,12 @@ class Terminal:
     def update(self, grads: Any, state: Any) -> tuple[Params, Any]:
         if grads is None:  # (a leaf's grad may be None: that leaf is not updated)
             raise ValueError(f"{self.spec.name}: grads is None; pass a tree like the params")
-        return self.begin(state).finish(grads)
+        # begun and finished in one shielded call: no signal lands between claiming the state
+        # and marking it (the step's own settle makes the state passed in hold the step)
+        out, interrupt = shielded(lambda: self.begin(state).finish(grads))
+        if interrupt is not None:
+            raise interrupt
+        return out
 
 
 def terminal(spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
