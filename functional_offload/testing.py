@@ -15,7 +15,10 @@ Example::
         try:
             params, state = opt.update(grads, state)
         except fo.HostStepError:
-            state = fo.load("ckpt/opt.safetensors", like=state)   # a failed state recovers so
+            # the params come back with the optimizer's state where it keeps their masters;
+            # params stepped in place (fp32, no master) come from the model's checkpoint
+            model.load_state_dict(torch.load("ckpt/model.pt"))
+            state = fo.load("ckpt/opt.safetensors", like=opt.init(params))
 """
 
 from __future__ import annotations
