@@ -28,7 +28,7 @@ __all__ = [
     "Step", "GradientTransformation", "Optimizer", "EmptyState", "ParamRefs", "StateError",
     "CONSUMED", "FAILED", "BUSY", "chain", "params_of", "grads_for", "ema_params", "flush",
     "check_usable", "claim", "release", "mark_tensors",
-    "terminal_states", "terminal_counts", "stepped", "mark_failed", "check_recoverable",
+    "terminal_states", "terminal_counts", "stepped", "mark_failed", "check_recoverable", "check_states",
     "restore_params",
 ]
 
@@ -223,6 +223,15 @@ def _marked(state: OptState, nodes: Optional[list[Any]] = None) -> list[tuple[An
 def mark_tensors(state: OptState) -> list[torch.Tensor]:
     """The tensors holding the marks of every state NamedTuple inside ``state`` (counts)."""
     return [x for _, x in _mark_tensors(state)]
+
+
+def check_states(state: OptState) -> None:
+    """Run the ``check()`` of every state NamedTuple inside ``state`` that has one (what a
+    state type requires of values a loop may write into it), before it is saved."""
+    for node in _state_nodes(state, []):
+        check = getattr(node, "check", None)
+        if callable(check):
+            check()
 
 
 def check_usable(state: OptState, action: str) -> None:
@@ -529,16 +538,29 @@ def ema_params(state: OptState) -> Params:
         >>> params["w"], fo.ema_params(state)["w"]
         (tensor([-1.]), tensor([-0.5000]))
     """
-    found = terminal_states(state)
+    found = [s for s in terminal_states(state) if hasattr(s, "ema")]
     if not found:
         raise ValueError("this state holds no terminal optimizer's state")
-    s = found[0]
-    if isinstance(s.ema, tuple) and not s.ema:
-        raise ValueError(f"this {type(s).__name__} keeps no EMA: build the optimizer with "
+    keeping = [s for s in found if not (isinstance(s.ema, tuple) and not s.ema)]
+    if not keeping:
+        raise ValueError(f"this {type(found[0]).__name__} keeps no EMA: build the optimizer with "
                          "ema_decay=... (e.g. fo.adamw(1e-3, ema_decay=0.999))")
     check_usable(state, "read its EMA")
     flush(state)
-    return s.ema
+    if len(found) == 1:
+        return found[0].ema
+    # several terminal states (fo.partition's parts): each param's EMA from the part stepping it
+    by_param: dict[int, torch.Tensor] = {}
+    for s in keeping:
+        tree = s.params.tree
+        for p, e in zip(optree.tree_leaves(tree), flatten_like(s.ema, tree, "state.ema")):
+            by_param[id(p)] = e
+    paths, leaves, spec = optree.tree_flatten_with_path(params_of(state))
+    missing = [".".join(map(str, path)) for path, p in zip(paths, leaves) if id(p) not in by_param]
+    if missing:
+        raise ValueError(f"params {missing[:8]} are stepped by a part that keeps no EMA: build "
+                         "every part's optimizer with ema_decay=... to read fo.ema_params")
+    return optree.tree_unflatten(spec, [by_param[id(p)] for p in leaves])
 
 
 def params_of(state: OptState) -> Params:

@@ -410,3 +410,31 @@ def test_cuda_wrappers_keep_each_part_where_placed():
                       "b": fo.adamw(placement=fo.placement.on_device())}, by_ndim).init(params)
     assert all(m.device.type == "cpu" for m in optree.tree_leaves(s.inner_states["w"].mu))
     assert all(m.is_cuda for m in optree.tree_leaves(s.inner_states["b"].mu))
+
+
+def test_ema_params_of_a_partition_state_is_a_tree_like_the_params():
+    """fo.ema_params on a partition's state: each param's EMA from the part that steps it (it
+    raised AttributeError); a part without ema_decay is named in a ValueError."""
+    p = {"w": torch.zeros(2), "v": torch.zeros(3)}
+    opt = fo.partition({"a": fo.sgd(1.0, ema_decay=0.5), "b": fo.adamw(0.1, ema_decay=0.5)},
+                       {"w": "a", "v": "b"})
+    p, s = opt.update({"w": torch.ones(2), "v": torch.ones(3)}, opt.init(p))
+    ema = fo.ema_params(s)
+    assert list(ema) == ["w", "v"]
+    assert torch.equal(ema["w"], torch.full((2,), -0.5))
+    assert torch.allclose(ema["v"], 0.5 * p["v"])
+    mixed = fo.partition({"a": fo.sgd(1.0, ema_decay=0.5), "b": fo.sgd(1.0)}, {"w": "a", "v": "b"})
+    with pytest.raises(ValueError, match=r"\['v'\].*ema_decay"):
+        fo.ema_params(mixed.init({"w": torch.zeros(2), "v": torch.zeros(3)}))
+
+
+def test_a_hyperparameter_written_in_another_dtype_is_refused_before_it_is_saved(tmp_path):
+    """A float32 tensor written into an inject_hyperparams state under MultiSteps steps the
+    accumulation, but fo.save refuses it, naming it (it saved, then did not load into init)."""
+    opt = fo.MultiSteps(fo.inject_hyperparams(fo.adamw)(lr=0.1), 2)
+    st = opt.init({"w": torch.zeros(3)})
+    inner = st.inner_state._replace(hyperparams={"lr": torch.tensor(0.01)})
+    _, st = opt.update({"w": torch.ones(3)}, st._replace(inner_state=inner))
+    with pytest.raises(TypeError, match=r"hyperparams\['lr'\].*float32.*float64"):
+        fo.save(st, tmp_path / "opt")
+    assert not (tmp_path / "opt").exists()

@@ -26,6 +26,17 @@ class InjectHyperparamsState(NamedTuple):
     #                                       uses; a scheduled one's value at the last update
     inner_state: OptState  # the inner transformation's state
 
+    def check(self) -> None:
+        """Raise ``TypeError`` naming a hyperparameter that is not a 0-d float64 tensor (a value
+        written by hand in another dtype would step, then not load into a fresh ``init``)."""
+        if not isinstance(self.hyperparams, dict):
+            raise TypeError(f"state.hyperparams must be a dict of 0-d float64 tensors, got "
+                            f"{type(self.hyperparams).__name__}")
+        for k, t in self.hyperparams.items():
+            if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != torch.float64:
+                raise TypeError(f"state.hyperparams[{k!r}] is a {describe(t)}; it must be a "
+                                "0-d float64 tensor: torch.tensor(value, dtype=torch.float64)")
+
 
 def _int_params(sig: inspect.Signature) -> set[str]:
     """Parameters declared ``int`` (by annotation or default): structural, never injected."""
@@ -165,10 +176,7 @@ def inject_hyperparams(inner_factory: Callable[..., AnyT],
                 got = sorted(hp) if isinstance(hp, dict) else type(hp).__name__
                 raise ValueError(f"state.hyperparams must hold exactly {names} (the injected "
                                  f"arguments of {name}); got {got}")
-            for k, t in hp.items():
-                if not isinstance(t, torch.Tensor) or t.dim() != 0 or t.dtype != torch.float64:
-                    raise TypeError(f"state.hyperparams[{k!r}] is a {describe(t)}; it must be a "
-                                    "0-d float64 tensor: torch.tensor(value, dtype=torch.float64)")
+            state.check()
             values = {k: hp[k].item() for k in numbers}
             values.update({k: at(k, n) for k in schedules})
             return build(values), values
