@@ -399,3 +399,38 @@ def test_delayed_faults_on_the_gpu(tmp_path):
     with pytest.raises(fo.StateError, match="failed"):
         fo.save(state, tmp_path / "good")
     assert (tmp_path / "good").read_bytes() == good
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_documented_recovery_on_the_gpu_restores_params_too(tmp_path, dtype):
+    """A failed host step for GPU params (their state in host memory, each with a master
+    there) left part of the params on the GPU stepped: fo.load into the failed state puts them
+    back from the masters it loads, and the next updates equal a run that never failed."""
+    from functional_offload.testing import fail_host_kernel
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(40000, generator=g).to(DEV, dtype)}
+    grads = [{k: torch.randn(v.shape, generator=g).to(DEV, dtype) for k, v in base.items()}
+             for _ in range(3)]
+    mk = lambda: fo.adamw(1e-2, placement=fo.placement.on_host(),  # noqa: E731
+                          executor=HostExecutor(chunk_bytes=4096, slots=2, threads=2, worker_elements=1))
+    opt = mk()
+    params = {k: v.clone() for k, v in base.items()}
+    state = opt.init(params)
+    params, state = opt.update(grads[0], state)
+    fo.save(state, tmp_path / "opt")
+    kept = {k: v.clone() for k, v in params.items()}
+    with fail_host_kernel(after=3):
+        with pytest.raises(fo.HostStepError):
+            opt.update(grads[1], state)
+    torch.cuda.synchronize()
+    assert not torch.equal(params["w"], kept["w"])  # half stepped
+    state = fo.load(tmp_path / "opt", like=state)
+    assert torch.equal(params["w"], kept["w"])
+    for gs in grads[1:]:
+        params, state = opt.update(gs, state)
+    ref = mk()
+    q = {k: v.clone() for k, v in base.items()}
+    s = ref.init(q)
+    for gs in grads:
+        q, s = ref.update(gs, s)
+    assert torch.equal(params["w"], q["w"])
