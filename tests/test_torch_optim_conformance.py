@@ -704,3 +704,160 @@ def test_state_dicts_of_the_first_adapter_still_load():
                                        "0.momentum.1": mu[1]}})
     assert "param_names" not in unnamed.param_groups[0]
     assert torch.equal(unnamed.state[model.bias]["momentum_buffer"], mu[1])
+
+
+# ---- state_dicts of other algorithms -------------------------------------------------------
+
+def trained(make, params, steps=2):
+    """An optimizer made by ``make(params)`` (torch's or ours) after ``steps`` steps."""
+    opt = make(params)
+    for s in range(steps):
+        loss_step(opt, params, s)
+    return opt
+
+
+TORCH_SGD_MOMENTUM = lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)  # noqa: E731
+CROSS_LOADS = [  # (saved by, loaded into ours, torch's class of that algorithm or None)
+    ("torch-sgd-momentum", TORCH_SGD_MOMENTUM, "adamw", (fo.adamw, {}), torch.optim.AdamW),
+    ("torch-sgd-momentum", TORCH_SGD_MOMENTUM, "adam", (fo.adam, {}), torch.optim.Adam),
+    ("torch-adamw", lambda ps: torch.optim.AdamW(ps), "sgd-momentum", (fo.sgd, {"momentum": 0.9}),
+     lambda ps: torch.optim.SGD(ps, momentum=0.9)),
+    ("torch-adam", lambda ps: torch.optim.Adam(ps), "sgd", (fo.sgd, {}), torch.optim.SGD),
+    ("torch-adam", lambda ps: torch.optim.Adam(ps), "lion", (fo.lion, {}), None),
+    ("lion", lambda ps: fo.TorchOptimizer(ps, fo.lion), "adamw", (fo.adamw, {}), torch.optim.AdamW),
+    ("torch-adamw", lambda ps: torch.optim.AdamW(ps), "adafactor", (fo.adafactor, {}),
+     torch.optim.Adafactor),
+    ("torch-adafactor", lambda ps: torch.optim.Adafactor(ps), "adamw", (fo.adamw, {}),
+     torch.optim.AdamW),
+    ("torch-sgd-momentum", TORCH_SGD_MOMENTUM, "adafactor", (fo.adafactor, {}),
+     torch.optim.Adafactor),
+    ("adafactor", lambda ps: fo.TorchOptimizer(ps, fo.adafactor), "sgd-momentum",
+     (fo.sgd, {"momentum": 0.9}), lambda ps: torch.optim.SGD(ps, momentum=0.9)),
+    ("sgd-momentum", lambda ps: fo.TorchOptimizer(ps, fo.sgd, momentum=0.9), "lion", (fo.lion, {}),
+     None),
+    ("adamw", lambda ps: fo.TorchOptimizer(ps, fo.adamw), "sgd-momentum",
+     (fo.sgd, {"momentum": 0.9}),
+     lambda ps: torch.optim.SGD(ps, momentum=0.9)),
+]
+
+
+def torch_refusal(cls, params, sd):
+    """What torch's class raises loading ``sd`` (at the load or at the next step), or None."""
+    opt = cls(params)
+    try:
+        opt.load_state_dict(copy.deepcopy(sd))
+        loss_step(opt, params, 9)
+    except Exception as e:  # noqa: BLE001 - whatever torch raises is the oracle's refusal
+        return e
+    return None
+
+
+@pytest.mark.parametrize("source,saved_by,target,ours,torch_cls",
+                         [pytest.param(*c, id=f"{c[0]}-into-{c[2]}") for c in CROSS_LOADS])
+def test_a_state_dict_of_another_algorithm_is_refused_before_anything_changes(
+        source, saved_by, target, ours, torch_cls):
+    sd = trained(saved_by, make_params()).state_dict()
+    make, kw = ours
+    p = make_params()
+    opt = fo.TorchOptimizer(p, make, cpu_kernel="torch", **kw)
+    fresh_opt = fo.TorchOptimizer(clone_params(p), make, cpu_kernel="torch", **kw)
+    loss_step(opt, p, 0)
+    before = copy.deepcopy(opt.state_dict())
+    for o in (opt, fresh_opt):
+        with pytest.raises(ValueError, match=r"param group 0: param 0: state .*"
+                                             r"(missing|another algorithm's)") as err:
+            o.load_state_dict(copy.deepcopy(sd))
+        msg = str(err.value)
+        # the message names the keys: the first param's keys the algorithm does not keep ...
+        foreign = [k for k in sd["state"][0] if k != "step" and k not in opt.state[p[0]]]
+        assert all(repr(k) in msg for k in foreign)
+    state_dicts_equal(opt.state_dict(), before)  # nothing was copied (nor a group value)
+    assert len(fresh_opt.state) == 0 and fresh_opt.param_groups[0]["lr"] == opt.defaults["lr"]
+    if torch_cls is not None:  # ... and the state key torch's class fails on, if it does
+        refusal = torch_refusal(torch_cls, clone_params(p), sd)
+        keys = trained(torch_cls, clone_params(p), steps=1).state_dict()["state"].get(0, {})
+        if isinstance(refusal, KeyError) and refusal.args[0] in keys:
+            assert f"{refusal.args[0]!r} " in msg and "missing" in msg
+    loss_step(opt, p, 1)  # and the optimizer goes on
+
+
+def test_state_keys_of_the_same_algorithm_still_load():
+    """Keys other algorithms do not use (a user's own) stay in the view; torch's Adam state
+    loads into AdamW (one algorithm in torch); a param without state starts afresh."""
+    p = make_params()
+    ref = trained(lambda ps: torch.optim.Adam(ps, lr=1e-2), clone_params(p))
+    sd = copy.deepcopy(ref.state_dict())
+    sd["state"][1]["my_note"] = torch.tensor(3.0)
+    del sd["state"][2]
+    opt = BY_NAME["adamw"].ours(p)
+    opt.load_state_dict(sd)
+    assert torch.equal(opt.state[p[1]]["my_note"], torch.tensor(3.0))
+    assert opt.state[p[2]]["exp_avg"].count_nonzero() == 0
+    sgd = BY_NAME["sgd_momentum"].ours(clone_params(p), momentum=0.9)
+    torch_sgd = trained(lambda ps: torch.optim.SGD(ps, lr=0.1), clone_params(p))
+    sgd.load_state_dict(torch_sgd.state_dict())  # no state: no step, nor a buffer
+
+
+# ---- Adafactor -------------------------------------------------------------------------------
+
+def adafactor_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(10, 5), (10,), (3, 10), (2, 3, 4)]
+    return [Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def adafactor_step(opt, params, seed):
+    set_grads(params, seed)
+    opt.step()
+
+
+def test_adafactor_state_dicts_round_trip_with_torch():
+    """1-D, 2-D and 3-D params: ours -> ours, torch.optim.Adafactor -> ours -> torch; each
+    continues bit for bit, and shows torch's keys (no entry for a moment the param lacks)."""
+    p = adafactor_params()
+    q = clone_params(p)
+    ref = torch.optim.Adafactor(q, lr=0.05, weight_decay=0.1)
+    for s in range(3):
+        adafactor_step(ref, q, s)
+    ours = fo.TorchOptimizer(p, fo.adafactor)
+    ours.load_state_dict(copy.deepcopy(ref.state_dict()))  # torch -> ours
+    with torch.no_grad():
+        for x, y in zip(p, q):
+            x.copy_(y)
+    for x, y in zip(p, q):
+        assert set(ours.state[x]) == set(ref.state[y])
+    for s in range(3, 5):
+        adafactor_step(ours, p, s)
+        adafactor_step(ref, q, s)
+        assert_same_params(p, q)
+    state_dicts_equal(ours.state_dict(), ref.state_dict())
+    again = fo.TorchOptimizer(clone_params(p), fo.adafactor)  # ours -> ours
+    again.load_state_dict(copy.deepcopy(ours.state_dict()))
+    back = torch.optim.Adafactor(clone_params(p))  # ours -> torch
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    others = [again.param_groups[0]["params"], back.param_groups[0]["params"]]
+    for s in range(5, 7):
+        adafactor_step(ours, p, s)
+        adafactor_step(ref, q, s)
+        for o, ps in zip((again, back), others):
+            adafactor_step(o, ps, s)
+            assert_same_params(p, ps)
+    for o in (again, back):
+        state_dicts_equal(o.state_dict(), ref.state_dict())
+    state_dicts_equal(ours.state_dict(), ref.state_dict())
+
+
+def test_adafactor_refuses_a_state_without_its_moments():
+    p = adafactor_params()
+    ref = torch.optim.Adafactor(clone_params(p))
+    adafactor_step(ref, ref.param_groups[0]["params"], 0)
+    sd = copy.deepcopy(ref.state_dict())
+    del sd["state"][0]["col_var"]
+    sd["state"][1]["row_var"] = sd["state"][0]["row_var"]  # a matrix's moment on a vector
+    opt = fo.TorchOptimizer(p, fo.adafactor)
+    with pytest.raises(ValueError, match=r"param 0: state 'col_var' is missing"):
+        opt.load_state_dict(sd)
+    del sd["state"][0]
+    opt.load_state_dict(sd)  # a key the param's layout does not use is kept, as torch keeps it
+    assert set(opt.state[p[1]]) == {"step", "variance", "row_var"}
+

@@ -78,7 +78,11 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
     into torch's class, which keeps ``master`` as unused state (drop it with a
     ``register_load_state_dict_pre_hook`` if unwanted). On load, a master is taken from the
     state_dict only at its own dtype; otherwise, and for the fp32 host copies that are not shown,
-    it is set from its param (the model's values are the truth then). Two differences stay: one
+    it is set from its param (the model's values are the truth then). A state_dict of another
+    algorithm is refused before anything is copied: a param's state that lacks a key the
+    algorithm reads (torch's class would fail at its next step) or holds another algorithm's
+    (``momentum_buffer`` loaded into AdamW, ``exp_avg_sq`` into Lion) raises ``ValueError``
+    naming the param and the keys. Two differences stay: one
     step count per group (torch keeps one per param; a torch state whose params' steps differ
     continues from the largest, with a warning), and params that never had a grad still have
     (zero) state.

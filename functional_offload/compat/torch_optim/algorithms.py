@@ -16,14 +16,24 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from functional_offload.base import Optimizer
+from functional_offload.compat.torch_optim.views import Expect
 from functional_offload.optimizers import adam, adamw, sgd
+from functional_offload.optimizers.spec import torch_state_names
 
-__all__ = ["Algorithm", "algorithm_for", "number", "FREE_OPTIONS"]
+__all__ = ["Algorithm", "algorithm_for", "number", "FREE_OPTIONS", "TORCH_STATE_KEYS"]
 
 FREE_OPTIONS = frozenset({"weight_decay_mask", "executor", "cpu_kernel"})
 """Keyword options of the functional constructors that may change between steps; the others
 (``placement``, ``master_dtype``, the moments' dtypes, ``ema_decay``, ``delayed``) decide the
 state's layout: changing one re-lays the state out at the next step (a copy)."""
+
+TORCH_STATE_KEYS = frozenset({
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "row_var", "col_var",
+    "variance", "square_avg", "acc_delta", "sum", "exp_inf", "mu_product", "grad_avg", "prev",
+    "step_size", "eta", "mu", "ax"})
+"""The per-param state keys of ``torch.optim``'s algorithms (and so of the functional
+optimizers, which use torch's names), ``step`` aside: one that an algorithm does not keep, in a
+state_dict being loaded, says that another algorithm saved it."""
 
 
 def number(x: Any) -> Any:
@@ -95,6 +105,10 @@ class Algorithm:
     name = "optimizer"
     defaults: dict[str, Any] = {}
     options: frozenset = frozenset()
+    keys: frozenset = frozenset()  # torch's per-param state keys of the algorithm, ``step`` aside
+    needs: tuple = ()  # the moments a per-param state always holds
+    needs_step = True  # a per-param state holds a step (torch's SGD keeps none)
+    needs_moments = True  # it holds every moment (torch's SGD starts a missing buffer afresh)
 
     @property
     def accepts(self) -> frozenset:
@@ -112,6 +126,12 @@ class Algorithm:
     def on_load(self, group: dict) -> None:
         """Adjust a group loaded from a state_dict (as torch's ``__setstate__`` does)."""
 
+    def expect(self) -> Expect:
+        """What a loaded per-param entry must hold, and the keys that say that another
+        algorithm saved it."""
+        return Expect(self.name, self.needs_step, self.needs_moments, self.needs,
+                      TORCH_STATE_KEYS - self.keys)
+
 
 class AdamFamily(Algorithm):
     """``torch.optim.AdamW`` / ``Adam``: ``decoupled_weight_decay`` picks ``fo.adamw`` or
@@ -126,6 +146,8 @@ class AdamFamily(Algorithm):
                          "differentiable": False, "fused": None,
                          "decoupled_weight_decay": decoupled}
         self.options = _keyword_options(adam, adamw)
+        self.keys = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+        self.needs = ("exp_avg", "exp_avg_sq")
 
     def check(self, v: Mapping[str, Any]) -> None:
         _check_lr(v)
@@ -171,6 +193,9 @@ class SGDAlgorithm(Algorithm):
     momentum becomes non-zero gets them (zero, so the first step copies the grad, as torch)."""
 
     name = "SGD"
+    keys = frozenset({"momentum_buffer"})
+    needs_step = False
+    needs_moments = False
 
     def __init__(self) -> None:
         self.defaults = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0,
@@ -220,6 +245,7 @@ class Generic(Algorithm):
                          if p.kind is p.POSITIONAL_OR_KEYWORD and p.default is not p.empty}
         self.defaults["maximize"] = False
         self.options = _keyword_options(make)
+        self.keys = _moment_keys(make)
 
     def build(self, v: Mapping[str, Any], options: Mapping[str, Any]) -> Optimizer:
         hyper = {k: (tuple(number(b) for b in x) if isinstance(x, (tuple, list)) else number(x))
@@ -229,6 +255,18 @@ class Generic(Algorithm):
             raise TypeError(f"{self.name}(...) returned a {type(opt).__name__}; TorchOptimizer "
                             "needs a terminal functional_offload Optimizer (e.g. fo.adamw)")
         return opt
+
+
+def _moment_keys(make: Callable[..., Optimizer]) -> frozenset:
+    """The torch keys of the moments of ``make``'s state (laid out for no params); every key
+    of torch's algorithms where that state cannot be made with the defaults (none is foreign)."""
+    try:
+        opt = make()
+        if isinstance(opt, Optimizer):
+            return frozenset(torch_state_names(opt.init([])).values())
+    except (TypeError, ValueError):
+        pass
+    return TORCH_STATE_KEYS
 
 
 _KNOWN: dict[Any, Callable[[], Algorithm]] = {

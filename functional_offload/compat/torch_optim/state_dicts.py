@@ -11,7 +11,8 @@ from typing import Any, Optional
 import torch
 
 from functional_offload.base import FAILED, Optimizer
-from functional_offload.compat.torch_optim.views import Slot, mark_error, quiesce, scalar_dtype
+from functional_offload.compat.torch_optim.views import (Slot, mark_error, param_label, quiesce,
+                                                         scalar_dtype)
 
 __all__ = ["Run", "StateDicts", "apply_copies"]
 
@@ -127,9 +128,10 @@ class StateDicts:
         """Load torch.optim's format (this adapter's, or torch's class of the same algorithm).
 
         Params are matched by position, as torch does (names are kept, not used); state_dicts
-        of the first TorchOptimizer (params by name) are converted. Everything is
-        checked — group sizes, option values, every tensor's shape — before anything is copied.
-        The values are copied into the functional state (keeping its placement); masters not in
+        of the first TorchOptimizer (params by name) are converted. Everything is checked —
+        group sizes, each param's state keys (those the algorithm reads, and none of another
+        algorithm's), option values, every tensor's shape — before anything is copied. The
+        values are copied into the functional state (keeping its placement); masters not in
         the state_dict are set from the params. Runs torch's load-state-dict hooks.
         """
         state_dict = _from_earlier_format(state_dict.copy())
@@ -149,21 +151,25 @@ class StateDicts:
         for slot in self._slots.values():  # land steps in flight; a failed state is what the load recovers
             if slot.state is not None and int(slot.state.count) != FAILED:
                 quiesce(slot.state, dropping=False)
-        # 1. the groups' new values, checked
+        # 1. the per-param states' keys (another algorithm's state is named as such), then the
+        # groups' new values, checked
+        expect = self._algo.expect()
         plans = []
         for i, (g, s) in enumerate(zip(groups, saved_groups)):
             where = f"param group {i}: "
             new = {k: v for k, v in g.items() if k != "params"}
             _warn_names(where, g.get("param_names"), s.get("param_names"))
             new.update({k: v for k, v in s.items() if k != "params" and k not in self._algo.options})
+            entries = [saved_state.get(k) for k in s["params"]]
+            entries = [dict(e) if isinstance(e, dict) and e else None for e in entries]
+            for j, e in enumerate(entries):
+                if e:
+                    expect.check(e, param_label(where, j, new.get("param_names")))
             self._algo.on_load(new)
             values, options = self._values(new), self._options(new)
             opt, moments = self._compile(values, options, where)
             run = Run(i, self._slot(g), opt, values, options, moments)
-            params = list(g["params"])
-            entries = [saved_state.get(k) for k in s["params"]]
-            entries = [dict(e) if isinstance(e, dict) and e else None for e in entries]
-            plans.append((g, new, run, params, entries))
+            plans.append((g, new, run, list(g["params"]), entries))
         # 2. every value checked against the state it goes into (laid out now where needed)
         staged = []
         for g, new, run, params, entries in plans:
@@ -179,7 +185,8 @@ class StateDicts:
             else:
                 state, keys = self._lay_out(run, params, group=new)
             copies, count = Slot.plan(state, keys, params, entries, reset=True, resync_masters=True,
-                                      where=run.where, names=new.get("param_names"), complete=True)
+                                      where=run.where, names=new.get("param_names"),
+                                      expect=expect)
             staged.append((g, new, run, state, keys, copies, count, entries))
         # 3. copy, then show
         new_state: defaultdict = defaultdict(dict)

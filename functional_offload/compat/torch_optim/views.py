@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -24,7 +24,8 @@ from functional_offload.base import BUSY, CONSUMED, FAILED, StateError, flush
 from functional_offload.optimizers.spec import torch_state_names
 from functional_offload.tree import local
 
-__all__ = ["Slot", "Copy", "scalar_dtype", "tree_of", "signature", "quiesce", "mark_error"]
+__all__ = ["Slot", "Copy", "Expect", "param_label", "scalar_dtype", "tree_of", "signature",
+           "quiesce", "mark_error"]
 
 STEP, MASTER, EMA = "step", "master", "ema"
 _ZERO = object()  # a Copy source: fill with zeros
@@ -74,6 +75,37 @@ def mark_error(state: Any, where: str, action: str) -> Optional[StateError]:
     return None
 
 
+class Expect(NamedTuple):
+    """What a loaded per-param entry of an algorithm's state must hold, and must not."""
+
+    name: str  # the algorithm, for messages
+    step: bool  # a step (torch's class reads one)
+    moments: bool  # every moment the layout gives the param (torch's class reads them)
+    needed: tuple  # the moments every param has, known before a layout
+    foreign: frozenset  # other algorithms' keys: one of them says that another one saved it
+
+    def check(self, e: dict, label: str, moments: Sequence[str] = ()) -> None:
+        """Raise ``ValueError`` naming the param and the keys if entry ``e`` lacks what the
+        algorithm reads or holds another algorithm's state; ``moments``: the layout's."""
+        want = dict.fromkeys([*self.needed, *(moments if self.moments else ())])
+        missing = [k for k in want if k not in e] + ([STEP] if self.step and STEP not in e else [])
+        foreign = sorted(k for k in e if k in self.foreign)
+        parts = [f"state {_listed(missing)} missing"] if missing else []
+        if foreign:
+            parts.append(f"state {_listed(foreign)} another algorithm's, not {self.name}'s")
+        if parts:
+            fails = "; its next step would fail" if missing else ""
+            raise ValueError(f"{label}: {' and '.join(parts)} (the param has state "
+                             f"{sorted(map(str, e))}){fails}: was the state_dict saved by another "
+                             "optimizer, or with other options? Load it into the optimizer that "
+                             "saved it")
+
+
+def param_label(where: str, j: int, names: Optional[list]) -> str:
+    """``"param group 0: param 1 ('bias')"``, as errors name a param."""
+    return f"{where}param {j}" + (f" ({names[j]!r})" if names and j < len(names) else "")
+
+
 class Copy:
     """One value to write into a leaf: a tensor (cast to the leaf's dtype and device), zeros,
     or a param's value."""
@@ -110,12 +142,14 @@ class Slot:
     @staticmethod
     def leaves(state: Any, keys: list, params: list, j: int) -> list[tuple[str, torch.Tensor, bool]]:
         """``(torch key, leaf, shown in the view)`` of param ``j``: moments, master, EMA. A
-        master is shown where it holds more than the param does (a low-precision param); an fp32
-        param's host copy equals the param after every step and is not."""
+        moment the param does not have (Adafactor's ``variance`` of a matrix) is left out, as
+        torch leaves it out. A master is shown where it holds more than the param does (a
+        low-precision param); an fp32 param's host copy equals the param after every step and
+        is not."""
         key, out = keys[j], []
         for field, name in torch_state_names(state).items():
             tree = getattr(state, field)
-            if not (isinstance(tree, tuple) and not tree):
+            if not (isinstance(tree, tuple) and not tree) and tree[key] is not None:
                 out.append((name, tree[key], True))
         master = state.master[key]
         if master is not None:
@@ -134,27 +168,26 @@ class Slot:
     @staticmethod
     def plan(state: Any, keys: list, params: list, entries: list[Optional[dict]], *, reset: bool,
              resync_masters: bool, where: str, names: Optional[list] = None,
-             complete: bool = False) -> tuple[list[Copy], Optional[int]]:
+             expect: Optional[Expect] = None) -> tuple[list[Copy], Optional[int]]:
         """The copies that put ``entries`` (torch-format per-param dicts, ``None`` where a param
         has none) into ``state``, and the count to set (``None``: keep it). Raises ``ValueError``
         naming the param and key of a value that does not fit; copies nothing.
 
         ``reset``: leaves an entry lacks get a fresh value (zero moments, the param as master),
         as for a load. ``resync_masters``: masters not shown in the views are set from their
-        params (the params are the truth after a load). ``complete``: an entry with a step must
-        hold every moment the layout shows (torch's algorithms with a step fail without; a
-        state_dict being loaded)."""
+        params (the params are the truth after a load). ``expect``: what each entry must hold,
+        for a state_dict being loaded (see :class:`Expect`)."""
         copies: list[Copy] = []
         steps: list[int] = []
         for j, p in enumerate(params):
             e = entries[j]
-            label = f"{where}param {j}" + (f" ({names[j]!r})" if names and j < len(names) else "")
+            label = param_label(where, j, names)
+            leaves = Slot.leaves(state, keys, params, j)
+            if expect is not None and e:
+                expect.check(e, label,
+                             [n for n, _, shown in leaves if shown and n not in (MASTER, EMA)])
             fresh: dict[str, Any] = {}
-            for name, leaf, shown in Slot.leaves(state, keys, params, j):
-                if complete and e and STEP in e and shown and name not in (MASTER, EMA, *e):
-                    raise ValueError(f"{label}: state {name!r} is missing (the param has state "
-                                     f"{sorted(map(str, e))}); torch.optim would fail at the "
-                                     "next step — was it saved with other options?")
+            for name, leaf, shown in leaves:
                 v = e.get(name) if (e and shown) else None
                 if name == MASTER and isinstance(v, torch.Tensor) and v.dtype != leaf.dtype:
                     v = None  # not a master this layout wrote (torch casts state to the param's
@@ -235,6 +268,13 @@ class Slot:
                 if view.get(k) is not obj:
                     return True
         return self.mirror.item() != self.seen
+
+
+def _listed(keys: list[str]) -> str:
+    """``'a' is`` / ``'a' and 'b' are`` / ``'a', 'b' and 'c' are``."""
+    names = [repr(k) for k in keys]
+    head = ", ".join(names[:-1])
+    return f"{head} and {names[-1]} are" if head else f"{names[-1]} is"
 
 
 def _as_step(x: Any, label: str) -> int:
