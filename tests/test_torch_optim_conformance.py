@@ -2,6 +2,7 @@
 and without momentum/Nesterov), each driven through the behaviours tools rely on, with the
 matching torch.optim class as the oracle (fp32 params and cpu_kernel="torch": bit for bit)."""
 
+import contextlib
 import copy
 import io
 import pickle
@@ -861,3 +862,197 @@ def test_adafactor_refuses_a_state_without_its_moments():
     opt.load_state_dict(sd)  # a key the param's layout does not use is kept, as torch keeps it
     assert set(opt.state[p[1]]) == {"step", "variance", "row_var"}
 
+
+# ---- recovery of a failed step, and a state in a step ----------------------------------------
+
+def small_chunks():
+    from functional_offload.executor import HostExecutor
+
+    return HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+
+
+def bf16_params(seed=0):
+    """Low-precision params: the state keeps their fp32 masters (a failed step is recoverable
+    from a checkpoint of the state alone)."""
+    g = torch.Generator().manual_seed(seed)
+    return [Parameter(torch.randn(64, 48, generator=g).bfloat16()),
+            Parameter(torch.randn(64, generator=g).bfloat16())]
+
+
+def bf16_step(opt, params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    opt.step()
+
+
+def save_states(opt, path, how):
+    import torch.distributed.checkpoint as dcp
+
+    import functional_offload.dcp  # noqa: F401 - fo.dcp
+
+    if how == "fo.load":
+        fo.save(tuple(opt.fo_states), path)
+    elif how == "dcp":
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.save({"optim": fo.dcp.state_dict(tuple(opt.fo_states))}, checkpoint_id=path)
+    else:
+        return copy.deepcopy(opt.state_dict())
+
+
+def load_states(opt, path, how, saved):
+    import torch.distributed.checkpoint as dcp
+
+    if how == "fo.load":
+        fo.load(path, like=tuple(opt.fo_states))
+    elif how == "dcp":
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load({"optim": fo.dcp.state_dict(tuple(opt.fo_states), loading=True)},
+                     checkpoint_id=path)
+    else:
+        opt.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("how", ["fo.load", "dcp", "load_state_dict"])
+def test_a_failed_step_recovers_from_a_checkpoint_and_the_next_step_is_a_clean_runs(tmp_path, how):
+    """The documented recovery: a failed step leaves the states reachable (``fo_states``) but
+    refused for saving and stepping; a checkpoint loaded into them (``fo.load``, DCP, or
+    ``load_state_dict``) and the model's params restored, the next step is the clean run's."""
+    from functional_offload.testing import fail_host_kernel
+
+    p, q = bf16_params(), bf16_params()
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, executor=small_chunks(), cpu_kernel="torch")
+    ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, executor=small_chunks(), cpu_kernel="torch")
+    for s in range(2):
+        bf16_step(opt, p, s)
+        bf16_step(ref, q, s)
+    saved = save_states(opt, str(tmp_path / "ckpt"), how)
+    model = [x.detach().clone() for x in p]
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError):
+            bf16_step(opt, p, 2)
+    states = opt.fo_states  # reachable for a load ...
+    assert len(states) == 1 and states[0] is not None
+    with pytest.raises(fo.StateError):  # ... but not saved, nor stepped
+        fo.save(tuple(states), tmp_path / "torn")
+    with pytest.raises(fo.StateError, match="failed part-way"):
+        opt.state_dict()
+    with pytest.raises(fo.StateError, match="load_state_dict"):
+        bf16_step(opt, p, 2)
+    with torch.no_grad():  # the model's checkpoint
+        for x, y in zip(p, model):
+            x.copy_(y)
+    load_states(opt, str(tmp_path / "ckpt"), how, saved)
+    assert float(opt.state_dict()["state"][0]["step"]) == 2
+    for s in range(2, 4):
+        bf16_step(opt, p, s)
+        bf16_step(ref, q, s)
+        assert_same_params(p, q)
+    state_dicts_equal(opt.state_dict(), ref.state_dict())
+
+
+def test_a_checkpoint_loaded_into_fo_states_is_what_optimizer_state_shows(tmp_path):
+    p = make_params()
+    opt = BY_NAME["adamw"].ours(p, lr=1e-2)
+    loss_step(opt, p, 0)
+    fo.save(tuple(opt.fo_states), tmp_path / "ckpt")
+    saved = copy.deepcopy(opt.state_dict())
+    for s in range(1, 3):
+        loss_step(opt, p, s)
+    fo.load(tmp_path / "ckpt", like=tuple(opt.fo_states))
+    state_dicts_equal(opt.state_dict(), saved)
+    q = clone_params(p)
+    ref = BY_NAME["adamw"].ours(q, lr=1e-2)
+    ref.load_state_dict(saved)
+    loss_step(opt, p, 3)
+    loss_step(ref, q, 3)
+    assert_same_params(p, q)
+    state_dicts_equal(opt.state_dict(), ref.state_dict())
+
+
+def test_a_failed_optimizer_is_not_copied_pickled_or_synced():
+    """A copy or a pickle would save the half-applied step as a usable state."""
+    from functional_offload.testing import fail_host_kernel
+
+    p = bf16_params()
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, executor=small_chunks())
+    bf16_step(opt, p, 0)
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError):
+            bf16_step(opt, p, 1)
+    for call in (lambda: copy.deepcopy(opt), lambda: pickle.dumps(opt), opt.sync_masters):
+        with pytest.raises(fo.StateError, match="failed part-way.*load_state_dict"):
+            call()
+
+
+def test_an_optimizer_in_a_step_refuses_reads_copies_loads_and_syncs():
+    """While another thread's step runs, the calls that read or write the state raise
+    StateError and change nothing: the step then completes as a clean run's."""
+    import threading
+
+    from functional_offload.testing import slow_host_kernel
+
+    p, q = bf16_params(), bf16_params()
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, executor=small_chunks(), cpu_kernel="torch")
+    ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, executor=small_chunks(), cpu_kernel="torch")
+    bf16_step(opt, p, 0)
+    bf16_step(ref, q, 0)
+    saved = copy.deepcopy(opt.state_dict())
+    other = copy.deepcopy(saved)
+    other["param_groups"][0]["lr"] = 0.5
+    calls = {"state_dict": opt.state_dict, "fo_states": lambda: opt.fo_states,
+             "load_state_dict": lambda: opt.load_state_dict(copy.deepcopy(other)),
+             "deepcopy": lambda: copy.deepcopy(opt), "pickle": lambda: pickle.dumps(opt),
+             "sync_masters": opt.sync_masters}
+    refused, errors = {}, []
+    with slow_host_kernel(0.2):  # three chunks: the step lasts 0.6 s
+        worker = threading.Thread(target=lambda: bf16_step(opt, p, 1))
+        worker.start()
+        try:
+            while worker.is_alive():  # until the step holds the state
+                try:
+                    opt.state_dict()
+                except fo.StateError:
+                    break
+            for name, call in calls.items():
+                try:
+                    call()
+                    errors.append(name)
+                except fo.StateError as e:
+                    refused[name] = str(e)
+        finally:
+            worker.join()
+    assert not errors, errors
+    assert all("in use by another step" in m for m in refused.values()), refused
+    bf16_step(ref, q, 1)
+    assert_same_params(p, q)
+    state_dicts_equal(opt.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("fails", [True, False], ids=["failed", "completed"])
+def test_a_load_drops_a_delayed_step_in_flight_instead_of_landing_it(fails):
+    """``delayed=True``: the step in flight is dropped by a load, whether it failed in the
+    background (the load recovers at once) or not (the params restored from the model's
+    checkpoint stay as restored); training then goes on as from the checkpoint."""
+    from functional_offload.testing import fail_host_kernel
+
+    p, q = bf16_params(), bf16_params()
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=True, executor=small_chunks())
+    ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, executor=small_chunks())
+    bf16_step(opt, p, 0)
+    bf16_step(ref, q, 0)
+    saved = copy.deepcopy(opt.state_dict())  # lands the step
+    model = [x.detach().clone() for x in p]
+    with fail_host_kernel(after=1) if fails else contextlib.nullcontext():
+        bf16_step(opt, p, 1)  # in flight (failing in the background)
+        with torch.no_grad():
+            for x, y in zip(p, model):
+                x.copy_(y)
+        opt.load_state_dict(copy.deepcopy(saved))
+    assert_same_params(p, model)
+    for s in range(1, 3):
+        bf16_step(opt, p, s)
+        bf16_step(ref, q, s)
+    opt.flush()
+    assert_same_params(p, q)
+    state_dicts_equal(opt.state_dict(), ref.state_dict())

@@ -82,7 +82,8 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
     algorithm is refused before anything is copied: a param's state that lacks a key the
     algorithm reads (torch's class would fail at its next step) or holds another algorithm's
     (``momentum_buffer`` loaded into AdamW, ``exp_avg_sq`` into Lion) raises ``ValueError``
-    naming the param and the keys. Two differences stay: one
+    naming the param and the keys. A delayed step in flight is dropped by a load, not landed
+    over the params (restore them from the model's checkpoint). Two differences stay: one
     step count per group (torch keeps one per param; a torch state whose params' steps differ
     continues from the largest, with a warning), and params that never had a grad still have
     (zero) state.
@@ -103,6 +104,12 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
 
     ``delayed=True``: the params of the host-resident leaves land at the next ``step()``,
     :meth:`flush` or ``state_dict()``; read ``optimizer.state`` after :meth:`flush`.
+
+    Failures: after a step that failed part-way, ``step()``, ``state_dict()``, copies, pickles
+    and :meth:`sync_masters` raise :class:`~functional_offload.StateError` until a checkpoint
+    is loaded: ``load_state_dict``, or ``fo.load`` / DCP into :attr:`fo_states`, with the
+    model's params restored from its own checkpoint. While another thread's step holds the
+    state, the same calls, ``load_state_dict`` and :attr:`fo_states` raise it too.
 
     Example::
 
@@ -136,6 +143,7 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
 
     # ---- pickling (torch's __getstate__ keeps defaults, state and param_groups) ----------------
     def __getstate__(self) -> dict[str, Any]:
+        self._check_marks("be copied or pickled")
         self.flush()
         return {**super().__getstate__(), "_fo_optimizer": self._make,
                 "_fo_max_grad_norm": self._max_grad_norm}
@@ -189,6 +197,16 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
     def _fixed(self, options: dict) -> dict:
         return {k: v for k, v in options.items() if k not in FREE_OPTIONS}
 
+    def _check_marks(self, action: str) -> None:
+        """Raise :class:`StateError` if a group's state is failed or in a step (nothing reads
+        or writes it then but a load)."""
+        for i, g in enumerate(self.param_groups):
+            slot = self._slots.get(id(g))
+            if slot is not None and slot.state is not None:
+                err = mark_error(slot.state, f"param group {i}: ", action)
+                if err is not None:
+                    raise err
+
     # ---- the functional states --------------------------------------------------------------
     def _runs(self) -> list[Run]:
         """Check every group and build its optimizer for this step (nothing changes yet)."""
@@ -231,15 +249,16 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
                             "fo.sgd...); clip with max_grad_norm= instead of a chain")
         return state, keys
 
-    def _ready(self, run: Run) -> None:
+    def _ready(self, run: Run, action: str = "step") -> None:
         """Make the run's slot hold a usable state that shows what ``self.state`` shows: lay it
         out at the first step or when the group changed (params, their devices or dtypes, layout
         options, moments now needed), taking in values written into the views."""
         slot, params = run.slot, list(run.slot.group["params"])
         if slot.state is not None:
-            err = mark_error(slot.state, run.where, "step")
+            err = mark_error(slot.state, run.where, action)
             if err is not None:
                 raise err
+            slot.follow()
             if self._compatible(slot, params, run):
                 if slot.edited(self.state):
                     self._sync(run)
@@ -351,7 +370,9 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
     def sync_masters(self) -> None:
         """Set every master from its param's current value, after the params were changed
         outside the optimizer (e.g. ``model.load_state_dict`` mid-run); without it the next step
-        would write the masters' values back over the change."""
+        would write the masters' values back over the change. A failed state is refused: load a
+        checkpoint into it instead."""
+        self._check_marks("sync masters")
         self.flush()
         with torch.no_grad():
             for slot in self._slots.values():
@@ -365,8 +386,13 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
     @property
     def fo_states(self) -> list[Any]:
         """The functional states, one per param group (``None`` for an empty group), created
-        now if no step made them yet. For reading: ``step()`` donates them."""
+        now if no step made them yet. For reading and for loading checkpoints into
+        (``fo.load(path, like=tuple(opt.fo_states))``, DCP): ``step()`` donates them. A failed
+        state is given as it is, so that a checkpoint loaded into it recovers it; until then
+        saving it and stepping raise :class:`~functional_offload.StateError`."""
         runs = {r.index: r for r in self._runs()}
         for run in runs.values():
-            self._ready(run)
+            state = run.slot.state
+            if state is None or int(state.count) != FAILED:
+                self._ready(run, "read its functional state")
         return [runs[i].slot.state if i in runs else None for i in range(len(self.param_groups))]

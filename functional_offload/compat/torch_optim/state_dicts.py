@@ -93,13 +93,12 @@ class StateDicts:
         hooks; lands delayed steps first."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self._check_marks("take a state_dict")
         self.flush()
-        for i, g in enumerate(self.param_groups):
+        for g in self.param_groups:
             slot = self._slots.get(id(g))
-            if slot is not None and slot.state is not None:
-                err = mark_error(slot.state, f"param group {i}: ", "take a state_dict")
-                if err is not None:
-                    raise err
+            if slot is not None:
+                slot.follow()
         ids: dict[int, int] = {}
         start = 0
         groups = []
@@ -132,7 +131,9 @@ class StateDicts:
         group sizes, each param's state keys (those the algorithm reads, and none of another
         algorithm's), option values, every tensor's shape — before anything is copied. The
         values are copied into the functional state (keeping its placement); masters not in
-        the state_dict are set from the params. Runs torch's load-state-dict hooks.
+        the state_dict are set from the params. A failed state is recovered; a delayed step
+        in flight is dropped; a state in another thread's step is refused
+        (:class:`~functional_offload.StateError`). Runs torch's load-state-dict hooks.
         """
         state_dict = _from_earlier_format(state_dict.copy())
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -148,9 +149,12 @@ class StateDicts:
                              "size of optimizer's group")
         saved_state = state_dict["state"]
         owned = set(chain.from_iterable(s["params"] for s in saved_groups))
-        for slot in self._slots.values():  # land steps in flight; a failed state is what the load recovers
-            if slot.state is not None and int(slot.state.count) != FAILED:
-                quiesce(slot.state, dropping=False)
+        for i, g in enumerate(groups):  # a failed state is what the load recovers
+            slot = self._slots.get(id(g))
+            if slot is not None and slot.state is not None and int(slot.state.count) != FAILED:
+                err = mark_error(slot.state, f"param group {i}: ", "load into it")
+                if err is not None:
+                    raise err
         # 1. the per-param states' keys (another algorithm's state is named as such), then the
         # groups' new values, checked
         expect = self._algo.expect()
@@ -179,9 +183,6 @@ class StateDicts:
                 continue
             if slot.state is not None and self._compatible(slot, params, run):
                 state, keys = slot.state, slot.keys
-                err = mark_error(state, run.where, "load into it")
-                if err is not None and int(state.count) != FAILED:  # loading is how it recovers
-                    raise err
             else:
                 state, keys = self._lay_out(run, params, group=new)
             copies, count = Slot.plan(state, keys, params, entries, reset=True, resync_masters=True,

@@ -236,6 +236,14 @@ class Slot:
             self.mirror.fill_(n)
             self.seen = self.mirror.item()
 
+    def follow(self) -> None:
+        """The views' ``step`` follows a count loaded into the state from outside the optimizer
+        (``fo.load`` or DCP into ``fo_states``), unless a step was written into the views since
+        (that one is taken in at the next step)."""
+        if self.state is not None and self.mirror.item() == self.seen \
+                and int(self.state.count) != self.seen:
+            self.refresh()
+
     def write_views(self, opt_state: Any, entries: list[Optional[dict]]) -> None:
         """Point each param's dict in ``opt_state`` at the state's leaves; keys of ``entries``
         the layout does not use stay as they are. A param's existing dict is reused."""
