@@ -281,7 +281,8 @@ def check_recoverable(state: OptState) -> None:
                 f"params {shown} in place, and the state keeps no master copy of them, so "
                 "loading the optimizer's checkpoint cannot put them back. Restore the params "
                 "from your model checkpoint, then load into a fresh state: "
-                "state = fo.load(path, like=opt.init(params))")
+                "state = fo.load(path, like=opt.init(params)) (with fo.TorchOptimizer: restore "
+                "the model's params, then optimizer.load_state_dict(...))")
         s.params.notes["restore_params"] = True
 
 
