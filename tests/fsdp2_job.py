@@ -278,6 +278,17 @@ def guarded_run(mesh: DeviceMesh, device: torch.device, xs: list, nan_rank: int,
                           for p in params.values())}
 
 
+def adafactor_run(mesh: DeviceMesh, device: torch.device) -> dict:
+    """``fo.adafactor`` on the sharded params: refused at ``init`` (what it says), since each
+    rank's step would compute Adafactor's whole-param terms from its shard alone."""
+    params = dict(build(mesh, device).named_parameters())
+    try:
+        fo.adafactor(1e-2).init(params)
+    except ValueError as e:
+        return {"refused": str(e)}
+    return {"refused": None}
+
+
 def node_run() -> dict:
     """This rank's default executor and the CPUs its threads are pinned to (after host steps)."""
     ex = default_executor()
@@ -332,6 +343,7 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "bf16 stream": lambda: ours_run(mesh, device, xs, streamed=True, dtype=torch.bfloat16),
             "mixed": lambda: ours_run(mesh, device, xs, CLIPS, mp=mixed),
             "node": node_run,
+            "adafactor": lambda: adafactor_run(mesh, device),
         }
         for nan_rank in range(WORLD):
             for streamed in (False, True):

@@ -231,6 +231,16 @@ def test_apply_if_finite_accepts_an_empty_shard():
     assert int(state.total_notfinite) == 0 and not params["w"].eq(0).any()
 
 
+def test_adafactor_refuses_sharded_params_naming_one(ranks):
+    """Adafactor's column means, step size and update clipping span the whole param: computed
+    on a rank's shard they would depend on the world size, so ``init`` refuses sharded params
+    (on every rank alike) with an error naming the param and the way out."""
+    for r, res in enumerate(results(ranks, "adafactor")):
+        assert res["refused"] is not None, f"rank {r}: sharded params were accepted"
+        assert "param 'blocks.0.fc.bias' is sharded across ranks" in res["refused"]
+        assert "fo.partition" in res["refused"]
+
+
 def test_node_aware_executors_split_the_cores(ranks):
     """With ``LOCAL_WORLD_SIZE=2`` (as torchrun sets it), the two ranks' default executors get
     disjoint CPU sets, thread counts summing to at most the physical cores, and their worker

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import MappingProxyType
 from typing import Any, Iterator, Mapping, NamedTuple, Optional
 
 import torch
@@ -18,6 +19,7 @@ from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.spec import Moment, OptimizerSpec, check_nonneg
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
+from functional_offload.tree import is_dtensor, leaves_with_paths
 from functional_offload.typing import Params, ScalarOrSchedule
 
 __all__ = ["AdafactorState", "AdafactorHyper", "adafactor", "spec"]
@@ -33,6 +35,10 @@ class AdafactorState(NamedTuple):
     master: Params  # as in AdamState: master values, None where the param is its own master
     ema: Params  # fp32 EMA of the values (ema_decay), mirrors params; () without
     params: ParamRefs  # the live params, updated in place (not checkpointed)
+
+    # the dims of its param that a factored field's leaf reduces to size 1, over the whole param
+    # (functional_offload.dcp lays it out like its param along the others)
+    reduced_dims = MappingProxyType({"row_var": (-1,), "col_var": (-2,)})
 
 
 class AdafactorHyper(NamedTuple):
@@ -113,6 +119,24 @@ def _check_decay(name: str, x: Any) -> float:
     return float(x)
 
 
+def _check_whole(params: Params) -> None:
+    """Raise ``ValueError`` naming the first param sharded across ranks (a DTensor split over a
+    mesh dim of more than one rank, as FSDP2 makes them): this rank's step sees its shard only,
+    and Adafactor's means, step size and clipping need the whole param."""
+    paths, leaves, _ = leaves_with_paths(params)
+    for path, p in zip(paths, leaves):
+        if is_dtensor(p) and any(not pl.is_replicate() and p.device_mesh.size(i) > 1
+                                 for i, pl in enumerate(p.placements)):
+            raise ValueError(
+                f"adafactor: param {path!r} is sharded across ranks (a DTensor with placements "
+                f"{tuple(p.placements)} on a mesh of shape {tuple(p.device_mesh.shape)}); "
+                "Adafactor's row and column means, step size and update clipping span the whole "
+                "param, and each rank's step sees its own shard only, so the results would "
+                "depend on the world size. Use an element-wise optimizer (fo.adamw, fo.lion, "
+                "fo.sgd) for sharded params, and fo.adafactor for params whole on every rank "
+                "(plain or replicated), next to it through fo.partition if need be")
+
+
 def _check_d(name: str, x: Any) -> float:
     if check_nonneg(name, x) < 1:
         raise ValueError(f"{name} (the clipping threshold) must be >= 1, got {x!r}")
@@ -161,6 +185,12 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: ScalarOrSchedule = -0.8,
     state is small (a row and a column per matrix), so what host placement saves is the fp32
     master of low-precision params. Host-resident leaves run whole, one after another, their
     grads copied to a pinned arena the size of those grads; ``delayed=True`` is not offered.
+    Params sharded across ranks (FSDP2's DTensors) are refused at ``init``, naming the param:
+    the column means, :math:`\mathrm{RMS}(\theta)` and :math:`\mathrm{RMS}(U_t)` span the
+    whole param, which a rank's step does not see. DTensors whole on every rank (replicated,
+    or on a mesh of one) are optimized, and :mod:`functional_offload.dcp` checkpoints their
+    factored state laid out like the params (a factor keeps its param's placements along the
+    dims it keeps and is replicated along the dim it reduces).
 
     Args:
       lr: :math:`\eta`; ``beta2_decay``: :math:`c \le 0`; ``eps``: :math:`(\epsilon_1,
@@ -186,8 +216,14 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: ScalarOrSchedule = -0.8,
     if not isinstance(eps, (tuple, list)) or len(eps) != 2:
         raise ValueError(f"eps must be a pair (eps1, eps2), got {eps!r}")
     eps1 = None if eps[0] is None else check_nonneg("eps[0]", eps[0])
-    return terminal(spec(eps1), {"lr": lr, "beta2_decay": beta2_decay, "eps2": eps[1], "d": d,
-                                 "weight_decay": weight_decay},
-                    moment_dtypes={}, placement=placement, master_dtype=master_dtype,
-                    weight_decay_mask=weight_decay_mask, ema_decay=ema_decay, executor=executor,
-                    cpu_kernel=cpu_kernel, delayed=delayed)
+    opt = terminal(spec(eps1), {"lr": lr, "beta2_decay": beta2_decay, "eps2": eps[1], "d": d,
+                                "weight_decay": weight_decay},
+                   moment_dtypes={}, placement=placement, master_dtype=master_dtype,
+                   weight_decay_mask=weight_decay_mask, ema_decay=ema_decay, executor=executor,
+                   cpu_kernel=cpu_kernel, delayed=delayed)
+
+    def init(params: Params) -> AdafactorState:
+        _check_whole(params)
+        return opt.init(params)
+
+    return Optimizer(init, opt.update, opt.begin)
