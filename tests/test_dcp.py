@@ -1,9 +1,12 @@
 """DCP checkpoints of the optimizer state of FSDP2 params: saved at one world size, loaded at
 another straight into the state's tensors, training continuing on the same trajectory."""
 
+import functools
+import traceback
 from datetime import timedelta
 from typing import NamedTuple
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -62,8 +65,8 @@ def train(model, opt, state, xs):
 
 
 def full(sd: dict) -> dict:
-    """Whole tensors (DTensors gathered: collective)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone()
+    """Whole tensors, copied (DTensors gathered: collective; a replicated one's is its own)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
             for k, v in sd.items()}
 
 
@@ -71,11 +74,11 @@ def snapshot(model, state) -> dict:
     return {"params": full(get_model_state_dict(model)), "state": full(fo.dcp.state_dict(state))}
 
 
-def start(mesh=None):
+def start(mesh=None, make=make_opt):
     model = make_model()
     if mesh is not None:
         shard(model, mesh)
-    opt = make_opt()
+    opt = make()
     return model, opt, opt.init(dict(model.named_parameters()))
 
 
@@ -84,9 +87,9 @@ def save(model, state, path):
              checkpoint_id=path)
 
 
-def resume(path, mesh=None):
+def resume(path, mesh=None, make=make_opt):
     """A new model and state (sharded over ``mesh``, or plain), loaded from ``path``."""
-    model, opt, like = start(mesh)
+    model, opt, like = start(mesh, make)
     sd = {"model": get_model_state_dict(model), "optim": fo.dcp.state_dict(like, loading=True)}
     dcp.load(sd, checkpoint_id=path, planner=fo.dcp.StrictLoadPlanner())
     set_model_state_dict(model, sd["model"])
@@ -261,3 +264,245 @@ def test_load_into_host_state_allocates_no_device_memory(tmp_path):
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
     finally:
         dist.destroy_process_group()
+
+
+# ---- state made by wrappers and gradient transformations ---------------------------------
+def shard_of(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def trace(decay: float) -> fo.GradientTransformation:
+    """A user's transformation whose state holds this rank's shards as plain tensors (as
+    MultiSteps' sums do): a decaying sum of the grads, passed on as the update."""
+    def init(params):
+        return {"trace": optree.tree_map(lambda p: torch.zeros(shard_of(p).shape), params)}
+
+    def update(updates, state):
+        def step(m, g):
+            if g is None:
+                return None
+            m.mul_(decay).add_(shard_of(g).float())
+            return m.to(g.dtype)
+        return optree.tree_map(step, state["trace"], updates, none_is_leaf=True), state
+
+    return fo.GradientTransformation(init, update)
+
+
+def by_ndim(params):
+    return {k: "matrices" if v.ndim > 1 else "vectors" for k, v in params.items()}
+
+
+WRAPPED = {  # every optimizer here keeps state that mirrors the params outside a terminal state
+    "multisteps": lambda: fo.MultiSteps(make_opt(), 2),
+    "guarded-multisteps-ema": lambda: fo.apply_if_finite(
+        fo.MultiSteps(fo.adamw(1e-2, ema_decay=0.9), 2)),
+    "partition-of-multisteps": lambda: fo.partition(
+        {"matrices": fo.MultiSteps(fo.adamw(1e-2), 2),
+         "vectors": fo.inject_hyperparams(fo.adamw)(lr=1e-2)}, by_ndim),
+    "multisteps-of-partition": lambda: fo.MultiSteps(
+        fo.partition({"matrices": fo.adamw(1e-2), "vectors": fo.lion(1e-3)}, by_ndim), 2),
+    "masked-user-transform": lambda: fo.chain(
+        fo.masked(trace(0.5), lambda p: {k: v.ndim > 1 for k, v in p.items()}), fo.adamw(1e-2)),
+    "partition-of-user-transforms": lambda: fo.chain(
+        fo.partition({"matrices": trace(0.5), "vectors": fo.scale(1.0)}, by_ndim),
+        fo.adamw(1e-2)),
+}
+
+
+def cycle(make, mesh, xs, folder: str, name: str) -> dict:
+    """``make``'s optimizer trained BEFORE steps (mid-cycle for ``MultiSteps(.., 2)``), saved to
+    ``folder/<world>-name``, continued; then both worlds' checkpoints resumed and continued."""
+    world = "one" if mesh is None else "two"
+    model, opt, state = start(mesh, make)
+    state = train(model, opt, state, xs[:BEFORE])
+    save(model, state, f"{folder}/{world}-{name}")
+    sd = fo.dcp.state_dict(state)
+    out = {"saved": snapshot(model, state),
+           "dtensors": sorted(k for k, v in sd.items() if isinstance(v, DTensor)),
+           "per param": sorted(k for k, v in sd.items() if v.is_floating_point() and v.dim())}
+    out["straight"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+    for saved in (("one", "two") if mesh is not None else ()):
+        model, opt, state = resume(f"{folder}/{saved}-{name}", mesh, make)
+        out[f"{saved} loaded"] = snapshot(model, state)
+        out[f"{saved} resumed"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+    return out
+
+
+# Adafactor's factored state on params whole on every rank (replicated DTensors at 2 ranks)
+ADAFACTOR = dict(lr=1e-2, weight_decay=0.1)
+
+
+def adafactor_params() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(6, 8, generator=g), "t": torch.randn(2, 3, 4, generator=g),
+            "b": torch.randn(6, generator=g), "s": torch.randn((), generator=g)}
+
+
+def adafactor_grads() -> list:
+    g = torch.Generator().manual_seed(1)
+    return [{k: torch.randn(v.shape, generator=g) for k, v in adafactor_params().items()}
+            for _ in range(BEFORE + AFTER)]
+
+
+def adafactor_cycle(mesh, folder: str) -> dict:
+    """``fo.adafactor`` (with an EMA) trained BEFORE steps, saved, continued; at 2 ranks (params
+    replicated over ``mesh``) both worlds' checkpoints are resumed and continued."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    opt = fo.adafactor(**ADAFACTOR, ema_decay=0.9)
+    world = "one" if mesh is None else "two"
+
+    def place(tree):
+        return tree if mesh is None else {k: distribute_tensor(v.clone(), mesh, [Replicate()])
+                                          for k, v in tree.items()}
+
+    def run(params, state, gs):
+        for g in gs:
+            params, state = opt.update(place(g), state)
+        return params, state
+
+    def snap(params, state):
+        return {"params": full(params), "state": full(fo.dcp.state_dict(state))}
+
+    gs = adafactor_grads()
+    params = place(adafactor_params())
+    params, state = run(params, opt.init(params), gs[:BEFORE])
+    sd = fo.dcp.state_dict(state)
+    out = {"saved": snap(params, state),
+           "dtensors": sorted(k for k, v in sd.items() if isinstance(v, DTensor))}
+    dcp.save({"optim": sd}, checkpoint_id=f"{folder}/{world}-adafactor")
+    out["straight"] = snap(*run(params, state, gs[BEFORE:]))
+    for saved in (("one", "two") if mesh is not None else ()):
+        params = place(out["saved"]["params"])
+        like = opt.init(params)
+        dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
+                 checkpoint_id=f"{folder}/{saved}-adafactor", planner=fo.dcp.StrictLoadPlanner())
+        out[f"{saved} loaded"] = snap(params, like)
+        out[f"{saved} resumed"] = snap(*run(params, like, gs[BEFORE:]))
+    return out
+
+
+def rank_local_error(mesh) -> dict:
+    """What saving a leaf that holds this rank's shard but mirrors no params tree (here
+    flattened) raises: saved from one rank, it would lose the other's part."""
+    flat = fo.GradientTransformation(
+        lambda p: {"flat": [shard_of(v).reshape(-1).float() for v in p.values()]},
+        lambda u, s: (u, s))
+    model, opt, state = start(mesh, lambda: fo.chain(flat, fo.adamw(1e-2)))
+    try:
+        fo.dcp.state_dict(state)
+    except fo.CheckpointError as e:
+        return {"message": str(e)}
+    return {"message": None}
+
+
+def two_ranks_wrapped(rank: int, folder: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        xs = batches()
+        runs = {name: functools.partial(cycle, make, mesh, xs, folder, name)
+                for name, make in WRAPPED.items()}
+        runs["adafactor"] = functools.partial(adafactor_cycle, mesh, folder)
+        runs["rank-local"] = functools.partial(rank_local_error, mesh)
+        out = {}
+        for name, run in runs.items():  # one failing run is reported, the others go on
+            try:
+                out[name] = run()
+            except (Exception, dcp.CheckpointException):  # noqa: BLE001 - for the test to report
+                out[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+        if rank == 0:
+            torch.save(out, f"{folder}/two_ranks_wrapped.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory):
+    """Each of WRAPPED (and Adafactor) unsharded at 1 rank, then sharded at 2 ranks (FSDP2;
+    Adafactor's params replicated), each saved mid-cycle and continued; the 2-rank job resumes
+    both worlds' checkpoints."""
+    folder = tmp_path_factory.mktemp("dcp-wrapped")
+    xs = batches()
+    one = {name: cycle(make, None, xs, str(folder), name) for name, make in WRAPPED.items()}
+    one["adafactor"] = adafactor_cycle(None, str(folder))
+    mp.spawn(two_ranks_wrapped, args=(str(folder),), nprocs=2)
+    return {"folder": folder, "one": one, "two": torch.load(folder / "two_ranks_wrapped.pt")}
+
+
+def two_rank(wrapped: dict, name: str) -> dict:
+    """The 2-rank job's result for ``name``; fails with the traceback if it raised."""
+    got = wrapped["two"][name]
+    if "error" in got:
+        pytest.fail(f"{name!r} raised at 2 ranks:\n{got['error']}")
+    return got
+
+
+def assert_near(a: dict, b: dict, what: str) -> None:
+    """The same trajectory up to the rounding of reductions in another order (see assert_close)."""
+    for part in ("params", "state"):
+        assert a[part].keys() == b[part].keys(), (what, part)
+        for k in a[part]:
+            torch.testing.assert_close(a[part][k].double(), b[part][k].double(), rtol=0,
+                                       atol=1e-3, msg=f"{what}: {part} {k}")
+
+
+@pytest.mark.parametrize("name", list(WRAPPED))
+def test_state_mirroring_the_params_resumes_mid_cycle_at_any_world_size(wrapped, name):
+    """Every state leaf mirroring a DTensor param is a DTensor laid out like it, whichever
+    transformation keeps it (MultiSteps' sums mid-cycle, an EMA, the parts of masked and
+    partition, under inject_hyperparams and apply_if_finite): a checkpoint saved at 2 ranks
+    resumes at 2 ranks bit for bit and at 1 rank on the unsharded run's trajectory, and one
+    saved by the unsharded run resumes at 2 ranks."""
+    one, two = wrapped["one"][name], two_rank(wrapped, name)
+    assert two["dtensors"] == two["per param"] and two["dtensors"], two["dtensors"]
+    steps = [v for k, v in two["saved"]["state"].items() if k.endswith("mini_step")]
+    assert all(int(n) == 1 for n in steps)  # mid-cycle: one grad summed
+    assert_near(two["straight"], one["straight"], "2 ranks against the unsharded run")
+    assert_equal(two["two loaded"], two["saved"])
+    assert_equal(two["two resumed"], two["straight"])
+    assert_equal(two["one loaded"], one["saved"])
+    assert_near(two["one resumed"], one["straight"], "unsharded checkpoint resumed at 2 ranks")
+    model, opt, state = resume(wrapped["folder"] / f"two-{name}", make=WRAPPED[name])
+    assert_equal(snapshot(model, state), two["saved"])
+    assert_near(snapshot(model, train(model, opt, state, batches()[BEFORE:])), one["straight"],
+                "2-rank checkpoint resumed at 1 rank")
+
+
+def test_adafactor_factored_state_resumes_at_any_world_size(wrapped):
+    """Adafactor's row and column factors (and EMA) of params replicated over 2 ranks: saved
+    at 1 or 2 ranks, resumed at the other, bit for bit, and the 2-rank run is
+    ``torch.optim.Adafactor``'s on the unsharded params."""
+    one, two = wrapped["one"]["adafactor"], two_rank(wrapped, "adafactor")
+    assert {"row_var.w", "col_var.w", "row_var.t", "col_var.t"} <= set(two["dtensors"])
+    for got, want in [(two["saved"], one["saved"]), (two["straight"], one["straight"]),
+                      (two["one loaded"], one["saved"]), (two["one resumed"], one["straight"]),
+                      (two["two loaded"], two["saved"]), (two["two resumed"], two["straight"])]:
+        assert_equal(got, want)
+    opt = fo.adafactor(**ADAFACTOR, ema_decay=0.9)
+    params = adafactor_params()
+    like = opt.init(params)
+    dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
+             checkpoint_id=wrapped["folder"] / "two-adafactor", planner=fo.dcp.StrictLoadPlanner())
+    with torch.no_grad():
+        for k, v in params.items():
+            v.copy_(two["saved"]["params"][k])
+    for g in adafactor_grads()[BEFORE:]:
+        params, like = opt.update(g, like)
+    assert all(torch.equal(params[k], v) for k, v in one["straight"]["params"].items())
+    oracle = {k: v.clone().requires_grad_() for k, v in adafactor_params().items()}
+    torch_opt = torch.optim.Adafactor(list(oracle.values()), **ADAFACTOR)
+    for g in adafactor_grads():
+        for k, p in oracle.items():
+            p.grad = g[k].clone()
+        torch_opt.step()
+    for k, p in oracle.items():
+        torch.testing.assert_close(two["straight"]["params"][k], p.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_rank_local_leaf_that_mirrors_no_params_is_refused(wrapped):
+    """A plain leaf that differs across ranks is saved from one rank only: refused, named."""
+    message = two_rank(wrapped, "rank-local")["message"]
+    assert message is not None and "'0.flat.0' differs across ranks" in message

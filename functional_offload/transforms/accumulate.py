@@ -46,7 +46,9 @@ def MultiSteps(opt: Optimizer, every_k: int, *,  # noqa: N802 - optax's name
     (no step for it); one with grads in some updates gets their sum over :math:`k`.
 
     Like every update, ``update`` consumes the state it is given (the sums are updated in
-    place): use the state it returns. The state checkpoints at any point of a cycle.
+    place): use the state it returns. The state checkpoints at any point of a cycle; under
+    FSDP2, :func:`functional_offload.dcp.state_dict` shows the sums as DTensors sharded like
+    the params, so a checkpoint taken mid-cycle resumes at any world size.
     Streamed (:func:`~functional_offload.stream`), the last update of a cycle streams: each
     leaf's :math:`\bar g` goes to ``opt``'s step as soon as its grad arrives; the other
     updates hold their grads until ``finish``, which adds them to the sums.
