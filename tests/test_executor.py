@@ -476,3 +476,20 @@ def test_a_small_update_starts_no_thread(monkeypatch):
     monkeypatch.setattr(threading.Thread, "start", counted)
     p, s = opt.update(grad_seq(params, 1, seed=2)[0], s)
     assert not [n for n in started if n.startswith(("fo-run", "fo-land", "fo-host"))], started
+
+
+def test_an_executor_is_shared_by_deep_copies_and_refuses_pickling():
+    """copy.deepcopy of an optimizer built with a HostExecutor (a TorchOptimizer, say) shares
+    the executor (it raised: cannot pickle '_thread.lock'); pickling names what to do."""
+    import copy
+    import pickle
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2)
+    m = torch.nn.Linear(4, 4)
+    opt = fo.TorchOptimizer(m.parameters(), fo.adamw, lr=1e-2, executor=ex)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    twin = copy.deepcopy(opt)
+    assert copy.deepcopy(ex) is ex
+    assert torch.equal(twin.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(TypeError, match="cannot be pickled.*fo.save"):
+        pickle.dumps(ex)

@@ -117,6 +117,15 @@ class HostExecutor:
         self._pinned: dict[int, int] = {}  # pool thread -> its CPU
 
     # ---- resources, allocated once -------------------------------------------------------
+    def __deepcopy__(self, memo: dict) -> "HostExecutor":
+        """The executor itself: a pool of pinned rings and threads that copies share (a deep
+        copy of an optimizer built with one steps through the same executor)."""
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a HostExecutor (pinned rings, worker threads) cannot be pickled; "
+                        "checkpoint optimizer states with fo.save / state_dict instead")
+
     def reserve(self, device: torch.device) -> None:
         """Allocate the staging ring (pinned for CUDA) and streams for params on ``device``."""
         with self._reserving:
