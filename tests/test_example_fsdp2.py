@@ -60,3 +60,22 @@ def test_the_other_modes_train_without_warnings(mode):
     out = torchrun(2, "--steps", "3", "--mode", mode)
     assert f"2 rank(s) (cpu), mode {mode}" in out
     assert sorted(losses(out)) == [1, 2, 3]
+
+
+def test_the_checkpoints_guide_shows_the_example_as_it_is():
+    """docs/checkpoints.md's FSDP2 section quotes this example: its code lines are the
+    example's, its commands run the example with options it has."""
+    with open(os.path.join(ROOT, "docs", "checkpoints.md")) as f:
+        doc = f.read()
+    section = doc[doc.index("### A runnable example"):]
+    with open(os.path.join(ROOT, "examples", "train_fsdp2.py")) as f:
+        source = f.read()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    for line in filter(str.strip, code.splitlines()):
+        assert line in source, line
+    commands = re.search(r"```bash\n(.*?)```", section, re.S).group(1).strip().splitlines()
+    options = set(re.findall(r'add_argument\("(--[a-z-]+)"', source))
+    for command in commands:
+        words = command.split()
+        assert words[:3] == ["torchrun", words[1], "examples/train_fsdp2.py"], command
+        assert set(w for w in words[3:] if w.startswith("--")) <= options, command
