@@ -103,8 +103,9 @@ def check_tensor_leaves(leaves: Sequence[Any], paths: Sequence[str], what: str) 
 
 def check_grad(path: str, g: Any, p: torch.Tensor) -> Optional[torch.Tensor]:
     """``g`` as the local grad of param ``p`` (a DTensor's shard), after checking it is a dense
-    tensor of the param's shape, dtype and device; ``None`` stays ``None``. Raises
-    ``TypeError`` / ``ValueError`` naming ``path`` and the fix."""
+    tensor of the param's shape, dtype and device (a negated or conjugated view comes back as a
+    plain copy of its values); ``None`` stays ``None``. Raises ``TypeError`` / ``ValueError``
+    naming ``path`` and the fix."""
     if g is None:
         return None
     if not isinstance(g, torch.Tensor):
@@ -128,14 +129,18 @@ def check_grad(path: str, g: Any, p: torch.Tensor) -> Optional[torch.Tensor]:
     if g.numel() and g.untyped_storage().data_ptr() == p.untyped_storage().data_ptr():
         raise ValueError(f"grad {path!r} shares memory with its param (the step would change the "
                          "grad while reading it); pass a copy")
+    if g.is_neg() or g.is_conj():  # its memory holds other values than it shows: kernels that
+        g = g.detach().resolve_conj().resolve_neg()  # read memory get a copy of its values
     return g
 
 
 def plain_grad(g: Any, p: torch.Tensor) -> bool:
     """The common case, checked quickly: ``g`` is a plain dense tensor with ``p``'s dtype, shape
-    and device, and not ``p``'s own memory. False sends a grad to :func:`check_grad`."""
+    and device, not ``p``'s own memory, and no negated or conjugated view. False sends a grad
+    to :func:`check_grad`."""
     return (type(g) is torch.Tensor and g.dtype is p.dtype and g.shape == p.shape
             and g.layout is torch.strided and not g.is_meta and g.device == p.device
+            and not g.is_neg() and not g.is_conj()
             and g.untyped_storage().data_ptr() != p.untyped_storage().data_ptr())
 
 
@@ -169,6 +174,11 @@ def float_leaves(tree: Any, what: str) -> tuple[list[Optional[torch.Tensor]], op
 _META = operator.attrgetter("dtype", "shape", "device", "layout")
 _PTR = torch.Tensor.data_ptr
 _KEY = operator.attrgetter("dtype", "shape")
+_STRIDE = torch.Tensor.stride
+_OFFSET = torch.Tensor.storage_offset
+_NEG = torch.Tensor.is_neg
+_DENSE = torch.Tensor.is_contiguous
+_FLOAT = operator.attrgetter("dtype.is_floating_point")
 _TAKES = itertools.count(1)
 
 
@@ -176,10 +186,12 @@ class GradsOf:
     """What the grads of a params tree must be, taken from it once, so that a step checks all
     its grads with a few calls that each run over every leaf below Python.
 
-    :meth:`plain` is true when every grad is a plain dense tensor with its param's dtype, shape
-    and device, outside its param's memory, and no param's memory, dtype or shape was replaced
-    since (then the grads pass :func:`check_grad` as they are); anything else goes to
-    :func:`check_grad` leaf by leaf, which names what is wrong.
+    Each param is recorded as its memory, dtype, shape, strides and storage offset. :meth:`plain`
+    is true when every grad is a plain dense tensor with its param's dtype, shape and device,
+    outside its param's memory and not a negated view, and no param's record changed since
+    (then the grads pass :func:`check_grad` as they are); anything else goes to
+    :func:`check_grad` leaf by leaf, which names what is wrong. A param whose record changed is
+    taken anew (:meth:`refresh`) if the state can step it as it now is, else refused.
     """
 
     def __init__(self, params: Any):
@@ -187,14 +199,29 @@ class GradsOf:
         leaves, self.structure = optree.tree_flatten(params)
         self.paths = paths_of(self.structure)
         self.types = [torch.Tensor] * len(leaves)
+        self.params: Optional[list[torch.Tensor]] = None
         self._take([local(p) for p in leaves])
 
     def _take(self, params: list[torch.Tensor]) -> None:
+        """Record ``params`` (all checked first: a refused param leaves the record as it was)."""
+        ptrs, keys, strides, offsets = (list(map(f, params)) for f in (_PTR, _KEY, _STRIDE, _OFFSET))
+        dense = list(map(_DENSE, params))
+        if self.params is None:  # first taken: params not in order or not plain are checked
+            if not (all(dense) and not any(map(_NEG, params)) and all(map(_FLOAT, params))):
+                for path, p in zip(self.paths, params):
+                    _check_param(path, p, None)
+        else:  # taken anew: each param whose record changed (and the memory they share)
+            was = zip(self.ptrs, self.keys, self.strides, self.offsets)
+            changed = [i for i, (old, *new) in enumerate(zip(was, ptrs, keys, strides, offsets))
+                       if old != tuple(new) or params[i].is_neg()]
+            for i in changed:
+                _check_param(self.paths[i], params[i], (self.keys[i][1].numel(), self.dense[i]))
+            if changed:
+                check_no_aliasing(self.paths, params)
         self.taken = next(_TAKES)  # unique to this taking of the params (see refresh)
         self.params = params
         self.meta = [(p.dtype, p.shape, p.device, torch.strided) for p in params]
-        self.keys = list(map(_KEY, params))
-        self.ptrs = list(map(_PTR, params))
+        self.ptrs, self.keys, self.strides, self.offsets, self.dense = ptrs, keys, strides, offsets, dense
         storages = [p.untyped_storage() for p in params]
         self.lo = [s.data_ptr() for s in storages]
         self.hi = [s.data_ptr() + s.nbytes() for s in storages]
@@ -204,17 +231,27 @@ class GradsOf:
         return flatten_like(grads, self.tree, "grads", self.structure)
 
     def plain(self, grads: list[Any]) -> bool:
-        if list(map(type, grads)) != self.types or list(map(_META, grads)) != self.meta:
+        # (no conjugated grad either: grads of these dtypes are real, params are taken real)
+        if (list(map(type, grads)) != self.types or list(map(_META, grads)) != self.meta
+                or any(map(_NEG, grads))):
             return False
         qs = list(map(_PTR, grads))
         return self._unchanged() and not any(map(operator.and_, map(operator.le, self.lo, qs),
                                                  map(operator.lt, qs, self.hi)))
 
     def _unchanged(self) -> bool:
-        return list(map(_PTR, self.params)) == self.ptrs and list(map(_KEY, self.params)) == self.keys
+        ps = self.params
+        return (list(map(_PTR, ps)) == self.ptrs and list(map(_KEY, ps)) == self.keys
+                and list(map(_STRIDE, ps)) == self.strides
+                and list(map(_OFFSET, ps)) == self.offsets and not any(map(_NEG, ps)))
 
     def refresh(self) -> None:
-        """Take the params anew if one was replaced (``param.data = ...``, ``module.half()``)."""
+        """Take the params anew if one was replaced or laid out anew (``param.data = ...``,
+        ``module.half()``). Raises ``ValueError`` / ``TypeError`` naming the first param the
+        state cannot step as it now is, and the fix: one no longer contiguous (its memory in
+        another order than its elements: ``param.data = param.data.t()``), whose elements share
+        memory (expanded) or another param's, a negated or conjugated view, a param with
+        another number of elements or a dtype that is not floating."""
         if not self._unchanged():
             self._take([local(p) for p in optree.tree_leaves(self.tree)])
 
@@ -225,6 +262,48 @@ class GradsOf:
         self.refresh()
         return [g if g is None or plain_grad(g, p) else check_grad(path, g, p)
                 for path, g, p in zip(self.paths, grads, self.params)]
+
+
+def _check_param(path: str, p: torch.Tensor, was: Optional[tuple[int, bool]]) -> None:
+    """Raise naming ``path`` if a state cannot step param ``p`` as it is (its kernels read and
+    write a param's memory as laid out when the state last took it); ``was``: the param's
+    number of elements and whether it was contiguous then, if it was taken before."""
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"param {path!r} is now {p.dtype}; only floating params can be "
+                        "optimized (cast it back: param.data = param.data.to(<its dtype>))")
+    if p.is_neg() or p.is_conj():
+        kind, fix = ("negated", "resolve_neg") if p.is_neg() else ("conjugated", "resolve_conj")
+        raise ValueError(f"param {path!r} is a {kind} view: its memory holds other values than "
+                         "it shows, and a step reads and writes that memory; give it plain "
+                         f"memory (param.data = param.data.{fix}())")
+    if was is not None and p.numel() != was[0]:
+        raise ValueError(f"param {path!r} now has {p.numel()} elements but its optimizer state "
+                         f"was made for {was[0]}; init a state for the params as they are now "
+                         "(a reshape that keeps the elements is followed)")
+    if p.is_contiguous():
+        return
+    where = f"shape {tuple(p.shape)}, strides {p.stride()}"
+    if _may_overlap(p):
+        raise ValueError(f"param {path!r} has elements that share memory ({where}: an expanded "
+                         "or overlapping view), so a step would write them more than once; give "
+                         "it its own memory (param.data = param.data.contiguous())")
+    if was is not None and was[1]:
+        raise ValueError(f"param {path!r} is no longer contiguous ({where}, e.g. after "
+                         "param.data = param.data.t()): its optimizer state was laid out for its "
+                         "memory in order, and stepping that memory now would pair its elements "
+                         "with others' state; make it contiguous again (param.data = "
+                         "param.data.contiguous()) or init a state for the params as they are now")
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a zero stride, or strides that interleave
+    dims): each stride, smallest first, must step past all the elements of the dims below it."""
+    reach = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach:
+            return True
+        reach = stride * (size - 1) + reach
+    return False
 
 
 def grads_of(params: Any, notes: Optional[dict] = None) -> GradsOf:
