@@ -25,6 +25,9 @@ peak fits the budget.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import math
 from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Plan", "plan",
@@ -32,6 +35,7 @@ __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Plan
 
 KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD = "keep", "offload", "recompute", "recompute+offload"
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
+_MOVING = (OFFLOAD, RECOMPUTE_OFFLOAD)
 
 
 @dataclasses.dataclass
@@ -86,7 +90,16 @@ def _moved(p: Profile, i: int, d: str) -> int:
 
 def held_bytes(decision: str, saved: int, small: int, inputs: int) -> int:
     """Bytes a group holds on the device between its forward and its backward."""
-    return {KEEP: saved + small, OFFLOAD: small, RECOMPUTE: inputs, RECOMPUTE_OFFLOAD: 0}[decision]
+    if decision == KEEP:
+        return saved + small
+    if decision == OFFLOAD:
+        return small
+    if decision == RECOMPUTE:
+        return inputs
+    if decision == RECOMPUTE_OFFLOAD:
+        return 0
+    raise ValueError(f"a decision is one of {KEEP!r}, {OFFLOAD!r}, {RECOMPUTE!r} or "
+                     f"{RECOMPUTE_OFFLOAD!r}, got {decision!r}")
 
 
 def inflight_bound(p: Profile, decisions: Sequence[str]) -> int:
@@ -106,58 +119,84 @@ def simulate(p: Profile, decisions: Sequence[str], *, max_inflight_bytes: Option
     n, f, beta = p.num_groups, p.forward_s, p.backward_ratio
     if p.d2h_bytes_per_s <= 0:  # nothing moves: offloading keeps, recompute+offload recomputes
         decisions = [{OFFLOAD: KEEP, RECOMPUTE_OFFLOAD: RECOMPUTE}.get(d, d) for d in decisions]
-    bound = inflight_bound(p, decisions) if max_inflight_bytes is None else max_inflight_bytes
     moved = [_moved(p, i, d) for i, d in enumerate(decisions)]
+    bound = 2 * max(moved + [0]) if max_inflight_bytes is None else max_inflight_bytes
     held = [held_bytes(d, p.saved_bytes[i], p.small_bytes[i], p.input_bytes[i])
             for i, d in enumerate(decisions)]
     added = [0.0] * n
-    flight: list[tuple[float, int, int]] = []  # (lands at, bytes, group), in copy order
+    # the copies down, in copy order (which is the order they land in): when, bytes, group
+    lands: list[float] = []
+    sizes: list[int] = []
+    groups: list[int] = []
     landed = [0.0] * n
     c = x = 0.0  # compute clock; device-to-host stream clock
     resident, mem = 0, []
-
-    def in_flight(now: float) -> int:
-        return sum(b for t, b, _ in flight if t > now)
+    first = 0  # the first copy that has not landed by c (copies land in order)
+    aloft = 0  # the bytes of copies first … (not landed by c)
 
     for i in range(n):
         start, c = c, c + f[i]
         if moved[i]:
             x = landed[i] = max(max(start, x) + moved[i] / p.d2h_bytes_per_s, c)
-            flight.append((x, moved[i], i))
-        waiting = [fl for fl in flight if fl[0] > c]
-        while waiting and sum(b for _, b, _ in waiting) > bound:  # the forward waits for copies
-            t, _, g = waiting.pop(0)
-            added[g] += t - c
-            c = t
+            lands.append(x)
+            sizes.append(moved[i])
+            groups.append(i)
+            aloft += moved[i]
+        while first < len(lands) and lands[first] <= c:
+            aloft -= sizes[first]
+            first += 1
+        waiting, left = first, aloft
+        while waiting < len(lands) and left > bound:  # the forward waits for copies
+            added[groups[waiting]] += lands[waiting] - c
+            c = lands[waiting]
+            left -= sizes[waiting]
+            waiting += 1
+        while first < len(lands) and lands[first] <= c:
+            aloft -= sizes[first]
+            first += 1
         resident += held[i]
-        mem.append(p.other_fwd_bytes[i] + resident + in_flight(c))
+        mem.append(p.other_fwd_bytes[i] + resident + aloft)
     c += p.outside_s / (1 + beta)
-    mem.append(p.other_head_bytes + resident + in_flight(c))
+    while first < len(lands) and lands[first] <= c:
+        aloft -= sizes[first]
+        first += 1
+    mem.append(p.other_head_bytes + resident + aloft)
     c += p.outside_s * beta / (1 + beta)
 
     y, ready, direct = c, {}, set()  # host-to-device clock; when each reload is back
+    reloaded = 0  # bytes of the groups in ready
+    pending = aloft  # not landed by c and not taken directly by backward
 
     def reload(j: int, now: float) -> None:
-        nonlocal y
-        if j < 0 or j in ready or not moved[j]:
+        nonlocal y, reloaded, pending
+        if j in ready or not moved[j]:
             return
+        reloaded += moved[j]
         if landed[j] > now:  # still on its way down: backward takes the source itself
             ready[j] = now
             direct.add(j)
+            pending -= moved[j]
         else:
             y = ready[j] = max(now, y) + moved[j] / p.h2d_bytes_per_s
+    used = 0  # bytes of the reloaded groups whose backward ran
+    low = n  # groups low … n-1 have been considered for a reload (once is enough)
     for i in reversed(range(n)):
-        for j in range(i, i - prefetch - 1, -1):
+        for j in range(min(i, low - 1), max(i - prefetch - 1, -1), -1):
             reload(j, c)
+        low = min(low, max(i - prefetch, 0))
         if ready.get(i, c) > c:
             added[i] += ready[i] - c
             c = ready[i]
+        while first < len(lands) and lands[first] <= c:
+            if groups[first] not in direct:
+                pending -= sizes[first]
+            first += 1
         resident -= held[i]
         own = p.saved_bytes[i] + p.small_bytes[i] + (
             p.input_bytes[i] if decisions[i] in _RECOMPUTING else 0)
-        ahead = sum(moved[j] for j in ready if j < i)
-        pending = sum(b for t, b, g in flight if t > c and g not in direct)
-        mem.append(p.other_bwd_bytes[i] + resident + own + ahead + pending)
+        mine = moved[i] if i in ready else 0
+        mem.append(p.other_bwd_bytes[i] + resident + own + reloaded - used - mine + pending)
+        used += mine
         extra = f[i] if decisions[i] in _RECOMPUTING else 0.0
         added[i] += extra
         c += beta * f[i] + extra
@@ -205,12 +244,18 @@ def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[in
          prefetch: Optional[int] = None, margin_bytes: int = 0) -> Plan:
     """The plan of least predicted step time whose predicted peak fits ``budget_bytes``.
 
-    Candidates offload the earliest ``m`` groups (their copies have the most compute to hide
-    behind), for every ``m``; then recompute groups in order of bytes saved per second of
-    recompute, then offload the recomputed groups' inputs, earliest first, until the budget is
-    met. The best candidate is polished by undoing single decisions the budget does not need.
-    The last group is never offloaded (backward needs it first). ``prefetch`` (how many groups
-    ahead backward reloads) is chosen among 1, 2, 4 and 8 unless given.
+    A plan fits when :func:`simulate`'s peak plus ``margin_bytes`` is at most the budget. Each
+    group may keep, offload (where something can move), recompute or recompute+offload (where
+    it runs through ``run``). Up to 1,024 assignments, every one is simulated: the plan found is
+    the fastest that fits, and when none fits, the one of least memory. Past that, candidates
+    offload the earliest ``m`` groups (their copies have the most compute to hide behind), for
+    every ``m``; then recompute groups in order of bytes saved per second of recompute, then
+    move the recomputed groups' inputs to the host, earliest first, each change kept only where
+    it lowers the peak, until the budget is met. The least memory is searched from the least
+    held and the lowest candidate by changing single decisions while the peak falls, and the
+    fastest plan that fits is polished by single changes that keep it within the budget.
+    ``prefetch`` (how many groups ahead backward reloads) is chosen among 1, 2, 4 and 8 unless
+    given. Ties in time go to the plan that changes fewer groups and moves less.
 
     Example::
 
@@ -218,22 +263,30 @@ def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[in
                                            input_bytes=64 << 20, pcie_bytes_per_s=50e9)
         print(fo.activations.plan(p, budget_bytes=4 << 30))
     """
+    _check_count("budget_bytes", budget_bytes, 1)
+    _check_count("margin_bytes", margin_bytes, 0)
+    if max_inflight_bytes is not None:
+        _check_count("max_inflight_bytes", max_inflight_bytes, 0)
+    if prefetch is not None:
+        _check_count("prefetch", prefetch, 1)
     p, n = profile, profile.num_groups
-    best: Optional[tuple[float, int, list[str]]] = None
-    for pf in [prefetch] if prefetch else [1, 2, 4, 8]:
-        found = _search(p, budget_bytes, max_inflight_bytes, pf, margin_bytes)
-        if found is not None:
-            t = simulate(p, found, max_inflight_bytes=max_inflight_bytes, prefetch=pf).step_s
-            if best is None or t < best[0] - 1e-12:
-                best = (t, pf, found)
-    if best is None:  # nothing fits: the least memory there is
-        can_move = p.d2h_bytes_per_s > 0
-        least = [RECOMPUTE_OFFLOAD if p.recomputable[i] and can_move else
-                 RECOMPUTE if p.recomputable[i] else OFFLOAD if can_move else KEEP
-                 for i in range(n)]
-        least[-1] = RECOMPUTE if p.recomputable[-1] else KEEP
-        best = (0.0, prefetch or 1, least)
-    _, pf, decisions = best
+    sims = _Sims(p, max_inflight_bytes, margin_bytes)
+    options = _options(p)
+    prefetches = [prefetch] if prefetch else [
+        pf for pf in (1, 2, 4, 8) if pf == 1 or min(pf, n - 1) > min(pf // 2, n - 1)]
+    if math.prod(map(len, options)) <= _EXHAUSTIVE:
+        for d in itertools.product(*options):
+            for pf in prefetches if _moves(d) else prefetches[:1]:
+                sims.peak(d, pf)
+    else:
+        for pf in prefetches:
+            _search(p, options, budget_bytes, pf, sims)
+    fits = [c for c, (_, peak) in sims.done.items() if peak <= budget_bytes]
+    if fits:
+        decisions, pf = _fastest(fits, sims)
+    else:  # nothing fits: the least memory there is
+        least = min(peak for _, peak in sims.done.values())
+        decisions, pf = _fastest([c for c, (_, peak) in sims.done.items() if peak == least], sims)
     sim = simulate(p, decisions, max_inflight_bytes=max_inflight_bytes, prefetch=pf)
     peak = sim.peak_bytes + margin_bytes
     keep_s = simulate(p, [KEEP] * n).step_s
@@ -241,47 +294,105 @@ def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[in
                 tuple(sim.added_s), peak <= budget_bytes, p)
 
 
-def _search(p: Profile, budget: int, bound: Optional[int], prefetch: int,
-            margin: int) -> Optional[list[str]]:
-    """The fastest decisions found that fit ``budget`` with ``prefetch``, or None."""
-    n, last, can_move = p.num_groups, p.num_groups - 1, p.d2h_bytes_per_s > 0
+_EXHAUSTIVE = 1024  # assignments up to which plan() simulates every one
+_RANK = {KEEP: 0, OFFLOAD: 1, RECOMPUTE: 2, RECOMPUTE_OFFLOAD: 3}
 
-    def cost(d: Sequence[str]) -> tuple[float, int]:
-        s = simulate(p, d, max_inflight_bytes=bound, prefetch=prefetch)
-        return s.step_s, s.peak_bytes + margin
 
-    by_value = sorted((i for i in range(n) if p.recomputable[i]), key=lambda i: -(
-        p.saved_bytes[i] + p.small_bytes[i] - p.input_bytes[i]) / max(p.forward_s[i], 1e-9))
-    best: Optional[list[str]] = None
-    for m in range(n if can_move else 1):  # offload groups 0 … m-1
-        base = [OFFLOAD if i < m else KEEP for i in range(n)]
-        moves = [(i, RECOMPUTE) for i in by_value if i >= m]
-        if can_move:
-            moves += [(i, RECOMPUTE_OFFLOAD) for i in range(last) if p.recomputable[i]]
+def _check_count(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
-        def apply(k: int) -> list[str]:
-            d = list(base)
-            for i, dec in moves[:k]:
-                d[i] = dec
-            return d
-        lo, hi = 0, len(moves)
-        if cost(apply(hi))[1] > budget:
-            continue
-        while lo < hi:  # the fewest moves that fit (memory falls as moves are added)
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if cost(apply(mid))[1] <= budget else (mid + 1, hi)
-        if best is None or cost(apply(lo))[0] < cost(best)[0]:
-            best = apply(lo)
-    improved = best is not None
-    while improved:  # undo what the budget does not need
+
+def _options(p: Profile) -> list[tuple[str, ...]]:
+    """Per group, the decisions the forward can carry out: offloading needs a copy path (a GPU),
+    recomputing a group marked with ``run``."""
+    can_move = p.d2h_bytes_per_s > 0
+    return [tuple(d for d in (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD)
+                  if (can_move or d not in _MOVING) and (p.recomputable[i] or d in (KEEP, OFFLOAD)))
+            for i in range(p.num_groups)]
+
+
+def _moves(decisions: Sequence[str]) -> bool:
+    return any(d in _MOVING for d in decisions)
+
+
+class _Sims:
+    """:func:`simulate` once per (decisions, prefetch): its step time and peak, margin included."""
+
+    def __init__(self, p: Profile, bound: Optional[int], margin: int):
+        self.p, self.bound, self.margin = p, bound, margin
+        self.done: dict[tuple[tuple[str, ...], int], tuple[float, int]] = {}
+
+    def cost(self, decisions: Sequence[str], prefetch: int) -> tuple[float, int]:
+        key = (tuple(decisions), prefetch)
+        if key not in self.done:
+            s = simulate(self.p, decisions, max_inflight_bytes=self.bound, prefetch=prefetch)
+            self.done[key] = (s.step_s, s.peak_bytes + self.margin)
+        return self.done[key]
+
+    def peak(self, decisions: Sequence[str], prefetch: int) -> int:
+        return self.cost(decisions, prefetch)[1]
+
+    def time(self, decisions: Sequence[str], prefetch: int) -> float:
+        return self.cost(decisions, prefetch)[0]
+
+
+def _fastest(candidates: Sequence[tuple[tuple[str, ...], int]],
+             sims: _Sims) -> tuple[tuple[str, ...], int]:
+    """The least step time; within 1e-12 s of it, the fewest changed and moved groups."""
+    least = min(sims.time(*c) for c in candidates)
+    near = [c for c in candidates if sims.time(*c) <= least + 1e-12]
+    return min(near, key=lambda c: (sum(d != KEEP for d in c[0]), sum(d in _MOVING for d in c[0]),
+                                    c[1], [_RANK[d] for d in c[0]]))
+
+
+def _descend(d: list[str], options: Sequence[tuple[str, ...]], better,
+             pairs: bool = False) -> list[str]:
+    """Change single decisions (and, with ``pairs``, two neighbours' at once) while
+    ``better(trial, d)``: first improvement, until none."""
+    n = len(d)
+    spans = [(i, i + 1) for i in range(n)] + ([(i, i + 2) for i in range(n - 1)] if pairs else [])
+    improved = True
+    while improved:
         improved = False
-        for i, d in enumerate(best):
-            for cheaper in (KEEP, OFFLOAD, RECOMPUTE):
-                if cheaper == d or (cheaper == OFFLOAD and (i == last or not can_move)):
-                    continue
-                trial = best[:i] + [cheaper] + best[i + 1:]
-                t, peak = cost(trial)
-                if peak <= budget and t < cost(best)[0] - 1e-12:
-                    best, improved = trial, True
-                    break
-    return best
+        for a, b in spans:
+            for change in itertools.product(*options[a:b]):
+                if list(change) != d[a:b]:
+                    trial = d[:a] + list(change) + d[b:]
+                    if better(trial, d):
+                        d, improved = trial, True
+    return d
+
+
+def _search(p: Profile, options: Sequence[tuple[str, ...]], budget: int, prefetch: int,
+            sims: _Sims) -> None:
+    """Simulate the candidates for ``prefetch`` (into ``sims``): past the exhaustive search."""
+    n = p.num_groups
+    by_value = sorted((i for i in range(n) if RECOMPUTE in options[i]), key=lambda i: -(
+        p.saved_bytes[i] + p.small_bytes[i] - p.input_bytes[i]) / max(p.forward_s[i], 1e-9))
+    moves = [(i, RECOMPUTE) for i in by_value] + [
+        (i, RECOMPUTE_OFFLOAD) for i in range(n) if RECOMPUTE_OFFLOAD in options[i]]
+    peak = functools.partial(sims.peak, prefetch=prefetch)
+    found = []
+    for m in range(n if OFFLOAD in options[0] else 1):  # offload groups 0 … m-1
+        d = [OFFLOAD if i < m and OFFLOAD in options[i] else KEEP for i in range(n)]
+        for i, dec in moves:
+            if peak(d) <= budget:
+                break
+            if i >= m or dec == RECOMPUTE_OFFLOAD:
+                trial = d[:i] + [dec] + d[i + 1:]
+                if peak(trial) < peak(d):  # a change that does not lower the peak is skipped
+                    d = trial
+        found.append(d)
+    least_held = [min(opts, key=lambda o: (held_bytes(o, p.saved_bytes[i], p.small_bytes[i],
+                                                      p.input_bytes[i]), _RANK[o]))
+                  for i, opts in enumerate(options)]
+    lower = lambda a, b: peak(a) < peak(b)  # noqa: E731
+    found += [_descend(seed, options, lower) for seed in (least_held, min(found, key=peak))]
+    if all(peak(d) > budget for d in found):  # nothing fits yet: change neighbours in pairs too
+        found.append(_descend(min(found, key=peak), options, lower, pairs=True))
+    fits = [d for d in found if peak(d) <= budget]
+    if fits:
+        best = min(fits, key=lambda d: sims.time(d, prefetch))
+        _descend(best, options, lambda a, b: peak(a) <= budget
+                 and sims.time(a, prefetch) < sims.time(b, prefetch) - 1e-12)
