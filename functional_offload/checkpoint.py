@@ -21,12 +21,13 @@ import math
 import os
 import secrets
 import zlib
-from typing import Any, BinaryIO, Union
+from typing import Any, BinaryIO, Optional, Union
 
 import torch
 
-from functional_offload.base import (BUSY, CONSUMED, ParamRefs, check_usable, claim, flush,
-                                     mark_tensors, release, terminal_states)
+from functional_offload.base import (BUSY, CONSUMED, GradientTransformation, Optimizer, ParamRefs,
+                                     check_usable, claim, flush, mark_tensors, release,
+                                     terminal_states)
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
@@ -41,10 +42,41 @@ class CheckpointError(ValueError):
     """A checkpoint does not match the state it is loaded into, or is truncated or corrupt."""
 
 
+def _some(keys: list[str], n: int = 8) -> str:
+    """``keys`` for a message: how many, and the first ``n`` of them."""
+    return (f"{_keys(len(keys))} {keys}" if len(keys) <= n
+            else f"{_keys(len(keys))}, the first {n} {keys[:n]}")
+
+
+def _keys(n: int) -> str:
+    return f"{n} key{'' if n == 1 else 's'}"
+
+
+def check_state(x: Any, what: str) -> None:
+    """Raise ``TypeError`` if ``x`` is an optimizer (or a function) where a state is expected;
+    ``what`` names the argument ("like", "state")."""
+    if isinstance(x, (Optimizer, GradientTransformation)):
+        kind = "an Optimizer" if isinstance(x, Optimizer) else "a GradientTransformation"
+        raise TypeError(f"{what} is {kind}, not a state: pass its state, e.g. opt.init(params) or "
+                        "the state an update returned")
+    if isinstance(x, torch.optim.Optimizer):
+        raise TypeError(f"{what} is a {type(x).__name__} (a torch.optim.Optimizer), not a state: "
+                        "pass tuple(opt.fo_states) (its functional states), or use its "
+                        "state_dict() and load_state_dict()")
+    if callable(x):
+        raise TypeError(f"{what} is a function ({getattr(x, '__qualname__', type(x).__name__)}), "
+                        "not a state: pass what it returns, e.g. opt.init(params)")
+
+
 def _state_leaves(state: OptState) -> tuple[list[str], list[Any]]:
     paths, leaves, _ = leaves_with_paths(state, is_leaf=_is_refs)
     keep = [(p, x) for p, x in zip(paths, leaves) if not _is_refs(x)]
     for p, x in keep:
+        if callable(x):  # e.g. an optimizer's init inside the tree given as a state
+            raise TypeError(f"state leaf {p!r} is a function "
+                            f"({getattr(x, '__qualname__', type(x).__name__)}); a checkpointable "
+                            "state holds tensors only: pass states (opt.init(params)), not "
+                            "optimizers")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"state leaf {p!r} is a {type(x).__name__}; a checkpointable state "
                             "holds tensors only")
@@ -71,9 +103,16 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     The tensors are the state's own (not copies); ``torch.save`` of the result loads with
     ``weights_only=True``.
     """
-    check_usable(state, "take a state_dict")
+    return _landed(state, "take a state_dict")
+
+
+def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
+    """:func:`state_dict` for ``action`` (named in the errors for a consumed, failed or busy
+    state)."""
+    check_state(state, "state")
+    check_usable(state, action)
     flush(state)  # a delayed update still in flight lands first
-    check_usable(state, "take a state_dict")
+    check_usable(state, action)
     return state_tensors(state)
 
 
@@ -93,14 +132,18 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     :class:`CheckpointError` naming the leaf; nothing is copied then. Values land on ``like``'s
     devices, bit for bit.
     """
+    check_state(like, "like")
     paths, leaves = _state_leaves(like)
     missing = [p for p in paths if p not in sd]
     known = set(paths)
     unexpected = [k for k in sd if k not in known]
     if missing or unexpected:
-        raise CheckpointError(f"checkpoint does not match the state: missing {missing[:8]}, "
-                              f"unexpected {unexpected[:8]}; build `like` with the same "
-                              "optimizer chain and params as the saved state")
+        found = ([f"missing {_some(missing)}"] if missing else []) + (
+            [f"unexpected {_some(unexpected)}"] if unexpected else [])
+        raise CheckpointError(f"checkpoint does not match the state (the state has "
+                              f"{_keys(len(paths))}, the checkpoint {len(sd)}): "
+                              f"{'; '.join(found)}; build `like` with the same optimizer chain "
+                              "and params as the saved state")
     for p, x in zip(paths, leaves):
         y = sd[p]
         if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
@@ -237,7 +280,7 @@ def save(state: OptState, path: Union[str, os.PathLike]) -> None:
         fo.save(state, "ckpt/opt.safetensors")
         state = fo.load("ckpt/opt.safetensors", like=opt.init(params))
     """
-    live = state_dict(state)
+    live = _landed(state, "save")
     scalars = {k: v.detach().clone() for k, v in live.items() if v.dim() == 0}  # counts, as they are
     marks = claim(state, "save")  # busy while it is read: no step may begin and tear it
     try:
@@ -332,10 +375,11 @@ def _check_crcs(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> None:
     if not isinstance(crcs, dict) or not all(_is_int(v) for v in crcs.values()):
         raise ValueError(f"its crc32 metadata is not a map of integers: {meta['crc32'][:80]!r}")
     if sd.keys() - crcs.keys():
-        raise ValueError(f"its crc32 metadata lacks tensors {sorted(sd.keys() - crcs.keys())[:8]}")
+        raise ValueError(f"its crc32 metadata lacks {_some(sorted(sd.keys() - crcs.keys()))} of "
+                         f"the file's {len(sd)}")
     if crcs.keys() - sd.keys():
-        raise ValueError(f"its crc32 metadata lists tensors that are not in the file "
-                         f"{sorted(crcs.keys() - sd.keys())[:8]}")
+        raise ValueError(f"its crc32 metadata lists {_some(sorted(crcs.keys() - sd.keys()))} "
+                         "that are not in the file")
     for k, v in sd.items():
         if crcs[k] != _crc(v):
             raise ValueError(f"leaf {k!r} fails its CRC-32 check")
@@ -352,16 +396,28 @@ def load(path: Union[str, os.PathLike], like: OptState) -> OptState:
 
         state = fo.load("ckpt/opt.safetensors", like=opt.init(params))
     """
+    check_state(like, "like")
     path = os.fspath(path)
-    corrupt = "the file is truncated or corrupt; load another copy"
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory, not a file fo.save wrote; a "
+                              "torch.distributed.checkpoint directory loads with "
+                              "dcp.load into fo.dcp.state_dict(like, loading=True)")
+    corrupt = "the file is truncated or corrupt (or not one fo.save wrote); load another copy"
     with open(path, "rb") as f:  # one open file: a save renaming over the path cannot mix files
         try:
             meta, sd = _read_safetensors(f, os.fstat(f.fileno()).st_size)
         except ValueError as e:
+            f.seek(0)
+            kind = _foreign(f.read(8))
+            if kind is not None:
+                raise CheckpointError(f"{path}: not a functional_offload checkpoint (fo.load "
+                                      "reads the safetensors files fo.save writes): it is "
+                                      f"{kind}") from None
             raise CheckpointError(f"{path}: {e}; {corrupt}") from None
     if meta.get("format") != _FORMAT:
         raise CheckpointError(f"{path}: not a functional_offload checkpoint (its metadata has "
-                              f"format {meta.get('format')!r}, expected {_FORMAT!r}); write "
+                              f"format {meta.get('format')!r}, expected {_FORMAT!r}: a safetensors "
+                              "file another program wrote, e.g. a model's weights); write "
                               "checkpoints with functional_offload.save")
     try:
         _check_crcs(meta, sd)
@@ -371,3 +427,21 @@ def load(path: Union[str, os.PathLike], like: OptState) -> OptState:
         return load_state_dict(sd, like)
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
+
+
+_TORCH_SAVE = ("a dict saved by torch.save of fo.state_dict(state) loads with "
+               "fo.load_state_dict(torch.load(path, weights_only=True), like)")
+
+
+def _foreign(head: bytes) -> Optional[str]:
+    """What a file that is not safetensors looks like, from its first bytes (``None``: nothing
+    known, e.g. a damaged checkpoint)."""
+    if head.startswith(b"PK\x03\x04"):
+        return f"a zip archive, as torch.save writes (a pickle inside a zip); {_TORCH_SAVE}"
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return f"a pickle (torch.save's legacy format, or pickle.dump); {_TORCH_SAVE}"
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy .npy file"
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip-compressed (decompress it first)"
+    return None

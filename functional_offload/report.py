@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from functional_offload.base import ParamRefs
+from functional_offload.checkpoint import check_state
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
 
@@ -51,6 +52,7 @@ def placement_report(state: OptState) -> PlacementReport:
 
     A read only: it neither waits for a delayed step in flight nor changes the state.
     """
+    check_state(state, "state")
     paths, leaves, _ = leaves_with_paths(state, is_leaf=lambda x: isinstance(x, ParamRefs))
     rows = [{"path": k, "device": str(v.device), "dtype": str(v.dtype).replace("torch.", ""),
              "shape": list(v.shape), "bytes": v.numel() * v.element_size()}

@@ -359,3 +359,117 @@ def test_saves_work_on_file_systems_without_locks(tmp_path, monkeypatch):
     fo.save({"w": torch.full((3,), 2.0)}, path)
     assert torch.equal(fo.load(path, {"w": torch.zeros(3)})["w"], torch.full((3,), 2.0))
     assert len(os.listdir(tmp_path)) == 2
+
+
+# ---- errors say what was given and what to do ------------------------------------------------
+def untouched(like) -> bool:
+    return all(torch.equal(x, torch.zeros_like(x)) for x in optree.tree_leaves(like[1].mu))
+
+
+def test_foreign_files_are_named_for_what_they_are_not_called_corrupt(tmp_path):
+    import gzip
+    import pickle
+
+    import numpy as np
+    _, params, state = trained(1)
+    sd = fo.state_dict(state)
+    torch.save(sd, tmp_path / "zip.pt")
+    torch.save(sd, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "dump.pkl").write_bytes(pickle.dumps({"a": 1}))
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    fo.save(state, tmp_path / "good")
+    (tmp_path / "good.gz").write_bytes(gzip.compress((tmp_path / "good").read_bytes()))
+    for name, what in [("zip.pt", "a zip archive, as torch.save writes"),
+                       ("legacy.pt", "a pickle"), ("dump.pkl", "a pickle"),
+                       ("a.npy", "a NumPy .npy file"), ("good.gz", "gzip-compressed")]:
+        like = make_opt().init(clone(params))
+        with pytest.raises(fo.CheckpointError) as e:
+            fo.load(tmp_path / name, like)
+        msg = str(e.value)
+        assert msg.startswith(f"{tmp_path / name}: not a functional_offload checkpoint"), msg
+        assert what in msg and "corrupt" not in msg, msg
+        assert untouched(like)
+    # what the torch.save message says to do works
+    like = make_opt().init(clone(params))
+    fo.load_state_dict(torch.load(tmp_path / "zip.pt", weights_only=True), like)
+    assert all(torch.equal(a, b) for a, b in zip(fo.state_dict(like).values(), sd.values()))
+
+
+def test_a_directory_is_not_a_checkpoint_file(tmp_path):
+    _, params, _ = trained(1)
+    with pytest.raises(fo.CheckpointError, match="is a directory.*fo.dcp.state_dict"):
+        fo.load(tmp_path, make_opt().init(clone(params)))
+
+
+def test_an_optimizer_given_for_a_state_is_refused_naming_the_fix(tmp_path):
+    opt, params, state = trained(1)
+    fo.save(state, tmp_path / "ckpt")
+    sd = fo.state_dict(state)
+    torch_opt = fo.TorchOptimizer([torch.nn.Parameter(torch.zeros(2))], fo.adamw, lr=1e-3)
+    path = tmp_path / "ckpt"
+    cases = [
+        (lambda: fo.load(path, like=opt),
+         r"like is an Optimizer, not a state: .*opt\.init\(params\)"),
+        (lambda: fo.load(path, like=opt.init), r"like is a function .*opt\.init\(params\)"),
+        (lambda: fo.load(path, like=torch_opt), r"like is a TorchOptimizer .*fo_states"),
+        (lambda: fo.load(path, like=fo.clip_by_global_norm(1.0)),
+         "like is a GradientTransformation"),
+        (lambda: fo.load_state_dict(sd, opt), "like is an Optimizer, not a state"),
+        (lambda: fo.save(opt, tmp_path / "x"), "state is an Optimizer, not a state"),
+        (lambda: fo.state_dict(opt), "state is an Optimizer, not a state"),
+        (lambda: fo.placement_report(opt), "state is an Optimizer, not a state"),
+        (lambda: fo.state_dict((state, opt)),
+         r"state leaf '1.init' is a function .*not optimizers"),
+    ]
+    for call, match in cases:
+        with pytest.raises(TypeError, match=match):
+            call()
+    assert not (tmp_path / "x").exists()
+
+
+def test_key_mismatches_give_the_totals(tmp_path):
+    opt, params, state = trained(1)
+    sd = fo.state_dict(state)
+    like = make_opt().init(clone(params))
+    n = len(sd)
+    fewer = {k: v for k, v in sd.items() if ".mu." not in k and ".nu." not in k}  # 10 gone
+    extra = dict(sd, **{f"extra.{i}": torch.zeros(1) for i in range(11)})
+    ghost = {**fewer, "ghost": torch.zeros(1)}
+    for bad, says in [(fewer, ["missing 10 keys, the first 8 ['1.mu."]),
+                      (extra, ["unexpected 11 keys, the first 8 ['extra."]),
+                      (ghost, ["missing 10 keys, the first 8 [", "; unexpected 1 key ['ghost']"])]:
+        with pytest.raises(fo.CheckpointError) as e:
+            fo.load_state_dict(bad, like)
+        msg = str(e.value)
+        assert f"(the state has {n} keys, the checkpoint {len(bad)}): " in msg, msg
+        assert all(x in msg for x in says), msg
+    assert untouched(like)
+    fo.save(state, tmp_path / "good")
+    h, body = split((tmp_path / "good").read_bytes())
+    keys = sorted(k for k in h if k != "__metadata__")
+    for edit, says in [(lambda c: {k: v for k, v in c.items() if k not in keys[:9]},
+                        f"lacks 9 keys, the first 8 {keys[:8]!r} of the file's {len(keys)}"),
+                       (lambda c: dict(c, **{f"ghost{i}": 0 for i in range(9)}),
+                        "lists 9 keys, the first 8 ['ghost0'")]:
+        (tmp_path / "bad").write_bytes(pack(with_crcs(h, edit), body))
+        with pytest.raises(fo.CheckpointError) as e:
+            fo.load(tmp_path / "bad", like)
+        assert says in str(e.value), str(e.value)
+
+
+def test_saving_a_failed_state_says_it_is_failed_and_how_to_recover(tmp_path):
+    from functional_offload.testing import fail_host_kernel
+    from conftest import small_executor
+    params = make_params(big=True)
+    opt = fo.adamw(1e-2, executor=small_executor())
+    state = opt.init(params)
+    fo.save(state, tmp_path / "good")
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError):
+            opt.update(grad_seq(params, 1)[0], state)
+    with pytest.raises(fo.StateError, match=r"^cannot save: this AdamState is failed .*"
+                       r"Load the last checkpoint into it \(fo.load\(path, like=state\)\)"):
+        fo.save(state, tmp_path / "next")
+    assert not (tmp_path / "next").exists()
+    with pytest.raises(fo.StateError, match="^cannot take a state_dict: this AdamState is failed"):
+        fo.state_dict(state)
