@@ -86,3 +86,59 @@ def test_wrong_state_type():
     opt = fo.adamw(1e-3)
     with pytest.raises(TypeError, match="AdamState"):
         opt.update({}, fo.sgd(0.1).init({"w": torch.zeros(1)}))
+
+
+@pytest.mark.parametrize("make,kwargs,names", [
+    (fo.adamw, dict(lr=1e38), ["lr"]),  # the step size lr / (1 - beta1) overflows
+    (fo.adam, dict(lr=1e38), ["lr"]),
+    (fo.adam, dict(lr=1e-3, weight_decay=1e39), ["weight_decay"]),
+    (fo.adamw, dict(lr=1e30, weight_decay=1e10), ["lr", "weight_decay"]),  # 1 - lr * wd
+    (fo.lion, dict(lr=1e39), ["lr"]),
+    (fo.sgd, dict(lr=1e39, momentum=0.9), ["lr"]),
+    (fo.sgd, dict(lr=1e39, weight_decay=1e39), ["lr"]),  # the first scalar that overflows
+    (fo.adafactor, dict(lr=1e39), ["lr"]),
+])
+def test_an_unrepresentable_scalar_names_only_the_options_that_make_it(make, kwargs, names):
+    given = ", ".join(f"{k}={kwargs[k]!r}" for k in names)
+    with pytest.raises(ValueError) as e:
+        make(**kwargs)
+    msg = str(e.value)
+    assert f": {given} give" in msg and msg.endswith(f"use a smaller {' or '.join(names)}"), msg
+    others = {"beta1", "beta2", "eps", "momentum", "weight_decay", "lr"} - set(names)
+    assert not any(k in msg for k in others), msg
+
+
+def test_an_unrepresentable_scheduled_value_names_its_option_at_the_step():
+    opt = fo.adamw(lambda n: 1e-3 if n == 0 else 1e38)
+    params = {"w": torch.zeros(2)}
+    params, state = opt.update({"w": torch.ones(2)}, opt.init(params))
+    with pytest.raises(ValueError,
+                       match=r"adamw: lr=1e\+38 gives a kernel scalar .*use a smaller lr$"):
+        opt.update({"w": torch.ones(2)}, state)
+    assert int(state.count) == 1
+
+
+def test_unrepresentable_scalars_of_a_spec_without_named_fields_name_every_option():
+    from typing import NamedTuple
+
+    from functional_offload.optimizers.spec import check_representable
+    from functional_offload.optimizers.sgd import spec
+
+    class Derived(NamedTuple):
+        step_size: float
+
+    sgd = spec(False, False)._replace(scalars=lambda h: [h.step_size])
+    with pytest.raises(ValueError, match="the hyperparameters lr, weight_decay give a kernel "
+                                         "scalar of 1e[+]39.*use smaller values"):
+        check_representable(sgd, Derived(1e39), ["lr", "weight_decay"])
+
+
+def test_a_labels_tree_that_does_not_fit_gives_the_totals():
+    params = {f"l{i}": torch.zeros(2) for i in range(9)}
+    labels = {"l0": "a", **{f"x{i}": "a" for i in range(7)}}
+    with pytest.raises(ValueError) as e:
+        fo.partition({"a": fo.sgd(0.1)}, labels).init(params)
+    msg = str(e.value)
+    assert "does not match the params (9 leaves)" in msg, msg
+    assert "without a label ['l1', 'l2', 'l3', 'l4', 'l5'] and 3 more (8 in all)" in msg, msg
+    assert "labels of no param ['x0', 'x1', 'x2', 'x3', 'x4'] and 2 more (7 in all)" in msg, msg

@@ -165,14 +165,49 @@ _F32_MAX = torch.finfo(torch.float32).max
 
 def check_representable(spec: OptimizerSpec, hyper: Any, names: Sequence[str]) -> None:
     """Raise ``ValueError`` if a native scalar of ``hyper`` is not a finite fp32 (the kernels'
-    compute dtype): e.g. ``lr=1e38`` makes Adam's step size overflow. ``names`` label the
-    hyperparameters in the message."""
-    if spec.scalars is None:
-        values = [float(v) for v in hyper if isinstance(v, (int, float))]
-    else:
-        values = [float(v) for v in spec.scalars(hyper)]
-    bad = [v for v in values if not math.isfinite(v) or abs(v) > _F32_MAX]
-    if bad:
+    compute dtype): e.g. ``lr=1e38`` makes Adam's step size overflow.
+
+    The message names the hyperparameters (of ``names``, fields of ``hyper``) that make the
+    first such scalar: those at 0 with which it is representable, and of them the ones above 1
+    in magnitude (a beta scales a step size up only through ``1 / (1 - beta)``); all of
+    ``names`` when no field of ``hyper`` is one of them."""
+    scalars = _scalars(spec)
+    at = _unrepresentable(scalars(hyper))
+    if at is None:
+        return
+    bad = scalars(hyper)[at]
+    fields = getattr(hyper, "_fields", ())
+    values = {k: getattr(hyper, k) for k in names if k in fields}
+    involved = [k for k, v in values.items()
+                if _real(v) is not None and _fixed_by_zero(scalars, hyper, k, at)]
+    culprits = [k for k in involved if abs(values[k]) > 1] or involved
+    if not culprits:
         raise ValueError(f"{spec.name}: the hyperparameters {', '.join(names)} give a kernel "
-                         f"scalar of {bad[0]!r}, which float32 (the kernels' compute dtype) "
+                         f"scalar of {bad!r}, which float32 (the kernels' compute dtype) "
                          "cannot represent; use smaller values")
+    given = ", ".join(f"{k}={values[k]!r}" for k in culprits)
+    raise ValueError(f"{spec.name}: {given} give{'s' if len(culprits) == 1 else ''} a kernel "
+                     f"scalar of {bad!r}, which float32 (the kernels' compute dtype) cannot "
+                     f"represent; use a smaller {' or '.join(culprits)}")
+
+
+def _scalars(spec: OptimizerSpec) -> Callable[[Any], list[float]]:
+    """The values the kernels compute with: the native op's scalars, or the hyper's numbers."""
+    if spec.scalars is None:
+        return lambda hyper: [float(v) for v in hyper if isinstance(v, (int, float))]
+    return lambda hyper: [float(v) for v in spec.scalars(hyper)]
+
+
+def _unrepresentable(values: Sequence[float]) -> Optional[int]:
+    """The index of the first of ``values`` that is not a finite fp32, or ``None``."""
+    return next((i for i, v in enumerate(values) if not math.isfinite(v) or abs(v) > _F32_MAX),
+                None)
+
+
+def _fixed_by_zero(scalars: Callable[[Any], list[float]], hyper: Any, name: str, at: int) -> bool:
+    """Whether scalar ``at`` is representable with ``hyper``'s field ``name`` at 0."""
+    try:
+        v = scalars(hyper._replace(**{name: 0.0}))[at]
+    except ArithmeticError:  # the scalars divide by it
+        return False
+    return math.isfinite(v) and abs(v) <= _F32_MAX

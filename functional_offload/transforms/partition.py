@@ -202,11 +202,19 @@ def _mismatch(names: Any, paths: tuple[str, ...]) -> str:
     except Exception:  # noqa: BLE001 - not a tree optree knows
         return f"labels is a {type(names).__name__}, not a tree of str like the params"
     unlabelled, extra = sorted(set(paths) - got), sorted(got - set(paths))
-    what = (f"params leaves without a label {unlabelled[:5]}; labels of no param {extra[:5]}"
-            if unlabelled or extra else "the same paths in other containers (a list where the "
-            "params have a tuple?)")
-    return (f"the labels tree does not match the params: {what}. Give one label (a str) per leaf "
-            "with the params' keys and nesting, or a function params -> labels")
+    parts = (([f"params leaves without a label {_some(unlabelled)}"] if unlabelled else [])
+             + ([f"labels of no param {_some(extra)}"] if extra else []))
+    what = "; ".join(parts) or "the same paths in other containers (a list where the params have " \
+        "a tuple?)"
+    return (f"the labels tree does not match the params ({len(paths)} leaves): {what}. Give one "
+            "label (a str) per leaf with the params' keys and nesting, or a function params -> "
+            "labels")
+
+
+def _some(paths: list[str], n: int = 5) -> str:
+    """``paths`` for a message: the first ``n`` of them, and how many there are."""
+    more = f" and {len(paths) - n} more ({len(paths)} in all)" if len(paths) > n else ""
+    return f"{paths[:n]}{more}"
 
 
 def _caller_context(tensors: list[Any]) -> Callable[[contextlib.ExitStack], None]:
