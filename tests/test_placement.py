@@ -99,7 +99,8 @@ from registry import OPTIMIZERS  # noqa: E402
 ENTRIES = {e.name: e for e in OPTIMIZERS}
 DTYPES = {  # param dtype, options
     "fp32": (torch.float32, {}), "bf16": (torch.bfloat16, {}), "fp16": (torch.float16, {}),
-    "fp64": (torch.float64, {}), "bf16-fp64-master": (torch.bfloat16, {"master_dtype": torch.float64}),
+    "fp64": (torch.float64, {}),
+    "bf16-fp64-master": (torch.bfloat16, {"master_dtype": torch.float64}),
     "fp32-bf16-moments": (torch.float32, "bf16 moments"),
 }
 
@@ -203,7 +204,8 @@ def test_a_partitions_rows_follow_the_params_build_order_with_their_bytes():
     assert dict(zip(plan.paths, plan.state_bytes)) == sizes
     # index and host_mask() refer to the params' flatten order (optree sorts dict keys)
     assert [sorted(params)[i] for i in plan.index] == list(params)
-    host = fo.partition({"w": fo.adamw(placement=P.on_host()), "b": fo.adamw(placement=P.on_device())},
+    host = fo.partition({"w": fo.adamw(placement=P.on_host()),
+                         "b": fo.adamw(placement=P.on_device())},
                         lambda p: {k: "w" if k.endswith("weight") else "b" for k in p})
     meta = {k: torch.empty(v.shape, device="meta") for k, v in params.items()}
     assert fo.plan(host, meta).host_mask() == [True if k.endswith("weight") else False
