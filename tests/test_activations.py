@@ -347,6 +347,40 @@ def test_retain_graph_backward_twice():
     assert_same(first, second)
 
 
+NAN = float("nan")
+BAD_OPTIONS = {  # option: values refused (with offload=1 unless the option is budget_bytes)
+    "num_groups": [True, 0, -1, 2.0, "4", None],
+    "offload": [True, False, -1, 4, 1.5, -0.1, NAN, "1"],
+    "budget_bytes": [True, False, 0, -1, 1.5, NAN, "8GiB"],
+    "min_bytes": [True, -1, 1.5, NAN, "1", None],
+    "prefetch": [True, False, 0, -1, 1.5, NAN, "2", None],
+    "max_inflight_bytes": [True, False, -1, 1.5, NAN, "none", "Auto"],
+    "host_cap_bytes": [True, False, -1, 1.5, NAN, "1"],
+    "recompute_groups": [[True], [1.0], [NAN], ["1"], "12", 2, [9], [-1]],
+    "copy_on_cpu": [1, "yes", None],
+}
+
+
+@pytest.mark.parametrize("option,value", [(k, v) for k, vs in BAD_OPTIONS.items() for v in vs],
+                         ids=lambda v: repr(v))
+def test_constructor_options_are_checked(option, value):
+    """Bools are not counts, and negative, fractional, NaN or mistyped values are refused with
+    the option named, when the object is made (budget_bytes=True used to mean one byte)."""
+    kw = {"num_groups": 4, "offload": 1, option: value}
+    if option == "budget_bytes":
+        del kw["offload"]
+    with pytest.raises(ValueError, match=option):
+        ActivationOffload(**kw)
+
+
+def test_constructor_accepts_the_documented_values():
+    for kw in (dict(budget_bytes=1), dict(offload=0, min_bytes=0, max_inflight_bytes=0,
+                                          host_cap_bytes=0, prefetch=8),
+               dict(offload=0.5, max_inflight_bytes=None, recompute_groups=range(2, 4)),
+               dict(offload=1, recompute_groups=(3,), max_inflight_bytes="auto")):
+        ActivationOffload(4, **kw)
+
+
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="never the last"):
         ActivationOffload(4, 4)

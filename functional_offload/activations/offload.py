@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import weakref
+from collections.abc import Iterable
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import optree
@@ -48,6 +49,12 @@ class _Recomputed:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: Versioned(pack(t), t, index),
                                                       lambda h: unpack(h.get())):
             return self.fn(*args, **kwargs)
+
+
+def _check_int(name: str, value: Any, least: int, what: str) -> None:
+    """An int (not a bool) of at least ``least``, or an error naming the option."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
 
 def _param_like(t: torch.Tensor) -> bool:
@@ -111,26 +118,40 @@ class ActivationOffload:
                  max_inflight_bytes: Union[int, str, None] = "auto",
                  host_cap_bytes: Optional[int] = None, recompute_groups: Sequence[int] = (),
                  copy_on_cpu: bool = False):
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-            raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
+        _check_int("num_groups", num_groups, 1, "how many groups the forward marks")
         n = num_groups
         if (offload is None) == (budget_bytes is None):
             raise ValueError("pass one of offload= (how many early groups to offload) or "
                              "budget_bytes= (a peak-memory budget the planner meets)")
         count = None
         if isinstance(offload, float):
-            if not 0 <= offload <= 1:
+            if not 0 <= offload <= 1:  # NaN too
                 raise ValueError(f"offload as a fraction must be in [0, 1], got {offload}")
             count = min(math.floor(offload * n), n - 1)
         elif isinstance(offload, int) and not isinstance(offload, bool):
             count = offload
         elif offload is not None:
-            raise ValueError(f"offload is a group count (int) or a fraction (float), got {offload!r}")
+            raise ValueError(f"offload is a group count (int) or a fraction (float), got "
+                             f"{offload!r}")
         if count is not None and not 0 <= count <= n - 1:
             raise ValueError(f"can offload 0 … {n - 1} of {n} groups (never the last), got "
                              f"{count}; lower `offload`")
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        if budget_bytes is not None:
+            _check_int("budget_bytes", budget_bytes, 1, "a byte count, e.g. 8 << 30")
+        _check_int("min_bytes", min_bytes, 0, "a byte count")
+        _check_int("prefetch", prefetch, 1, "how many groups ahead backward reloads")
+        if not (max_inflight_bytes is None or isinstance(max_inflight_bytes, str)
+                and max_inflight_bytes == "auto"):
+            _check_int("max_inflight_bytes", max_inflight_bytes, 0,
+                       "a byte count, 'auto' (twice the largest group's) or None (no bound)")
+        if host_cap_bytes is not None:
+            _check_int("host_cap_bytes", host_cap_bytes, 0, "a byte count or None (no bound)")
+        if isinstance(recompute_groups, (str, bytes)) or not isinstance(recompute_groups, Iterable):
+            raise ValueError(f"recompute_groups must be a sequence of group indices, got "
+                             f"{recompute_groups!r}")
+        recompute_groups = tuple(recompute_groups)
+        for i in recompute_groups:
+            _check_int("recompute_groups", i, 0, f"group indices 0 … {n - 1}")
         bad = sorted(i for i in recompute_groups if not 0 <= i < n)
         if bad or (recompute_groups and budget_bytes is not None):
             raise ValueError(f"recompute_groups go with offload= and name groups 0 … {n - 1}; got "
@@ -140,12 +161,10 @@ class ActivationOffload:
             raise ValueError(f"groups {both} are both offloaded and recomputed; recomputed groups "
                              "save no activations to offload — offload fewer groups or recompute "
                              "others")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if not (max_inflight_bytes in ("auto", None) or isinstance(max_inflight_bytes, int)):
-            raise ValueError(f"max_inflight_bytes is an int, 'auto' or None, got {max_inflight_bytes!r}")
+        if not isinstance(copy_on_cpu, bool):
+            raise ValueError(f"copy_on_cpu must be a bool, got {copy_on_cpu!r}")
         self.num_groups, self.offloaded_groups, self.budget_bytes = n, count, budget_bytes
-        self.min_bytes, self.prefetch = int(min_bytes), int(prefetch)
+        self.min_bytes, self.prefetch = min_bytes, prefetch
         self.max_inflight_bytes, self.copy_on_cpu = max_inflight_bytes, copy_on_cpu
         self._fixed = None if count is None else [
             RECOMPUTE if i in recompute_groups else OFFLOAD if i < count else KEEP for i in range(n)]
