@@ -117,15 +117,12 @@ def torch_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[f
     model = build(mesh, device, mp=mp)
     lag = build(mesh, device, mp=mp) if delayed else model
     opt = torch.optim.AdamW(model.parameters(), **HYPER)
-    norms, in_model_order = [], []
+    norms = []
     for batch in xs:
         loss_of(lag, batch).backward()
-        if clip is not None:
-            # fo's global norm sums the leaves' norms in the params' flatten order: sorted names
-            ordered = [p for _, p in sorted(lag.named_parameters())]
-            in_model_order.append(value(torch.nn.utils.get_total_norm(
-                [p.grad for p in lag.parameters()], foreach=True)))
-            norms.append(value(torch.nn.utils.clip_grad_norm_(ordered, clip, foreach=True)))
+        if clip is not None:  # (fo's global norm sums the leaves' norms in the model's order too)
+            norms.append(value(torch.nn.utils.clip_grad_norm_(lag.parameters(), clip,
+                                                              foreach=True)))
         if delayed:
             with torch.no_grad():
                 for p, q in zip(model.parameters(), lag.parameters()):
@@ -134,8 +131,7 @@ def torch_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[f
                     q.copy_(p)  # lag moves to p[t]; model steps to p[t+1]
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"params": shards(model), "lagging": shards(lag), "norms": norms,
-            "norms in model order": in_model_order}
+    return {"params": shards(model), "lagging": shards(lag), "norms": norms}
 
 
 # ---- ours ------------------------------------------------------------------------------------
