@@ -21,13 +21,15 @@ model and the batch): activations, the loss head, grads, workspace; digests of t
 compared bit for bit with ``none``. Prints a table and the targets, writes JSON (``--out``) and
 a plot of step time against peak memory (``--plot``). Grads are bit-identical only with
 deterministic kernels: ``torch.use_deterministic_algorithms(True)`` is on unless
-``--nondeterministic``. On the CPU memory is not measured (budgets then refer to the bytes the
-``none`` and ``checkpoint`` forwards save).
+``--nondeterministic``. On the CPU the offload systems copy through deferred CPU copies
+(``functional_offload.activations.testing.copy_on_cpu``) and memory is not measured (budgets
+then refer to the bytes the ``none`` and ``checkpoint`` forwards save).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from functional_offload.activations import ActivationOffload  # noqa: E402
+from functional_offload.activations.testing import copy_on_cpu  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -104,9 +107,10 @@ def run_system(args: argparse.Namespace) -> dict:
     tokens = torch.randint(args.vocab, (args.tokens // args.seq, args.seq + 1), generator=g).to(device)
     name, off, kind = args.system, None, args.system.split(":")[0]
     if kind in ("ours", "budget"):
-        opts = dict(min_bytes=1 << 20, copy_on_cpu=device.type == "cpu")
-        off = ActivationOffload(args.blocks, int(name.split(":")[1]), **opts) if kind == "ours" \
-            else ActivationOffload(args.blocks, budget_bytes=args.budget, **opts)
+        with copy_on_cpu() if device.type == "cpu" else contextlib.nullcontext():  # smoke runs
+            off = ActivationOffload(args.blocks, int(name.split(":")[1]), min_bytes=1 << 20) \
+                if kind == "ours" else ActivationOffload(args.blocks, budget_bytes=args.budget,
+                                                         min_bytes=1 << 20)
         off.wrap(model.blocks)
 
     def step() -> None:

@@ -1,10 +1,12 @@
 """Activation offload: gradients identical to no offload, hygiene, and the errors that name fixes.
 
-On the CPU the hooks are a pass-through by default; ``copy_on_cpu=True`` runs the copies through
-the pinned-pool bookkeeping with deferred copies (a copy runs when it is waited for, so sources
-stay in flight as on a GPU): dedup, the in-flight bound, prefetch and release are exercised here.
+On the CPU the hooks are a pass-through by default; objects made under ``testing.copy_on_cpu()``
+run the copies through the pinned-pool bookkeeping with deferred copies (a copy runs when it is
+waited for, so sources stay in flight as on a GPU): dedup, the in-flight bound, prefetch and
+release are exercised here.
 """
 
+import contextlib
 import gc
 import weakref
 
@@ -14,8 +16,15 @@ import torch
 
 import functional_offload as fo
 from functional_offload.activations import ActivationOffload
+from functional_offload.activations.testing import copy_on_cpu, manual_clock
 
 D, GROUPS = 32, 4
+
+
+def make(*args, copy=False, **kwargs):
+    """An ActivationOffload; ``copy``: one that copies CPU tensors (made under copy_on_cpu)."""
+    with copy_on_cpu() if copy else contextlib.nullcontext():
+        return fo.ActivationOffload(*args, **kwargs)
 
 
 def make_params(seed=0):
@@ -49,7 +58,7 @@ def assert_same(got, want):
 @pytest.mark.parametrize("offload", [GROUPS - 1, 0.5, 0])
 def test_value_and_grad_bit_identical(copy, offload):
     params, x = make_params(), torch.randn(64, D)
-    off = ActivationOffload(GROUPS, offload, min_bytes=0, copy_on_cpu=copy)
+    off = make(GROUPS, offload, min_bytes=0, copy=copy)
     loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
     want_loss, want = reference_grads(params, x)
     assert torch.equal(loss, want_loss)
@@ -68,7 +77,7 @@ def blocks_and_input(seed=0):
 
 def test_module_loop_with_backward_and_no_leak():
     blocks, x = blocks_and_input()
-    off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True)
+    off = make(GROUPS, GROUPS - 1, min_bytes=0, copy=True)
 
     def run(offload):
         blocks.zero_grad(set_to_none=True)
@@ -94,7 +103,7 @@ def test_module_loop_with_backward_and_no_leak():
 def test_params_buffers_and_small_tensors_stay():
     w = torch.randn(64, 64, requires_grad=True)
     buf = torch.randn(64, 64)
-    off = ActivationOffload(2, 1, min_bytes=1024, copy_on_cpu=True)
+    off = make(2, 1, min_bytes=1024, copy=True)
     with off.record(exclude={"buf": buf}), off.group(0):
         y = (w * 2).sum() + (w.t() * 3).sum()  # a param and a view of it
         y = y + (torch.randn(8, requires_grad=True) * buf[0, :8]).sum()  # 32 bytes < min_bytes
@@ -112,7 +121,7 @@ def test_params_buffers_and_small_tensors_stay():
 
 
 def test_views_of_one_storage_are_copied_once():
-    off = ActivationOffload(2, 1, min_bytes=0, copy_on_cpu=True)
+    off = make(2, 1, min_bytes=0, copy=True)
     a = torch.randn(32, 32, requires_grad=True)
     with off.record(exclude=[a]), off.group(0):
         h = a * 2
@@ -136,7 +145,7 @@ def test_inplace_change_of_a_saved_activation_raises(copy):
     h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()  # the oracle
-    off = ActivationOffload(2, 1, min_bytes=0, copy_on_cpu=copy)
+    off = make(2, 1, min_bytes=0, copy=copy)
     for change in (lambda h, base: h.add_(1), lambda h, base: base[0].zero_()):
         with off.record(exclude=[w]):
             with off.group(0):
@@ -156,7 +165,7 @@ INPLACE = {  # what backward saved (the tensor or a view of it), and a change in
     "through a detached alias": (lambda a: a, lambda a: a.detach().add_(1.0)),
     "a view, through its base": (lambda a: a[:4], lambda a: a.add_(1.0)),
 }
-PATHS = {"keep": dict(offload=0), "offload": dict(offload=2, copy_on_cpu=True),
+PATHS = {"keep": dict(offload=0), "offload": dict(offload=2, copy=True),
          "recompute": dict(offload=0, recompute_groups=[0])}
 
 
@@ -207,7 +216,7 @@ def test_inplace_change_of_a_freed_saved_activation_raises(case, when, path):
     else:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             torch.autograd.grad(changed_in_place(None, case, when)(wr, x), wr)  # the oracle
-    off = ActivationOffload(3, min_bytes=0, **PATHS[path])
+    off = make(3, min_bytes=0, **PATHS[path])
     vg = off.value_and_grad(changed_in_place((off, path), case, when))
     if when == "before":
         assert torch.equal(vg(w, x)[1], want)
@@ -220,7 +229,7 @@ def test_inplace_change_of_a_freed_saved_activation_raises(case, when, path):
 def test_inplace_change_in_the_reported_case_raises():
     """An offloaded activation changed in place inside its group, then used again."""
     for copy in (False, True):
-        off = fo.ActivationOffload(3, 2, min_bytes=0, copy_on_cpu=copy)
+        off = make(3, 2, min_bytes=0, copy=copy)
 
         def loss_fn(w, x):
             with off.group(0):
@@ -240,7 +249,7 @@ def test_forward_without_backward_frees_everything(copy):
     """An eval forward or a skipped step must not keep its activations (a reference cycle through
     the pack hook used to), nor grow host memory across repeated forwards."""
     blocks, _ = blocks_and_input()
-    off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=copy)
+    off = make(GROUPS, GROUPS - 1, min_bytes=0, copy=copy)
     refs, pooled = [], None
     gc.collect()
     gc.disable()  # freed by reference counting: no cycle for the collector to find
@@ -279,7 +288,7 @@ def test_two_forwards_then_two_backwards():
     for x in xs:
         fwd(x).backward()
     want, w.grad = w.grad.clone(), None
-    off = ActivationOffload(3, 2, min_bytes=0, copy_on_cpu=True, max_inflight_bytes=0)
+    off = make(3, 2, min_bytes=0, copy=True, max_inflight_bytes=0)
     losses = []
     for x in xs:
         with off.record(exclude=[w]):
@@ -291,7 +300,7 @@ def test_two_forwards_then_two_backwards():
 
 def test_eval_forward_is_harmless():
     params, x = make_params(), torch.randn(8, D)
-    off = ActivationOffload(GROUPS, 2, min_bytes=0, copy_on_cpu=True)
+    off = make(GROUPS, 2, min_bytes=0, copy=True)
     with torch.no_grad(), off.record():
         forward(params, x, off)
     assert off.stats["tensors"] == 0 and off.held_bytes == 0
@@ -307,7 +316,7 @@ def test_inflight_bound_waits_and_holds():
     want_loss, want = reference_grads(params, x)
     per_group = (64 * 4 * D * 2) * 4  # pre-gelu and gelu output, fp32 (x is below min_bytes)
     for bound, waits in ((None, False), ("auto", True), (per_group, True), (1, True)):
-        off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=16 << 10, copy_on_cpu=True,
+        off = make(GROUPS, GROUPS - 1, min_bytes=16 << 10, copy=True,
                                 max_inflight_bytes=bound)
         loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
         assert torch.equal(loss, want_loss)
@@ -325,7 +334,7 @@ def test_host_cap_and_prefetch_keep_grads_identical():
     params, x = make_params(), torch.randn(64, D)
     want_loss, want = reference_grads(params, x)
     for kw in (dict(host_cap_bytes=64 * 4 * D * 4), dict(prefetch=3), dict(prefetch=1)):
-        off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True,
+        off = make(GROUPS, GROUPS - 1, min_bytes=0, copy=True,
                                 max_inflight_bytes=0, **kw)
         loss, grads = off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
         assert torch.equal(loss, want_loss)
@@ -338,7 +347,7 @@ def test_host_cap_and_prefetch_keep_grads_identical():
 
 def test_retain_graph_backward_twice():
     params, x = make_params(), torch.randn(16, D)
-    off = ActivationOffload(GROUPS, GROUPS - 1, min_bytes=0, copy_on_cpu=True, max_inflight_bytes=0)
+    off = make(GROUPS, GROUPS - 1, min_bytes=0, copy=True, max_inflight_bytes=0)
     leaves = [p.requires_grad_() for p in optree.tree_leaves(params)]
     with off.record(exclude=leaves):
         loss = forward(params, x, off)
@@ -357,7 +366,6 @@ BAD_OPTIONS = {  # option: values refused (with offload=1 unless the option is b
     "max_inflight_bytes": [True, False, -1, 1.5, NAN, "none", "Auto"],
     "host_cap_bytes": [True, False, -1, 1.5, NAN, "1"],
     "recompute_groups": [[True], [1.0], [NAN], ["1"], "12", 2, [9], [-1]],
-    "copy_on_cpu": [1, "yes", None],
 }
 
 
@@ -381,6 +389,26 @@ def test_constructor_accepts_the_documented_values():
         ActivationOffload(4, **kw)
 
 
+def test_testing_hooks():
+    """copy_on_cpu holds for the objects made inside it, for their life; the manual clock moves
+    only when told, inside its block."""
+    params, x = make_params(), torch.randn(64, D)
+    with copy_on_cpu():
+        copies = ActivationOffload(GROUPS, 1, min_bytes=0)
+    passes = ActivationOffload(GROUPS, 1, min_bytes=0)
+    for off in (copies, passes):
+        off.value_and_grad(lambda p, x: forward(p, x, off))(params, x)
+    assert copies.stats["offloaded_bytes"] > 0 and passes.stats["offloaded_bytes"] == 0
+    with pytest.raises(TypeError, match="copy_on_cpu"):  # a test's knob, not the constructor's
+        ActivationOffload(GROUPS, 1, copy_on_cpu=True)
+    with manual_clock() as clock:
+        clock.advance(0.25)
+        assert clock() == 0.25
+        for bad in (-1.0, float("nan"), True, "1"):
+            with pytest.raises(ValueError, match="advance"):
+                clock.advance(bad)
+
+
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="never the last"):
         ActivationOffload(4, 4)
@@ -390,7 +418,7 @@ def test_errors_name_the_fix():
         ActivationOffload(4, 2, recompute_groups=[1, 3])
     with pytest.raises(ValueError, match="one of offload= .* or budget_bytes="):
         ActivationOffload(4)
-    off = ActivationOffload(4, 2, copy_on_cpu=True, recompute_groups=[3])
+    off = make(4, 2, copy=True, recompute_groups=[3])
     with pytest.raises(ValueError, match="out of range"):
         with off.group(4):
             pass

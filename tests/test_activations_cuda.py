@@ -6,7 +6,6 @@ saved (fp32, 16k tokens, d=1024) against 32 MiB of grads per group (about 14 GiB
 """
 
 import gc
-import time
 
 import optree
 import pytest
@@ -101,15 +100,11 @@ def test_budget_is_met_with_identical_grads():
     assert_same(grads, want)
     assert off.plan.feasible and peak <= 1.05 * budget, (peak, budget, str(off.plan))
     assert off.stats["measured_steps"] == 2
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        vg(params, x)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    # the predicted step (the groups and the loss head; here that is all the step runs)
-    assert 0.6 <= off.plan.step_s / min(times) <= 1.5, (off.plan.step_s, times, str(off.plan))
+    # the times measured (CUDA events), as the plan uses them; how close the predicted step
+    # comes to a measured one is benchmarks/activation_offload.py's (no test asserts wall time)
+    p = off.plan.profile
+    assert all(f > 0 for f in p.forward_s) and 0.5 <= p.backward_ratio <= 4.0
+    assert off.plan.step_s == simulate(p, off.plan.decisions, prefetch=off.plan.prefetch).step_s
 
 
 def test_plan_predicts_the_keep_all_peak():

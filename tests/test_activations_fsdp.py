@@ -44,6 +44,7 @@ def step(model, x, off=None):
 
 def rank_main(rank, store):
     import functional_offload as fo
+    from functional_offload.activations.testing import copy_on_cpu
     from torch.distributed.device_mesh import init_device_mesh
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
@@ -51,8 +52,9 @@ def rank_main(rank, store):
         torch.manual_seed(1 + rank)
         x = torch.randn(64, D)
         want = step(build(mesh), x)
-        offs = [fo.ActivationOffload(N, 2, recompute_groups=[2], min_bytes=1024, copy_on_cpu=True),
-                fo.ActivationOffload(N, budget_bytes=160 << 10, min_bytes=1024, copy_on_cpu=True)]
+        with copy_on_cpu():
+            offs = [fo.ActivationOffload(N, 2, recompute_groups=[2], min_bytes=1024),
+                    fo.ActivationOffload(N, budget_bytes=160 << 10, min_bytes=1024)]
         for off in offs:
             model = build(mesh)
             off.wrap(list(model))

@@ -12,7 +12,7 @@ On a GPU, times come from CUDA events on the compute and copy streams (read once
 step's backward ends: one synchronization per profiling step) and memory from the caching
 allocator's counters. A host wait for copies puts an event before and after itself; nothing is
 queued on the compute stream between the two, so their distance is time the compute stood idle,
-and it is taken out of the group's forward time. On the CPU, ``time.perf_counter`` gives the times
+and it is taken out of the group's forward time. On the CPU, the host clock gives the times
 and the memory model counts saved bytes only.
 """
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import time
 from typing import Any, Optional, Sequence
 
 import torch
 
+from functional_offload.activations._hooks import now
 from functional_offload.activations.planner import KEEP, OFFLOAD, RECOMPUTE, Profile
 
 
@@ -60,7 +60,7 @@ class Measure:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record(torch.cuda.current_stream(self.device))
             return ev
-        return time.perf_counter()
+        return now()
 
     copy_begin = mark
 

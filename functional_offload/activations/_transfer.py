@@ -9,11 +9,12 @@ outlives its graph.
 
 from __future__ import annotations
 
-import time
 import weakref
 from typing import Any, Optional
 
 import torch
+
+from functional_offload.activations._hooks import now
 
 
 class Pool:
@@ -59,8 +60,8 @@ class Pool:
 
 
 class CpuCopy:
-    """A copy stream's event on the CPU (``copy_on_cpu``): the copy runs when it is waited for,
-    so sources stay alive, in flight, as they do on a GPU."""
+    """A copy stream's event on the CPU (tests: ``testing.copy_on_cpu``): the copy runs when it
+    is waited for, so sources stay alive, in flight, as they do on a GPU."""
 
     __slots__ = ("dst", "src", "done", "log")
 
@@ -72,10 +73,10 @@ class CpuCopy:
 
     def synchronize(self) -> None:
         if not self.done:
-            t0 = time.perf_counter()
+            t0 = now()
             self.dst.copy_(self.src)
             if self.log is not None:
-                self.log.append((self.dst.numel(), time.perf_counter() - t0))
+                self.log.append((self.dst.numel(), now() - t0))
             self.done, self.dst, self.src = True, None, None
 
 
@@ -240,10 +241,10 @@ class Mover:
             s = queue.pop(0)
             if not s.landed():
                 token = self.measure.gap_begin() if self.measure is not None else None
-                t0 = time.perf_counter()
+                t0 = now()
                 s.offloaded.synchronize()
                 self.stats["waits"] += 1
-                self.stats["wait_s"] += time.perf_counter() - t0
+                self.stats["wait_s"] += now() - t0
                 if token is not None:
                     self.measure.gap_end(token)
             total -= s.nbytes
@@ -300,10 +301,10 @@ class Mover:
         self.stats["reloaded_bytes"] += s.nbytes
         log = self.measure.copies["h2d"] if self.measure is not None else None
         if up is None:
-            t0 = time.perf_counter()
+            t0 = now()
             s.device_copy = s.host.clone()
             if log is not None:
-                log.append((s.nbytes, time.perf_counter() - t0))
+                log.append((s.nbytes, now() - t0))
             return
         # allocated from the reload stream's pool: a block the compute stream just freed may
         # still be read by its queued kernels, which the reload stream is not ordered after

@@ -13,6 +13,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from functional_offload.activations import _hooks
 from functional_offload.activations._steps import Budget, Step
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
@@ -98,7 +99,6 @@ class ActivationOffload:
         ``stats``. ``"auto"``: twice the largest group's offloaded bytes. None: no bound.
       host_cap_bytes: bound on pinned host bytes; tensors past it stay on the device.
       recompute_groups: with ``offload``, groups to recompute (they must run through ``run``).
-      copy_on_cpu: copy CPU tensors too, through deferred copies (tests; default pass-through).
 
     Example::
 
@@ -116,8 +116,7 @@ class ActivationOffload:
     def __init__(self, num_groups: int, offload: Union[int, float, None] = None, *,
                  budget_bytes: Optional[int] = None, min_bytes: int = 1 << 20, prefetch: int = 1,
                  max_inflight_bytes: Union[int, str, None] = "auto",
-                 host_cap_bytes: Optional[int] = None, recompute_groups: Sequence[int] = (),
-                 copy_on_cpu: bool = False):
+                 host_cap_bytes: Optional[int] = None, recompute_groups: Sequence[int] = ()):
         _check_int("num_groups", num_groups, 1, "how many groups the forward marks")
         n = num_groups
         if (offload is None) == (budget_bytes is None):
@@ -161,18 +160,16 @@ class ActivationOffload:
             raise ValueError(f"groups {both} are both offloaded and recomputed; recomputed groups "
                              "save no activations to offload — offload fewer groups or recompute "
                              "others")
-        if not isinstance(copy_on_cpu, bool):
-            raise ValueError(f"copy_on_cpu must be a bool, got {copy_on_cpu!r}")
         self.num_groups, self.offloaded_groups, self.budget_bytes = n, count, budget_bytes
         self.min_bytes, self.prefetch = min_bytes, prefetch
-        self.max_inflight_bytes, self.copy_on_cpu = max_inflight_bytes, copy_on_cpu
+        self.max_inflight_bytes = max_inflight_bytes
         self._fixed = None if count is None else [
             RECOMPUTE if i in recompute_groups else OFFLOAD if i < count else KEEP for i in range(n)]
         self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0, "tensors": 0, "waits": 0,
                       "wait_s": 0.0, "inflight_peak_bytes": 0, "recomputed_groups": 0,
                       "measured_steps": 0, "plans": 0}
         self._pool = Pool(host_cap_bytes)
-        self._mover = Mover(self._pool, copy_on_cpu, self.stats)
+        self._mover = Mover(self._pool, _hooks.copies_cpu(), self.stats)
         self._budget = None if budget_bytes is None else Budget(
             budget_bytes, n, None if max_inflight_bytes == "auto" else max_inflight_bytes, self.stats)
         self._step: Optional[Step] = None
