@@ -209,6 +209,8 @@ def test_inplace_change_of_a_freed_saved_activation_raises(case, when, path):
     keeps, offloads or recomputes it, also once the tensor itself is gone (the check used to
     hold weak references, dead by backward: no error and a wrong gradient); a change before the
     save is no change."""
+    if path == "recompute" and not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
+        pytest.skip("this torch does not tell checkpoint's hooks: recomputes are not checked")
     w, x = torch.randn(8, D), torch.randn(8, D)
     wr = w.clone().requires_grad_()
     if when == "before":

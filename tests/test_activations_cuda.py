@@ -174,6 +174,9 @@ def test_inplace_change_before_the_copy_raises():
 def test_inplace_change_of_a_freed_activation_raises(mode):
     """4 MiB activations (offloaded with the default min_bytes), changed in place inside their
     group and freed before backward: plain autograd raises, so must offload and recompute."""
+    if "recompute_groups" in mode and not hasattr(torch._C._autograd,
+                                                  "_top_saved_tensors_default_hooks"):
+        pytest.skip("this torch does not tell checkpoint's hooks: recomputes are not checked")
     w, x = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
     off = ActivationOffload(3, **mode)
 

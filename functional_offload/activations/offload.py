@@ -33,6 +33,13 @@ class _GroupForward:
         return self.off.run(self.index, self.forward, *args, **kwargs)
 
 
+def _checkpoint_hooks() -> Optional[tuple[Callable, Callable]]:
+    """The saved-tensor hooks on top (checkpoint's, in its forward), where torch tells them
+    (about 2.8 on: earlier versions recompute unchecked, as checkpoint does)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
+
+
 class _Recomputed:
     """A recomputed group's function. Its first call, the forward (under checkpoint's hooks),
     keeps each saved tensor's version counter and checks it when backward unpacks the tensor,
@@ -43,10 +50,11 @@ class _Recomputed:
         self.fn, self.index, self.ran = fn, index, False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.ran:
+        hooks = None if self.ran else _checkpoint_hooks()
+        self.ran = True
+        if hooks is None:
             return self.fn(*args, **kwargs)
-        self.ran, index = True, self.index
-        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        (pack, unpack), index = hooks, self.index
         with torch.autograd.graph.saved_tensors_hooks(lambda t: Versioned(pack(t), t, index),
                                                       lambda h: unpack(h.get())):
             return self.fn(*args, **kwargs)
