@@ -155,9 +155,10 @@ def test_inflight_bound_trades_time_for_memory_and_margin_counts():
                  prefetch=plan(p, 12 * GiB, margin_bytes=GiB).prefetch).peak_bytes + GiB
 
 
-@pytest.mark.parametrize("kw", [dict(budget_bytes=True), dict(budget_bytes=0), dict(budget_bytes=1.5),
-                                dict(prefetch=0), dict(prefetch=True), dict(margin_bytes=-1),
-                                dict(max_inflight_bytes=-1), dict(max_inflight_bytes=False)])
+@pytest.mark.parametrize("kw", [dict(budget_bytes=True), dict(budget_bytes=0),
+                                dict(budget_bytes=1.5), dict(prefetch=0), dict(prefetch=True),
+                                dict(margin_bytes=-1), dict(max_inflight_bytes=-1),
+                                dict(max_inflight_bytes=False)])
 def test_plan_options_are_checked(kw):
     args = {"budget_bytes": GiB, **kw}
     with pytest.raises(ValueError, match=next(iter(kw))):
