@@ -26,8 +26,8 @@ from typing import Any, BinaryIO, Optional, Union
 import torch
 
 from functional_offload.base import (BUSY, CONSUMED, GradientTransformation, Optimizer, ParamRefs,
-                                     check_usable, claim, flush, mark_tensors, release,
-                                     terminal_states)
+                                     check_recoverable, check_states, check_usable, claim, flush,
+                                     mark_tensors, release, restore_params, terminal_states)
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
@@ -85,12 +85,15 @@ def _state_leaves(state: OptState) -> tuple[list[str], list[Any]]:
 
 def ready_for_load(like: OptState) -> None:
     """Make ``like`` ready to be overwritten: wait for a delayed step in flight (its result is
-    dropped); a failed state may be loaded into (that is how it recovers), a consumed one or
-    one in a step may not (:class:`~functional_offload.StateError`)."""
+    dropped); a failed state may be loaded into (that is how it recovers; its params are then
+    set from the masters loaded), unless its failed step changed params it keeps no master of;
+    a consumed one or one in a step may not (:class:`~functional_offload.StateError`)."""
     for s in terminal_states(like):
         n = int(s.count) if isinstance(s.count, torch.Tensor) and s.count.dim() == 0 else 0
         if n in (CONSUMED, BUSY):
             check_usable(s, "load into it")
+    check_recoverable(like)  # a failed step's params: restored from the masters loaded
+    for s in terminal_states(like):
         if s.params.pending is not None:
             s.params.pending.settle()
 
@@ -113,6 +116,7 @@ def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
     check_usable(state, action)
     flush(state)  # a delayed update still in flight lands first
     check_usable(state, action)
+    check_states(state)  # values a loop wrote into the state that a load would refuse
     return state_tensors(state)
 
 
@@ -161,6 +165,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     def copy_all() -> None:
         for p, x in zip(paths, leaves):
             x.copy_(sd[p])
+        restore_params(like)
 
     _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn
     if interrupt is not None:
