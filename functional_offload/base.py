@@ -559,7 +559,8 @@ def ema_params(state: OptState) -> Params:
     paths, leaves, spec = optree.tree_flatten_with_path(params_of(state))
     missing = [".".join(map(str, path)) for path, p in zip(paths, leaves) if id(p) not in by_param]
     if missing:
-        raise ValueError(f"params {missing[:8]} are stepped by a part that keeps no EMA: build "
+        shown = f"{missing[:8]}" + (f" (of {len(missing)})" if len(missing) > 8 else "")
+        raise ValueError(f"params {shown} are stepped by a part that keeps no EMA: build "
                          "every part's optimizer with ema_decay=... to read fo.ema_params")
     return optree.tree_unflatten(spec, [by_param[id(p)] for p in leaves])
 

@@ -275,7 +275,8 @@ class StrictLoadPlanner(DefaultLoadPlanner):
         unexpected = sorted(k for k in saved
                             if k not in self.state_dict and origin.get(k, (k,))[0] in roots)
         if unexpected:
-            raise CheckpointError(f"the checkpoint holds {unexpected[:8]}, which the state dict "
+            shown = f"{unexpected[:8]}" + (f" (of {len(unexpected)})" if len(unexpected) > 8 else "")
+            raise CheckpointError(f"the checkpoint holds {shown}, which the state dict "
                                   "lacks; build the state with the optimizer chain, params and "
                                   "dtypes of the saved run")
         return plan

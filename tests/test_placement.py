@@ -237,3 +237,12 @@ def test_plan_refuses_an_optimizer_whose_state_does_not_hold_what_its_parts_plac
     for opt in (twice, renamed):
         with pytest.raises(ValueError, match="fo.plan cannot match this optimizer's placement"):
             fo.plan(opt, params)
+
+
+def test_a_budget_policy_decides_on_the_bytes_init_makes():
+    """fp64 params' EMAs are fp64: 1,600 B of moments and 800 B of EMA per 100-element leaf,
+    past a 2,000 B budget, so no leaf's state fits on the device."""
+    params = {f"l{i}": torch.empty(100, dtype=torch.float64, device="meta") for i in range(2)}
+    plan = fo.plan(fo.adamw(1e-3, placement=P.device_budget(2000), ema_decay=0.9), params)
+    assert plan.on_host == (True, True) and plan.device_bytes == 0
+    assert plan.state_bytes == (3200, 3200)  # on the host, a device param gets an fp64 master

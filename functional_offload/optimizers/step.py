@@ -273,6 +273,8 @@ class TerminalStep:
         _check_master(leaf)
         self.fed[index] = g
         if self._starts_ahead(leaf, index):
+            if not self.ahead:  # a param laid out anew is taken or refused before work starts
+                grads_of(self.state.params.tree, self.notes).refresh()
             self._land_previous()
             form = self._host_leaf(index, g, ahead=True)
             self.forms[id(form)] = index

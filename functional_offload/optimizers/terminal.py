@@ -132,18 +132,24 @@ class Terminal:
     def _moment_shape(m: Any, p: torch.Tensor) -> Optional[tuple[int, ...]]:
         return tuple(p.shape) if m.shape is None else m.shape(p.shape)
 
+    def _needs_master(self, p: torch.Tensor, host: bool) -> bool:
+        """Whether the leaf's value is a master apart from the param: low-precision params;
+        host state of a GPU param; delayed host leaves (the new param waits in a buffer);
+        strided host params (a contiguous master, written back with a strided copy)."""
+        return p.dtype in LOW_PRECISION or (host and (
+            p.device.type != "cpu" or self.delayed or not p.is_contiguous()))
+
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
-        """State bytes of a leaf: moments, master (if it gets one there), EMA."""
+        """State bytes of a leaf as init makes them: moments, master (if it gets one), EMA."""
         total = 0
         for m in self.spec.moments:
             shape = self._moment_shape(m, p)
             if shape is not None:
                 total += math.prod(shape) * self._moment_dtype(m.name, p).itemsize
-        per = 0
-        if p.dtype in LOW_PRECISION or (host and p.device.type != "cpu"):
-            per += self._value_dtype(p).itemsize
+        value = self._value_dtype(p)
+        per = value.itemsize if self._needs_master(p, host) else 0
         if self.ema_decay is not None:
-            per += 4
+            per += torch.promote_types(value, torch.float32).itemsize
         return total + p.numel() * per
 
     def init(self, params: Params) -> Any:
@@ -189,12 +195,8 @@ class Terminal:
         with torch.no_grad():
             for p, host in zip(locals_, on_host):
                 where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
-                # delayed: the new param waits in a buffer, so the value must be separate; a
-                # strided param gets a contiguous master, written back with a strided copy
-                need_master = p.dtype in LOW_PRECISION or (host and (
-                    p.device.type != "cpu" or self.delayed or not p.is_contiguous()))
                 master = (p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
-                          if need_master else None)
+                          if self._needs_master(p, host) else None)
                 masters.append(master)
                 for m in self.spec.moments:
                     shape = self._moment_shape(m, p)
