@@ -23,9 +23,10 @@ from functional_offload.executor.shield import shielded
 from functional_offload.kernels import native
 from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
-from functional_offload.optimizers.step import Leaf, TerminalStep, with_flat_views
+from functional_offload.optimizers.layout import Leaf, decay_flags, layout
+from functional_offload.optimizers.step import TerminalStep
 from functional_offload.placement import Placement, on_host, previewing, record_plan
-from functional_offload.tree import (check_no_aliasing, check_tensor_leaves, flatten_like,
+from functional_offload.tree import (check_no_aliasing, check_tensor_leaves,
                                      leaves_with_paths, local)
 from functional_offload.typing import Params, ScalarOrSchedule
 
@@ -210,7 +211,7 @@ class Terminal:
                 [i for i, (p, m) in enumerate(zip(locals_, masters))
                  if on_host[i] and m is not None and p.numel() <= PACK_MAX],
                 [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
-                self._decay_flags(tree), [p.dtype for p in locals_])
+                decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_])
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
@@ -238,33 +239,11 @@ class Terminal:
         if (cached is not None and len(cached[0]) == len(key)
                 and all(a is b for a, b in zip(cached[0], key))):
             return cached[1]
-        leaves = self._layout(state)
+        leaves = layout(state, self.spec, lambda params: decay_flags(params, self.weight_decay_mask),
+                        self.ema_decay is not None)
         if notes is not None:
             notes["layout"] = (key, leaves)
         return leaves
-
-    def _layout(self, state: Any) -> list[Leaf]:
-        params = state.params.tree
-        paths, lives, _ = leaves_with_paths(params)
-        masters = flatten_like(state.master, params, "state.master")
-        moms = [flatten_like(getattr(state, m.name), params, f"state.{m.name}") for m in self.spec.moments]
-        emas = flatten_like(state.ema, params, "state.ema") if self.ema_decay is not None else [None] * len(lives)
-        decay = self._decay_flags(params)
-        out = []
-        for i, live in enumerate(lives):
-            p = local(live)
-            leaf = Leaf(paths[i], live, p, masters[i] if masters[i] is not None else p,
-                        tuple(m[i] for m in moms), emas[i], masters[i] is not None, decay[i])
-            out.append(with_flat_views(leaf) if leaf.on_host and self.spec.elementwise else leaf)
-        return out
-
-    def _decay_flags(self, params: Params) -> list[bool]:
-        mask = self.weight_decay_mask
-        n = len(optree.tree_leaves(params))
-        if mask is None:
-            return [True] * n
-        tree = mask(params) if callable(mask) else mask
-        return [bool(m) for m in flatten_like(tree, params, "weight_decay_mask")]
 
     def begin(self, state: Any, speculative: bool = False) -> Step:
         return TerminalStep(self, state, speculative)

@@ -1,0 +1,142 @@
+"""Device-resident leaves: the spec's math run on the params' devices, a call per group.
+
+A :class:`Group` is the leaves one call updates (one device, one dtype of values and of each
+moment, one weight decay); :func:`run_groups` casts their grads where the values' dtype
+differs, runs the math, writes the params of leaves with a master and moves the EMAs, all
+queued on the caller's current streams.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from functional_offload.executor.timeline import Timeline
+    from functional_offload.optimizers.layout import Leaf
+
+__all__ = ["Cast", "Group", "device_groups", "run_groups"]
+
+
+class Cast:
+    """Grads in their values' dtype (bf16 grads of fp32 masters): views of one buffer, shaped like
+    the grads, made once. The buffer's memory is taken for a step's math and given back after it
+    (its storage is resized), so nothing is held between steps and no view is made per step."""
+
+    def __init__(self, like: list[torch.Tensor], dtype: torch.dtype, device: torch.device):
+        numels = [x.numel() for x in like]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        self.views = [v.view(x.shape) for v, x in zip(flat.split(numels), like)]
+        self.storage = flat.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.storage.resize_(0)
+
+    def __call__(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` cast into the views (one multi-tensor copy); :meth:`release` once the math
+        that reads them is queued."""
+        self.storage.resize_(self.nbytes)
+        torch._foreach_copy_(self.views, grads)
+        return self.views
+
+    def release(self) -> None:
+        self.storage.resize_(0)
+
+
+class Group(NamedTuple):
+    """Device-resident leaves that one call of the spec's device math updates: one device, one
+    dtype of values and of each moment, one weight decay."""
+
+    idx: list[int]
+    values: list[torch.Tensor]
+    moments: list[list[torch.Tensor]]  # per moment
+    decay: bool
+    device: torch.device
+    written: list[int]  # positions (in idx) of the leaves with a master, whose params are written
+    params: list[torch.Tensor]  # those params
+    news: list[torch.Tensor]  # and their values (masters)
+    emas: list[torch.Tensor]  # the leaves' EMAs, or [] without
+    cast_at: list[int]  # positions (in idx) whose params' dtype is not the values'
+    cast: Optional[Cast]  # their grads in the values' dtype
+
+
+def device_groups(leaves: list["Leaf"]) -> list[Group]:
+    """The groups of the device-resident ``leaves``, in the order their first leaf comes."""
+    keyed: dict[tuple, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if not leaf.on_host:
+            key = (leaf.value.device, leaf.value.dtype,
+                   tuple(None if m is None else m.dtype for m in leaf.moments), leaf.decay)
+            keyed.setdefault(key, []).append(i)
+    groups = []
+    for (device, dtype, *_, decay), idx in keyed.items():
+        written = [k for k, i in enumerate(idx) if leaves[i].has_master]
+        cast_at = [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype]
+        groups.append(Group(
+            idx, [leaves[i].value for i in idx],
+            [[leaves[i].moments[j] for i in idx] for j in range(len(leaves[idx[0]].moments))],
+            decay, device, written, [leaves[idx[k]].param for k in written],
+            [leaves[idx[k]].value for k in written],
+            [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
+            Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None))
+    return groups
+
+
+def _with_grads(grp: Group, grads: list) -> Optional[tuple]:
+    """The group's lists cut to the leaves with a grad this step (their grads cast one by one),
+    or None if no leaf has one."""
+    grads = [g if g is None or g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, grp.values)]
+    keep = [k for k, g in enumerate(grads) if g is not None]
+    if not keep:
+        return None
+    kept = set(keep)
+    return ([grads[k] for k in keep], [grp.values[k] for k in keep],
+            [[m[k] for k in keep] for m in grp.moments],
+            [p for k, p in zip(grp.written, grp.params) if k in kept],
+            [v for k, v in zip(grp.written, grp.news) if k in kept],
+            [grp.emas[k] for k in keep] if grp.emas else [])
+
+
+def _cast(grp: Group, grads: list) -> list:
+    """Grads in the values' dtype through the group's :class:`Cast` (released by the caller)."""
+    if len(grp.cast_at) == len(grads):
+        return grp.cast(grads)
+    grads = list(grads)
+    for k, g in zip(grp.cast_at, grp.cast([grads[k] for k in grp.cast_at])):
+        grads[k] = g
+    return grads
+
+
+def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],
+               hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
+               timeline: Optional["Timeline"]) -> bool:
+    """Update each group's leaves that have a grad in ``gs`` (per leaf; ``every_grad``: the
+    grads check found every leaf with one); whether any leaf was updated."""
+    touched = False
+    for grp in groups:
+        grads = [gs[i] for i in grp.idx]
+        values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
+        cast = grp.cast
+        if not every_grad and any(g is None for g in grads):
+            cut = _with_grads(grp, grads)  # leaves without a grad left out, the others cast
+            if cut is None:
+                continue
+            cast = None
+            grads, values, moments, params, news, emas = cut
+        touched = True
+        s0 = timeline.stamp(grp.device) if timeline else None
+        try:
+            if cast is not None:
+                grads = _cast(grp, grads)
+            math(values, grads, moments, hyper if grp.decay else hyper_no_decay)
+        finally:
+            if cast is not None:
+                cast.release()  # after the math is queued: the stream orders its reuse
+        if params:
+            torch._foreach_copy_(params, news)
+        if emas:
+            torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
+                                        for v, e in zip(values, emas)], 1 - (ema_decay or 0.0))
+        if timeline:
+            timeline.span("GPU update", f"{len(grads)} leaves", s0, timeline.stamp(grp.device))
+    return touched

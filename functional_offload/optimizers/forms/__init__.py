@@ -1,0 +1,46 @@
+"""How a terminal step's host-resident leaves run: one form per step behind
+:class:`~functional_offload.optimizers.forms.base.HostForm`.
+
+- :class:`InPlace`: element-wise math in place, chunked through the executor (grad streaming,
+  packed small leaves, strided write-back);
+- :class:`Speculative`: the same, with leaves fed ahead of an unknown factor into spare buffers;
+- :class:`Delayed`: in the background, landed by the next step;
+- :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time.
+
+:func:`form_for` picks one; a new form is a module here and a line in ``FORMS``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from functional_offload.optimizers.forms.base import HostForm, HostWork
+from functional_offload.optimizers.forms.delayed import Delayed, Pending
+from functional_offload.optimizers.forms.in_place import InPlace
+from functional_offload.optimizers.forms.leaf_granular import LeafGranular
+from functional_offload.optimizers.forms.speculative import Speculative
+
+__all__ = ["FORMS", "Case", "Delayed", "HostForm", "HostWork", "InPlace", "LeafGranular", "Pending",
+           "Speculative", "form_for"]
+
+
+class Case(NamedTuple):
+    """What decides a step's form."""
+
+    delayed: bool  # the optimizer's delayed=True
+    elementwise: bool  # the spec's math is element-wise
+    speculative: bool  # begun with speculative=True
+
+
+# the first whose test holds; each form's constructor: (work, packs, spares) -> HostForm
+FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork, list, dict], HostForm]]] = [
+    (lambda c: not c.elementwise, lambda w, packs, spares: LeafGranular(w)),
+    (lambda c: c.delayed, lambda w, packs, spares: Delayed(w)),
+    (lambda c: c.speculative, Speculative),
+    (lambda c: True, lambda w, packs, spares: InPlace(w, packs)),
+]
+
+
+def form_for(case: Case, work: HostWork, packs: list, spares: dict) -> HostForm:
+    """The form of a step in ``case``."""
+    return next(make for test, make in FORMS if test(case))(work, packs, spares)

@@ -1,0 +1,100 @@
+"""The delayed update (``delayed=True``): the host leaves' step runs in the background while
+the training loop goes on, their new params waiting in buffers (:class:`~functional_offload.
+executor.delayed.Landing`); the next step, a flush or a checkpoint lands them
+(:class:`Pending`, the state's ``ParamRefs.pending``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from functional_offload.base import mark_failed
+from functional_offload.executor.delayed import Landing
+from functional_offload.executor.shield import shielded
+from functional_offload.optimizers.forms.base import HostWork
+
+__all__ = ["Delayed", "Pending"]
+
+
+class Pending:
+    """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
+    waits for it and drops its result (before a checkpoint is loaded over the state)."""
+
+    def __init__(self, landing: Landing, count: torch.Tensor, notes: Optional[dict], lost: list[str]):
+        self.landing, self.count, self.notes, self.lost = landing, count, notes, lost
+        self.done = False
+        self.error: Optional[BaseException] = None
+
+    def land(self) -> None:
+        if self.done:
+            if self.error is not None:
+                raise self.error
+            return
+        ex, device = self.landing.ex, self.landing.device
+        ready = ex.ready(device)  # the caller's reads of the old params come first
+        try:
+            _, interrupt = shielded(self.landing.land, ready)
+        except BaseException as e:
+            self.done, self.error = True, e
+            mark_failed(self.count, self.notes, self.lost)
+            raise
+        finally:
+            ex.order_after_copies(device)
+        self.done = True
+        if interrupt is not None:
+            raise interrupt
+
+    def settle(self) -> None:
+        self.done, self.error = True, None  # dropped: a load overwrites what it would land
+        _, interrupt = shielded(self.landing.run.wait)
+        if interrupt is not None:
+            raise interrupt
+
+
+class Delayed:
+    """The delayed form (see the module): nothing starts before finish, which starts the run
+    and returns its :class:`Landing`; the step's count and lost params make it
+    :class:`Pending`."""
+
+    def __init__(self, work: HostWork):
+        self.work = work
+        self.ahead: set[int] = set()
+        self.started = False
+
+    def starts_ahead(self, index: int) -> bool:
+        return False
+
+    def start(self, index: int, grad: torch.Tensor) -> None:
+        raise AssertionError("a delayed step starts nothing ahead")
+
+    def close(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def finish(self, gs: list, rest: list[int], ready: dict) -> Optional[Landing]:
+        if not rest:
+            return None
+        work = self.work
+        landing = Landing(work.ex, [work.host_leaf(i, gs[i], None) for i in rest], work.kernel(),
+                          [work.leaves[i].param.view(-1) if work.leaves[i].has_master else None
+                           for i in rest], work.t.threads)
+        self.started = True  # (a failure before, e.g. allocating, changed nothing)
+        return landing
+
+    def commit(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+    def touched(self) -> bool:
+        return self.started
+
+    def handed_in_place(self) -> bool:
+        return False
+
+    def release(self) -> None:
+        pass

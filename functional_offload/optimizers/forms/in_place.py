@@ -1,0 +1,146 @@
+"""Element-wise host math in place, in chunks through the executor: fed leaves start at once
+(grad streaming), the others at finish; small leaves run packed (one host leaf over each
+pack's arenas, their grads gathered and new params scattered by multi-tensor copies), strided
+params get their new values written back after the run."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from functional_offload.executor import HostLeaf, Run
+from functional_offload.optimizers.forms.base import HostWork, by_device, raise_run_errors, wait_runs
+from functional_offload.optimizers.packing import Buffers, buffers, span
+from functional_offload.optimizers.packing import runs as runs_of
+
+__all__ = ["InPlace"]
+
+PackedRun = tuple[tuple[int, ...], Buffers, int, int]  # members, buffers, first, last
+
+
+class InPlace:
+    """The in-place form (see the module)."""
+
+    def __init__(self, work: HostWork, packs: list):
+        self.work, self.packs = work, packs
+        self.ahead: set[int] = set()
+        self.runs: dict[torch.device, Run] = {}  # the streamed runs (fed leaves)
+        self.rest_runs: dict[torch.device, Run] = {}  # the runs of what finish hands over
+        self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
+        self.packed_out: list[PackedRun] = []
+        self.closed = False
+
+    def starts_ahead(self, index: int) -> bool:
+        return self.work.leaves[index].on_host and index not in self.work.static.packed
+
+    def ahead_leaf(self, index: int, g: torch.Tensor) -> HostLeaf:
+        return self.in_place_leaf(index, g)
+
+    def start(self, index: int, g: torch.Tensor) -> None:
+        self.work.run(g.device, self.runs).add(self.ahead_leaf(index, g), self.work.ex.ready(g.device))
+        self.ahead.add(index)
+
+    def in_place_leaf(self, index: int, g: torch.Tensor) -> HostLeaf:
+        leaf = self.work.leaf(index)
+        out: Optional[torch.Tensor]
+        if not leaf.has_master:
+            out = None  # the value is the param
+        elif not leaf.param.is_contiguous():  # written back after the run (a strided copy)
+            out = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype, device=leaf.param.device)
+            self.strided.append((leaf.param, out))
+        else:
+            out = leaf.param.view(-1)
+        return self.work.host_leaf(index, g, out)
+
+    def close(self) -> None:
+        self.closed = True
+        for run in self.runs.values():
+            run.close()
+
+    def settle(self) -> None:
+        pass
+
+    def finish_runs(self) -> dict:
+        """Where the leaves handed over at finish go: the streamed runs while they are open."""
+        return self.rest_runs if self.closed else self.runs
+
+    def finish(self, gs: list, rest: list[int], ready: dict) -> None:
+        work, runs = self.work, self.finish_runs()
+        elements: dict[torch.device, int] = {}
+        for i in rest:
+            device = gs[i].device
+            elements[device] = elements.get(device, 0) + work.static.params[i][1].numel()
+        self.packed_out = self._packed_leaves(gs, runs, elements)
+        for device, idx in by_device([i for i in rest if i not in work.static.packed], gs).items():
+            work.run(device, runs, elements).add_all(
+                [self.in_place_leaf(i, gs[i]) for i in idx], ready[device])
+        wait_runs(runs)
+        wait_runs(self.runs)  # what was fed ahead (a no-op when already waited for)
+        raise_run_errors(self.runs)
+        raise_run_errors(self.rest_runs)
+        for device in {*self.runs, *self.rest_runs}:
+            work.ex.order_after_copies(device)
+
+    def commit(self) -> None:
+        """The packed runs' new params scattered to the params, strided params written back."""
+        leaves = self.work.leaves
+        for members, bufs, first, last in self.packed_out:
+            torch._foreach_copy_([leaves[i].param for i in members], bufs.outs[first:last + 1])
+        for param, new in self.strided:
+            param.copy_(new.view(param.shape))
+
+    def _packed_leaves(self, gs: list, runs: dict, elements: dict[torch.device, int]) -> list[PackedRun]:
+        """Each run of packed members with a grad: grads gathered into the pack's buffer (one
+        multi-tensor copy), handed to ``runs`` as one host leaf over the arenas."""
+        work, leaves, out = self.work, self.work.leaves, []
+        for k, pack in enumerate(self.packs):
+            pack_runs = work.static.pack_runs[k]
+            if any(gs[i] is None for i in pack.members):
+                pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in leaves])
+            for first, last in pack_runs:
+                members = pack.members[first:last + 1]
+                lead, g0 = leaves[members[0]], gs[members[0]]
+                key = ("pack", k, g0.device, g0.dtype)
+                if key not in work.notes:
+                    work.notes[key] = buffers(pack, g0.device, g0.dtype,
+                                              [leaves[i].param.shape for i in pack.members])
+                bufs = work.notes[key]
+                lo, hi = pack.offsets[first], pack.offsets[last] + leaves[members[-1]].param.numel()
+                torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
+                ready = work.ex.ready(g0.device)  # after the gather, on the caller's stream
+                leaf = HostLeaf(f"{lead.path} (and {len(members) - 1} more small leaves)",
+                                bufs.grad[lo:hi], bufs.out[lo:hi],
+                                tuple(span(x, hi - lo) for x in (lead.value, *lead.moments)),
+                                work.hyper_of(lead), (),
+                                None if lead.ema is None else span(lead.ema, hi - lo),
+                                work.t.ema_decay or 0.0)
+                work.run(g0.device, runs, elements).add(leaf, ready)
+                out.append((members, bufs, first, last))
+        return out
+
+    def all_runs(self) -> list[Run]:
+        return [*self.runs.values(), *self.rest_runs.values()]
+
+    def cancel(self) -> None:
+        every = self.all_runs()
+        for run in every:
+            run.cancel()
+        for run in every:
+            run.wait()
+
+    def in_place_runs(self) -> list[Run]:
+        """The runs whose leaves write in place."""
+        return self.all_runs()
+
+    def touched(self) -> bool:
+        return any(run.started for run in self.in_place_runs())
+
+    def handed_in_place(self) -> bool:
+        return bool(self.ahead)  # whether a run began is timing: handed over counts
+
+    def release(self) -> None:
+        self.strided.clear()
+        self.packed_out.clear()
+        self.runs.clear()
+        self.rest_runs.clear()

@@ -1,0 +1,148 @@
+"""A terminal state's leaves as a step sees them, and what steps reuse while the layout stays.
+
+:func:`layout` pairs each param with its value (master or the param), moments and EMA, in the
+params' flatten order; :func:`static` derives what every step of that layout reuses (which
+leaves are where, the device groups, the packs' runs, the host views' addresses).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional, Protocol
+
+import optree
+import torch
+
+from functional_offload.executor import HostExecutor
+from functional_offload.optimizers.device_math import Group, device_groups
+from functional_offload.optimizers.packing import Pack
+from functional_offload.optimizers.packing import runs as runs_of
+from functional_offload.optimizers.spec import OptimizerSpec
+from functional_offload.tree import flatten_like, leaves_with_paths, local
+
+__all__ = ["Leaf", "Static", "TerminalLike", "check_master", "layout", "static", "viewed",
+           "with_flat_views"]
+
+
+class TerminalLike(Protocol):
+    """What a step reads of its optimizer (:class:`~functional_offload.optimizers.terminal.Terminal`)."""
+
+    spec: OptimizerSpec
+    cpu_kernel: str
+    delayed: bool
+    ema_decay: Optional[float]
+
+    @property
+    def executor(self) -> HostExecutor: ...
+
+    @property
+    def threads(self) -> int: ...
+
+    def check_state(self, state: Any, action: str) -> None: ...
+
+    def hyper_at(self, n: int) -> tuple[Any, Any]: ...
+
+    def layout(self, state: Any) -> list["Leaf"]: ...
+
+
+class Leaf(NamedTuple):
+    """One leaf of a terminal state, as a step sees it."""
+
+    path: str
+    live: torch.Tensor  # the param as in the params tree (nn.Parameter, DTensor...)
+    param: torch.Tensor  # its local tensor (the data updated)
+    value: torch.Tensor  # master or the param itself
+    moments: tuple[torch.Tensor, ...]
+    ema: Optional[torch.Tensor]
+    has_master: bool
+    decay: bool  # weight decay applies
+    flat: tuple[torch.Tensor, ...] = ()  # host leaves of element-wise math: (value, moments...) 1-D
+    ema_flat: Optional[torch.Tensor] = None  # and the EMA, 1-D
+
+    @property
+    def on_host(self) -> bool:
+        return self.value.device.type == "cpu"
+
+
+def with_flat_views(leaf: Leaf) -> Leaf:
+    """``leaf`` with its 1-D host views (``flat``, ``ema_flat``) made from its tensors (views do
+    not follow a tensor whose storage is replaced: they are made anew when that happened)."""
+    return leaf._replace(flat=(leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
+                         ema_flat=None if leaf.ema is None else leaf.ema.view(-1))
+
+
+def layout(state: Any, spec: OptimizerSpec, decay: Callable[[Any], list[bool]],
+           ema: bool) -> list[Leaf]:
+    """The leaves of ``state`` in the params' flatten order; ``decay(params)``: per leaf, whether
+    weight decay applies; ``ema``: whether the state keeps EMAs."""
+    params = state.params.tree
+    paths, lives, _ = leaves_with_paths(params)
+    masters = flatten_like(state.master, params, "state.master")
+    moms = [flatten_like(getattr(state, m.name), params, f"state.{m.name}") for m in spec.moments]
+    emas = flatten_like(state.ema, params, "state.ema") if ema else [None] * len(lives)
+    decays = decay(params)
+    out = []
+    for i, live in enumerate(lives):
+        p = local(live)
+        leaf = Leaf(paths[i], live, p, masters[i] if masters[i] is not None else p,
+                    tuple(m[i] for m in moms), emas[i], masters[i] is not None, decays[i])
+        out.append(with_flat_views(leaf) if leaf.on_host and spec.elementwise else leaf)
+    return out
+
+
+def decay_flags(params: Any, mask: Any) -> list[bool]:
+    """Per leaf of ``params``, whether weight decay applies under ``mask`` (a tree or a function
+    of the params; None: everywhere)."""
+    if mask is None:
+        return [True] * len(optree.tree_leaves(params))
+    tree = mask(params) if callable(mask) else mask
+    return [bool(m) for m in flatten_like(tree, params, "weight_decay_mask")]
+
+
+def check_master(leaf: Leaf) -> None:
+    """Refuse a leaf whose param changed dtype since ``init`` so that its master no longer
+    fits it (an fp32 master made for an fp32 param that is fp64 now: ``module.double()``);
+    params without a master, and low-precision params of an fp32 master, are followed."""
+    p, v = leaf.param, leaf.value
+    if leaf.has_master and p.dtype not in (torch.bfloat16, torch.float16) and p.dtype != v.dtype:
+        raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps a {v.dtype} "
+                        "master made for its dtype at init; convert it back, or make a new state "
+                        "for the new dtype with opt.init(params)")
+
+
+class Static(NamedTuple):
+    """What a step reuses while the state's layout stays the same: which leaves are where, the
+    device groups, the packed leaves, the host tensors whose views the layout keeps and those
+    views' addresses."""
+
+    host: list[int]  # leaves whose state is on the host
+    packed: frozenset[int]
+    groups: list[Group]
+    host_devices: frozenset[torch.device]  # the devices of the host leaves' params
+    viewed: list[tuple[int, torch.Tensor]]  # (leaf, tensor) per host-view
+    view_ptrs: list[int]  # the address each of those views was made at
+    pack_runs: list[list[tuple[int, int]]]  # per pack, its runs when every member has a grad
+    params: list[tuple[torch.dtype, torch.Size]]  # per leaf, its param's dtype and shape then
+    taken: int = 0  # the grads check (GradsOf.taken) that saw the params as these; while it
+    #                 is the same, plain grads are checked all at once
+
+
+def viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int]]:
+    """The host tensors whose 1-D views the leaves keep, and each view's address."""
+    pairs, ptrs = [], []
+    for i, leaf in enumerate(leaves):
+        if leaf.flat:
+            views = (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
+            tensors = (leaf.value, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
+            pairs += [(i, x) for x in tensors]
+            ptrs += [v.data_ptr() for v in views]
+    return pairs, ptrs
+
+
+def static(leaves: list[Leaf], packs: list[Pack]) -> Static:
+    """The :class:`Static` part of ``leaves`` packed as ``packs``."""
+    host = [i for i, leaf in enumerate(leaves) if leaf.on_host]
+    decays = [leaf.decay for leaf in leaves]
+    return Static(host, frozenset(i for pack in packs for i in pack.members), device_groups(leaves),
+                  frozenset(leaves[i].param.device for i in host), *viewed(leaves),
+                  [runs_of(pack, [True] * len(leaves), decays) for pack in packs],
+                  [(leaf.param.dtype, leaf.param.shape) for leaf in leaves])
