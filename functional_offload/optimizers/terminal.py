@@ -153,10 +153,7 @@ class Terminal:
             per += torch.promote_types(value, torch.float32).itemsize
         return total + p.numel() * per
 
-    def init(self, params: Params) -> Any:
-        paths, leaves, spec = leaves_with_paths(params)
-        check_tensor_leaves(leaves, paths, "params")
-        locals_ = [local(p) for p in leaves]  # DTensor params: state for this rank's shard
+    def _check_params(self, paths: list[str], locals_: list[torch.Tensor]) -> None:
         for path, p in zip(paths, locals_):
             if not p.dtype.is_floating_point:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; only floating params can "
@@ -165,13 +162,9 @@ class Terminal:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; params must be fp32, bf16, "
                                 "fp16 or fp64 (keep fp8 weights as casts of such a param)")
         check_no_aliasing(paths, locals_)
-        tree = optree.tree_unflatten(spec, locals_)
-        plan = self.placement.plan(tree, [self._state_bytes(p, False) for p in locals_],
-                                   host_bytes=[self._state_bytes(p, True) for p in locals_])
-        on_host = plan.host_mask()
-        preview = previewing()
-        if preview:
-            record_plan(plan)
+
+    def _check_host(self, paths: list[str], locals_: list[torch.Tensor], on_host: list[bool]) -> None:
+        """Refuse host leaves that ``cpu_kernel`` or ``delayed`` cannot step."""
         for path, p, host in zip(paths, locals_, on_host):
             moment_dtypes = {self._moment_dtype(m.name, p) for m in self.spec.moments}
             if host and self.cpu_kernel == "native" and (
@@ -185,33 +178,54 @@ class Terminal:
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "
                                  "it, or keep its state on the device with placement.select)")
+
+    @torch.no_grad()
+    def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool],
+                    preview: bool) -> tuple[list, dict[str, list], list]:
+        """Per leaf, its master (or None), moments and EMA, where the placement put it (on the
+        meta device for a preview)."""
+        masters, emas = [], []
+        moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
+        for p, host in zip(locals_, on_host):
+            where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
+            master = (p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
+                      if self._needs_master(p, host) else None)
+            masters.append(master)
+            for m in self.spec.moments:
+                shape = self._moment_shape(m, p)
+                moments[m.name].append(None if shape is None else torch.zeros(
+                    shape, dtype=self._moment_dtype(m.name, p), device=where))
+            if self.ema_decay is not None:
+                src = master if master is not None else p.detach()
+                emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
+                                   copy=True).contiguous())  # fp32, fp64 for fp64 values
+        return masters, moments, emas
+
+    def init(self, params: Params) -> Any:
+        paths, leaves, spec = leaves_with_paths(params)
+        check_tensor_leaves(leaves, paths, "params")
+        locals_ = [local(p) for p in leaves]  # DTensor params: state for this rank's shard
+        self._check_params(paths, locals_)
+        tree = optree.tree_unflatten(spec, locals_)
+        plan = self.placement.plan(tree, [self._state_bytes(p, False) for p in locals_],
+                                   host_bytes=[self._state_bytes(p, True) for p in locals_])
+        on_host = plan.host_mask()
+        preview = previewing()
+        if preview:
+            record_plan(plan)
+        self._check_host(paths, locals_, on_host)
         if any(on_host) and not preview:
             if self.cpu_kernel != "torch" and self.spec.native is not None:
                 native.module()  # build now (once per machine and CPU capability), not mid-step
             for p, host in zip(locals_, on_host):
                 if host:
                     self.executor.reserve(p.device)
-        masters, emas = [], []
-        moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
-        with torch.no_grad():
-            for p, host in zip(locals_, on_host):
-                where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
-                master = (p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
-                          if self._needs_master(p, host) else None)
-                masters.append(master)
-                for m in self.spec.moments:
-                    shape = self._moment_shape(m, p)
-                    moments[m.name].append(None if shape is None else torch.zeros(
-                        shape, dtype=self._moment_dtype(m.name, p), device=where))
-                if self.ema_decay is not None:
-                    src = master if master is not None else p.detach()
-                    emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
-                                       copy=True).contiguous())  # fp32, fp64 for fp64 values
-            packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
-                [i for i, (p, m) in enumerate(zip(locals_, masters))
-                 if on_host[i] and m is not None and p.numel() <= PACK_MAX],
-                [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
-                decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_])
+        masters, moments, emas = self._make_state(locals_, on_host, preview)
+        packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
+            [i for i, (p, m) in enumerate(zip(locals_, masters))
+             if on_host[i] and m is not None and p.numel() <= PACK_MAX],
+            [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
+            decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_])
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
