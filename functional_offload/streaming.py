@@ -7,7 +7,9 @@ from typing import Any, Optional
 import optree
 import torch
 
-from functional_offload.base import HeldStep, Optimizer, Step, check_usable, params_of
+from functional_offload.base import Optimizer, Step
+from functional_offload.combine import HeldStep
+from functional_offload.state import check_usable, params_of
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import flatten_like, leaves_with_paths, local, paths_of
 from functional_offload.typing import Params

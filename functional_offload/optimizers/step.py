@@ -31,7 +31,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from functional_offload.base import BUSY, CONSUMED, claim, mark_failed, restore_params
+from functional_offload.base import StepBase
+from functional_offload.state import BUSY, CONSUMED, claim, mark_failed, restore_params
 from functional_offload.executor import HostLeaf, Run
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.leaves import LeafItem, run_leaves
@@ -220,7 +221,7 @@ class _Pending:
             raise interrupt
 
 
-class TerminalStep:
+class TerminalStep(StepBase):
     """A step of a :class:`~functional_offload.optimizers.terminal.Terminal` (see the module)."""
 
     def __init__(self, t: Any, state: Any, speculative: bool):

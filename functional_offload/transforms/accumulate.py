@@ -8,8 +8,10 @@ from typing import Any, NamedTuple, Optional
 import optree
 import torch
 
-from functional_offload.base import (CONSUMED, HeldStep, Optimizer, StateError, Step, check_usable,
-                                     grads_for, params_of, stepped, terminal_counts)
+from functional_offload.base import Optimizer, StateError, Step
+from functional_offload.combine import HeldStep
+from functional_offload.state import (CONSUMED, check_usable, grads_for, params_of, stepped,
+                                      terminal_counts)
 from functional_offload.tree import (check_grad, flatten_like, is_dtensor,
                                      leaves_with_paths, local)
 from functional_offload.typing import OptState, Params, Updates

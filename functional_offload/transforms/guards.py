@@ -7,9 +7,10 @@ from typing import Any, NamedTuple, Optional, Union
 import optree
 import torch
 
-from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
-                                     StateError, Step, check_usable, grads_for, merge_grads,
-                                     params_of, stepped, terminal_counts)
+from functional_offload.base import GradientTransformation, Optimizer, StateError, Step
+from functional_offload.combine import HeldStep, merge_grads
+from functional_offload.state import (CONSUMED, check_usable, grads_for, params_of, stepped,
+                                      terminal_counts)
 from functional_offload.transforms.clipping import leaf_norms
 from functional_offload.tree import check_float_leaves, is_dtensor, local
 from functional_offload.typing import OptState, Params, Updates

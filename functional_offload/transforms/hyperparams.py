@@ -8,8 +8,9 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
 
-from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
-                                     StateError, Step, check_usable, stepped, terminal_counts)
+from functional_offload.base import GradientTransformation, Optimizer, StateError, Step
+from functional_offload.combine import HeldStep
+from functional_offload.state import CONSUMED, check_usable, stepped, terminal_counts
 from functional_offload.tree import describe
 from functional_offload.typing import OptState, Params, Updates
 

@@ -10,9 +10,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 import optree
 import torch
 
-from functional_offload.base import (CONSUMED, FAILED, EmptyState, GradientTransformation, HeldStep,
-                                     Optimizer, ParamRefs, Step, check_usable, merge_grads,
-                                     params_of, terminal_counts)
+from functional_offload.base import EmptyState, GradientTransformation, Optimizer, ParamRefs, Step
+from functional_offload.combine import HeldStep, merge_grads
+from functional_offload.state import CONSUMED, FAILED, check_usable, params_of, terminal_counts
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import check_grads, insertion_order, leaves_with_paths, paths_of
 from functional_offload.typing import OptState, Params, Updates
