@@ -1,12 +1,16 @@
 """Combinators: ``chain``, and the steps that combinators and wrappers build on.
 
 - :func:`chain` and its step (``_Chained``: a step run ahead behind clipping, committed or redone).
-- :class:`HeldStep`, the step of an optimizer that cannot start before every grad is known.
+- :class:`HeldStep`, the step of an optimizer that cannot start before every grad is known,
+  and :func:`begin_step`, which begins an optimizer's own step or else a held one.
+- :class:`Wrapped`, the base of a wrapper's step around an inner optimizer's step
+  (``apply_if_finite``, ``inject_hyperparams``, ``MultiSteps``), and :func:`run_inner`, the one
+  place an interrupt after a completed inner step is reconciled with the wrapper's state.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import optree
 import torch
@@ -18,7 +22,7 @@ from functional_offload.state import (check_usable, claim, grads_for, mark_tenso
 from functional_offload.tree import flatten_like
 from functional_offload.typing import OptState, Params, Updates
 
-__all__ = ["chain", "HeldStep", "merge_grads"]
+__all__ = ["chain", "HeldStep", "merge_grads", "begin_step", "run_inner", "Wrapped"]
 
 AnyTransformation = Union[GradientTransformation, Optimizer]
 
@@ -140,6 +144,14 @@ class HeldStep(StepBase):
         """Nothing was started: nothing to close."""
 
 
+def begin_step(opt: Optimizer, state: OptState, speculative: bool = False) -> Step:
+    """``opt``'s step on ``state``: its own (``opt.begin``), or a :class:`HeldStep` running its
+    ``update`` at ``finish`` when it has none."""
+    if opt.begin is not None:
+        return opt.begin(state, speculative)
+    return HeldStep(opt.update, state)
+
+
 def merge_grads(spec: optree.PyTreeSpec, fed: dict[int, torch.Tensor], grads: Updates) -> Updates:
     """A grads tree of structure ``spec``: the fed grads by leaf index, the rest from ``grads``."""
     if grads is None:
@@ -193,6 +205,77 @@ class _Chained(StepBase):
         self.committed = False
         self.inner.abort()  # the state is as it was: run the chain as update would
         return self.update(full, self.state)
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def run_inner(run: Callable[[], tuple[Any, OptState]], inner_state: OptState, counts: list[int],
+              completed: Callable[[], None]) -> tuple[Any, OptState]:
+    """``run()``, a wrapper's inner update (or step's ``finish``) on ``inner_state``, whose
+    terminal counts were ``counts`` before it. If it raises once the inner step completed (a
+    signal's handler, run after the step's work), ``completed()`` first makes the wrapper's
+    state passed in hold the step too, as a terminal optimizer's does."""
+    try:
+        return run()
+    except BaseException:
+        if stepped(inner_state, counts):
+            completed()
+        raise
+
+
+class Wrapped(StepBase):
+    """The step of a wrapper around an inner optimizer's step, with the wrapper's own state.
+
+    It begins the inner step (:func:`begin_step`; the inner terminal counts taken first),
+    forwards ``feed``, ``abort`` and ``close`` to it, and at ``finish`` hands the inner step
+    ``inner_grads(grads)`` (the inner step aborted if that raises) and returns
+    ``wrap(out, inner_state)`` of its result. A subclass gives its own arithmetic in two hooks:
+
+    - ``wrap(out, inner_state) -> (out, state)``: the wrapper's new state around the inner one
+      (the state passed in consumed);
+    - ``completed_anyway()``: the inner step completed but its ``finish`` raised (a signal's
+      handler): make the wrapper's state passed in hold the step (:func:`run_inner`).
+
+    and may override ``feed`` and ``inner_grads`` (default: the grads as given).
+    """
+
+    def __init__(self, opt: Optimizer, inner_state: OptState, speculative: bool = False):
+        self.inner_state = inner_state
+        self.counts = terminal_counts(inner_state)
+        self.inner = begin_step(opt, inner_state, speculative)
+        # a step run ahead speculatively applies nothing before finish: it may be streamed
+        self.delayed = self.inner.delayed and not speculative
+
+    def feed(self, index: int, grad: torch.Tensor) -> None:
+        self.inner.feed(index, grad)
+
+    def finish(self, grads: Updates = None) -> tuple[Any, OptState]:
+        inner_grads = self.aborting(self.inner_grads, grads)
+        out, inner_state = run_inner(lambda: self.inner.finish(inner_grads), self.inner_state,
+                                     self.counts, self.completed_anyway)
+        self.committed = self.inner.committed
+        return self.wrap(out, inner_state)
+
+    def aborting(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, the inner step aborted if it raises (before it has changed anything)."""
+        try:
+            return fn(*args)
+        except BaseException:
+            self.inner.abort()
+            raise
+
+    def inner_grads(self, grads: Updates) -> Updates:
+        return grads
+
+    def wrap(self, out: Any, inner_state: OptState) -> tuple[Any, OptState]:
+        raise NotImplementedError
+
+    def completed_anyway(self) -> None:
+        raise NotImplementedError
 
     def abort(self) -> None:
         self.inner.abort()
