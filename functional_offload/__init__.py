@@ -10,8 +10,9 @@
 from functional_offload import activations, compat, placement
 from functional_offload.activations import ActivationOffload
 from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
-                                     StateError, Step, chain, ema_params, flush, params_of)
+                                     StateError, Step)
 from functional_offload.checkpoint import CheckpointError, load, load_state_dict, save, state_dict
+from functional_offload.combine import chain
 from functional_offload.executor import HostExecutor, HostStepError
 from functional_offload.compat import TorchOptimizer
 from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
@@ -19,6 +20,7 @@ from functional_offload.optimizers.adafactor import AdafactorState, adafactor
 from functional_offload.optimizers.lion import LionState, lion
 from functional_offload.placement import plan
 from functional_offload.report import PlacementReport, placement_report
+from functional_offload.state import ema_params, flush, params_of
 from functional_offload.streaming import GradStream, stream
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
                                            clip_by_global_norm, global_norm, masked, scale,

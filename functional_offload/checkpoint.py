@@ -25,9 +25,10 @@ from typing import Any, BinaryIO, Optional, Union
 
 import torch
 
-from functional_offload.base import (BUSY, CONSUMED, GradientTransformation, Optimizer, ParamRefs,
-                                     check_recoverable, check_states, check_usable, claim, flush,
-                                     mark_tensors, release, restore_params, terminal_states)
+from functional_offload.base import GradientTransformation, Optimizer, ParamRefs
+from functional_offload.state import (BUSY, CONSUMED, check_recoverable, check_states,
+                                      check_usable, claim, flush, mark_tensors, release,
+                                      restore_params, terminal_states)
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState

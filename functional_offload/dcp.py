@@ -36,7 +36,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from functional_offload import checkpoint
-from functional_offload.base import ParamRefs, terminal_states
+from functional_offload.base import ParamRefs
+from functional_offload.state import terminal_states
 from functional_offload.checkpoint import CheckpointError
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState

@@ -16,7 +16,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from functional_offload.base import terminal_states
+from functional_offload.state import terminal_states
 from functional_offload.tree import (check_tensor_leaves, flatten_like, insertion_order,
                                      leaves_with_paths)
 from functional_offload.typing import OptState, Params

@@ -7,8 +7,10 @@ from typing import Any, Optional
 import optree
 import torch
 
-from functional_offload.base import HeldStep, Optimizer, Step, check_usable, params_of
+from functional_offload.base import Optimizer, Step
+from functional_offload.combine import begin_step
 from functional_offload.executor.shield import shielded
+from functional_offload.state import check_usable, params_of
 from functional_offload.tree import flatten_like, leaves_with_paths, local, paths_of
 from functional_offload.typing import Params
 
@@ -82,18 +84,15 @@ class GradStream:
     def __enter__(self) -> "GradStream":
         if self.step is not None or self.finished:
             raise RuntimeError("this GradStream was already entered; start a new one per step")
-        begin = self.opt.begin if self.opt.begin is not None else (
-            lambda state: HeldStep(self.opt.update, state))
-
         def begun() -> None:  # the step is held by self once the shield ends
-            self.step = begin(self.state)
+            self.step = begin_step(self.opt, self.state)
 
         try:  # begun shielded, so a Ctrl-C now cannot lose the step (and its busy state)
             _, interrupt = shielded(begun)
             step = self.step
             if interrupt is not None:
                 raise interrupt
-            if getattr(step, "delayed", False):
+            if step.delayed:
                 raise ValueError("grad streaming and delayed=True are two ways to hide the host "
                                  "step; build the optimizer with one of them")
             for i, p in enumerate(self.live):
@@ -157,7 +156,7 @@ class GradStream:
             raise
         grads = optree.tree_unflatten(self.spec, [p.grad for p in self.live])
         out = self.step.finish(grads)
-        self.committed = getattr(self.step, "committed", None)
+        self.committed = self.step.committed
         return out
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from functional_offload.base import CONSUMED, terminal_counts
+from functional_offload.state import CONSUMED, terminal_counts
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
 from conftest import clone, grad_seq, make_params

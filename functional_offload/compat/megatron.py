@@ -13,7 +13,8 @@ from typing import Any, Union
 
 import torch
 
-from functional_offload.base import Optimizer, chain
+from functional_offload.base import Optimizer
+from functional_offload.combine import chain
 from functional_offload.optimizers import adam, adamw, sgd
 from functional_offload.placement import offload_fraction, on_device
 from functional_offload.transforms import clip_by_global_norm

@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 import torch
 
-from functional_offload.base import BUSY, CONSUMED, claim, mark_failed, restore_params
+from functional_offload.base import StepBase
+from functional_offload.state import BUSY, CONSUMED, claim, mark_failed, restore_params
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.device_math import run_groups
 from functional_offload.optimizers.forms import Case, HostForm, HostWork, Pending, form_for
@@ -41,7 +42,7 @@ from functional_offload.tree import check_grad, grads_of, plain_grad
 __all__ = ["TerminalStep"]
 
 
-class TerminalStep:
+class TerminalStep(StepBase):
     """A step of a :class:`~functional_offload.optimizers.terminal.Terminal` (see the module)."""
 
     def __init__(self, t: TerminalLike, state: Any, speculative: bool):

@@ -8,8 +8,9 @@ from typing import Any, NamedTuple, Optional
 import optree
 import torch
 
-from functional_offload.base import (CONSUMED, HeldStep, Optimizer, StateError, Step, check_usable,
-                                     grads_for, params_of, stepped, terminal_counts)
+from functional_offload.base import Optimizer, StateError, Step
+from functional_offload.combine import HeldStep, Wrapped
+from functional_offload.state import CONSUMED, check_usable, grads_for, params_of
 from functional_offload.tree import (check_grad, flatten_like, is_dtensor,
                                      leaves_with_paths, local)
 from functional_offload.typing import OptState, Params, Updates
@@ -94,49 +95,47 @@ def MultiSteps(opt: Optimizer, every_k: int, *,  # noqa: N802 - optax's name
         return MultiStepsState(torch.zeros((), dtype=torch.int64), optree.tree_unflatten(spec, acc),
                                torch.zeros(len(leaves), dtype=torch.bool), inner_state)
 
-    def check(state: Any) -> int:
-        if not isinstance(state, MultiStepsState):
-            raise TypeError(f"MultiSteps expects its MultiStepsState, got {type(state).__name__}")
-        n = int(state.mini_step)
-        if n == CONSUMED:
-            raise StateError("cannot update: this MultiStepsState was consumed by an earlier "
-                             "update (its sums were updated in place); use the state that update "
-                             "returned")
-        if not 0 <= n < every_k:
-            raise ValueError(f"MultiStepsState.mini_step is {n}, outside [0, {every_k}): the state "
-                             f"was made by a MultiSteps with another every_k than {every_k}")
-        check_usable(state.inner_state, "update")
-        return n
-
-    def accumulate(grads: Updates, state: MultiStepsState) -> tuple[Params, MultiStepsState]:
-        params = params_of(state.inner_state)
-        gs = grads_for(grads, state.inner_state)
-        accs = flatten_like(state.acc_grads, params, "state.acc_grads")
-        present = [i for i, g in enumerate(gs) if g is not None]
-        if present:
-            torch._foreach_add_([accs[i] for i in present], [gs[i] for i in present])
-            state.seen[present] = True
-        new = MultiStepsState(state.mini_step + 1, state.acc_grads, state.seen, state.inner_state)
-        state.mini_step.fill_(CONSUMED)
-        return params, new
-
-    def last(state: MultiStepsState, speculative: bool) -> "_LastMicroStep":
-        counts = terminal_counts(state.inner_state)
-        step = (opt.begin(state.inner_state, speculative) if opt.begin is not None
-                else HeldStep(opt.update, state.inner_state))
-        return _LastMicroStep(step, state, every_k, counts)
-
     def update(grads: Updates, state: MultiStepsState) -> tuple[Params, MultiStepsState]:
-        if check(state) < every_k - 1:
-            return accumulate(grads, state)
-        return last(state, False).finish(grads)
+        if _check(state, every_k) < every_k - 1:
+            return _accumulate(grads, state)
+        return _LastMicroStep(opt, state, every_k, False).finish(grads)
 
     def begin(state: MultiStepsState, speculative: bool = False) -> Step:
-        if check(state) < every_k - 1:
+        if _check(state, every_k) < every_k - 1:
             return HeldStep(update, state)
-        return last(state, speculative)
+        return _LastMicroStep(opt, state, every_k, speculative)
 
     return Optimizer(init, update, begin)
+
+
+def _check(state: Any, every_k: int) -> int:
+    """``state``'s ``mini_step``, checked (``state`` usable, made by this ``every_k``)."""
+    if not isinstance(state, MultiStepsState):
+        raise TypeError(f"MultiSteps expects its MultiStepsState, got {type(state).__name__}")
+    n = int(state.mini_step)
+    if n == CONSUMED:
+        raise StateError("cannot update: this MultiStepsState was consumed by an earlier "
+                         "update (its sums were updated in place); use the state that update "
+                         "returned")
+    if not 0 <= n < every_k:
+        raise ValueError(f"MultiStepsState.mini_step is {n}, outside [0, {every_k}): the state "
+                         f"was made by a MultiSteps with another every_k than {every_k}")
+    check_usable(state.inner_state, "update")
+    return n
+
+
+def _accumulate(grads: Updates, state: MultiStepsState) -> tuple[Params, MultiStepsState]:
+    """An update before the last of a cycle: ``grads`` added to the sums; the params unchanged."""
+    params = params_of(state.inner_state)
+    gs = grads_for(grads, state.inner_state)
+    accs = flatten_like(state.acc_grads, params, "state.acc_grads")
+    present = [i for i, g in enumerate(gs) if g is not None]
+    if present:
+        torch._foreach_add_([accs[i] for i in present], [gs[i] for i in present])
+        state.seen[present] = True
+    new = MultiStepsState(state.mini_step + 1, state.acc_grads, state.seen, state.inner_state)
+    state.mini_step.fill_(CONSUMED)
+    return params, new
 
 
 def _like_param(x: torch.Tensor, live: Any) -> Any:
@@ -155,19 +154,18 @@ def _restart(state: MultiStepsState) -> None:
     state.mini_step.zero_()
 
 
-class _LastMicroStep:
+class _LastMicroStep(Wrapped):
     """The last update of a cycle: a fed grad's mean goes to the inner step at once; ``finish``
     sends the others' means and, once the inner step is done, starts a new cycle."""
 
-    def __init__(self, inner: Step, state: MultiStepsState, every_k: int, counts: list[int]):
-        self.inner, self.state, self.k, self.counts = inner, state, every_k, counts
+    def __init__(self, opt: Optimizer, state: MultiStepsState, every_k: int, speculative: bool):
+        self.state, self.k = state, every_k
         self.params = params_of(state.inner_state)
         self.paths, self.lives, self.spec = leaves_with_paths(self.params)
         self.accs = flatten_like(state.acc_grads, self.params, "state.acc_grads")
         self.seen = state.seen.tolist()
         self.fed: set[int] = set()
-        self.delayed = getattr(inner, "delayed", False)
-        self.committed: Optional[bool] = None
+        super().__init__(opt, state.inner_state, speculative)
 
     def _mean(self, i: int, g: Optional[torch.Tensor]) -> torch.Tensor:
         total = self.accs[i] / self.k if g is None else torch.add(self.accs[i], g).div_(self.k)
@@ -180,33 +178,23 @@ class _LastMicroStep:
         self.inner.feed(index, self._mean(index, g))
         self.fed.add(index)
 
-    def finish(self, grads: Updates = None) -> tuple[Params, MultiStepsState]:
+    def inner_grads(self, grads: Updates) -> Updates:
+        """The means of the leaves not fed (``None`` for a leaf without a grad all cycle)."""
         n = len(self.lives)
-        try:
-            given = [None] * n if grads is None else flatten_like(grads, self.params, "grads")
-            gs = [None if i in self.fed else check_grad(self.paths[i], given[i], self.lives[i])
-                  for i in range(n)]
-            wanted = [i not in self.fed and (gs[i] is not None or self.seen[i]) for i in range(n)]
-            means = [self._mean(i, gs[i]) if wanted[i] else None for i in range(n)]
-        except BaseException:
-            self.inner.abort()
-            raise
+        given = [None] * n if grads is None else flatten_like(grads, self.params, "grads")
+        gs = [None if i in self.fed else check_grad(self.paths[i], given[i], self.lives[i])
+              for i in range(n)]
+        wanted = [i not in self.fed and (gs[i] is not None or self.seen[i]) for i in range(n)]
+        return optree.tree_unflatten(self.spec,
+                                     [self._mean(i, gs[i]) if wanted[i] else None for i in range(n)])
+
+    def wrap(self, out: Params, inner_state: OptState) -> tuple[Params, MultiStepsState]:
         state = self.state
-        try:
-            out, inner_state = self.inner.finish(optree.tree_unflatten(self.spec, means))
-        except BaseException:  # a signal's handler may raise once the inner step completed
-            if stepped(state.inner_state, self.counts):  # the inner step completed
-                _restart(state)  # so did the cycle: the state passed in holds it
-            raise
-        self.committed = getattr(self.inner, "committed", None)
         new = MultiStepsState(torch.zeros((), dtype=torch.int64), state.acc_grads, state.seen,
                               inner_state)
         _restart(state)
         state.mini_step.fill_(CONSUMED)
         return out, new
 
-    def abort(self) -> None:
-        self.inner.abort()
-
-    def close(self) -> None:
-        self.inner.close()
+    def completed_anyway(self) -> None:
+        _restart(self.state)  # the cycle completed too: the state passed in holds it

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Union
 
 import optree
 import torch
 
-from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
-                                     StateError, Step, check_usable, grads_for, merge_grads,
-                                     params_of, stepped, terminal_counts)
+from functional_offload.base import GradientTransformation, Optimizer, StateError, Step
+from functional_offload.combine import Wrapped, merge_grads, run_inner
+from functional_offload.state import CONSUMED, check_usable, grads_for, params_of, terminal_counts
 from functional_offload.transforms.clipping import leaf_norms
 from functional_offload.tree import check_float_leaves, is_dtensor, local
 from functional_offload.typing import OptState, Params, Updates
@@ -83,98 +83,86 @@ def apply_if_finite(inner: AnyT) -> AnyT:
         zero = lambda: torch.zeros((), dtype=torch.int64)  # noqa: E731
         return ApplyIfFiniteState(zero(), zero(), inner.init(params))
 
-    def check(updates: Updates, state: Any) -> None:
-        if not isinstance(state, ApplyIfFiniteState):
-            raise TypeError(f"apply_if_finite expects its ApplyIfFiniteState, got {type(state).__name__}")
-        if int(state.notfinite_count) == CONSUMED:
-            raise StateError("cannot update: this ApplyIfFiniteState was consumed by an earlier "
-                             "update; use the state that update returned")
-        if terminal:
-            check_usable(state.inner_state, "update")
-            if updates is not None:
-                grads_for(updates, state.inner_state)
-        elif updates is not None:
-            check_float_leaves(updates, "grad")
-
-    def finite_state(state: ApplyIfFiniteState, inner_state: OptState) -> ApplyIfFiniteState:
-        new = ApplyIfFiniteState(torch.zeros((), dtype=torch.int64), state.total_notfinite.clone(),
-                                 inner_state)
-        state.notfinite_count.fill_(CONSUMED)
-        return new
-
-    def skipped(updates: Updates, state: ApplyIfFiniteState) -> tuple[Any, ApplyIfFiniteState]:
-        new = ApplyIfFiniteState(state.notfinite_count + 1, state.total_notfinite + 1, state.inner_state)
-        state.notfinite_count.fill_(CONSUMED)
-        if terminal:
-            return params_of(state.inner_state), new
-        return optree.tree_map(torch.zeros_like, updates), new
-
     def update(updates: Updates, state: ApplyIfFiniteState) -> tuple[Any, ApplyIfFiniteState]:
-        check(updates, state)
+        _check(updates, state, terminal)
         if not bool(all_finite(updates)):  # the one host read the API promises
-            return skipped(updates, state)
-        counts = terminal_counts(state.inner_state)
-        try:
-            out, inner_state = inner.update(updates, state.inner_state)
-        except BaseException:
-            # the inner step completed before a signal's handler raised: so does this one
-            if stepped(state.inner_state, counts):
-                state.notfinite_count.zero_()
-            raise
-        return out, finite_state(state, inner_state)
+            return _skipped(updates, state, terminal)
+        out, inner_state = run_inner(lambda: inner.update(updates, state.inner_state),
+                                     state.inner_state, terminal_counts(state.inner_state),
+                                     state.notfinite_count.zero_)
+        return out, _finite(state, inner_state)
 
     if not terminal:
         return GradientTransformation(init, update)
 
     def begin(state: ApplyIfFiniteState, speculative: bool = False) -> Step:
-        check(None, state)
-        counts = terminal_counts(state.inner_state)
-        step = (inner.begin(state.inner_state, True) if inner.begin is not None
-                else HeldStep(inner.update, state.inner_state))
-        return _Guarded(step, state, skipped, finite_state, counts)
+        _check(None, state, terminal)
+        return _Guarded(inner, state)
 
     return Optimizer(init, update, begin)
 
 
-class _Guarded:
+def _check(updates: Updates, state: Any, terminal: bool) -> None:
+    if not isinstance(state, ApplyIfFiniteState):
+        raise TypeError(f"apply_if_finite expects its ApplyIfFiniteState, got {type(state).__name__}")
+    if int(state.notfinite_count) == CONSUMED:
+        raise StateError("cannot update: this ApplyIfFiniteState was consumed by an earlier "
+                         "update; use the state that update returned")
+    if terminal:
+        check_usable(state.inner_state, "update")
+        if updates is not None:
+            grads_for(updates, state.inner_state)
+    elif updates is not None:
+        check_float_leaves(updates, "grad")
+
+
+def _finite(state: ApplyIfFiniteState, inner_state: OptState) -> ApplyIfFiniteState:
+    """The state after a finite step (``state`` consumed)."""
+    new = ApplyIfFiniteState(torch.zeros((), dtype=torch.int64), state.total_notfinite.clone(),
+                             inner_state)
+    state.notfinite_count.fill_(CONSUMED)
+    return new
+
+
+def _skipped(updates: Updates, state: ApplyIfFiniteState,
+             terminal: bool) -> tuple[Any, ApplyIfFiniteState]:
+    """A skipped step: the params (or zero grads) unchanged, the counters advanced."""
+    new = ApplyIfFiniteState(state.notfinite_count + 1, state.total_notfinite + 1, state.inner_state)
+    state.notfinite_count.fill_(CONSUMED)
+    if terminal:
+        return params_of(state.inner_state), new
+    return optree.tree_map(torch.zeros_like, updates), new
+
+
+class _Guarded(Wrapped):
     """``apply_if_finite``'s step: the inner step runs ahead speculatively; ``finish`` keeps it
     if every grad is finite and aborts it (the inner state as it was) otherwise."""
 
-    def __init__(self, inner: Step, state: ApplyIfFiniteState, skipped: Any, finite_state: Any,
-                 counts: list[int]):  # the inner counts when the step began
-        self.inner, self.state, self.skipped, self.finite_state = inner, state, skipped, finite_state
-        self.counts = counts
+    def __init__(self, opt: Optimizer, state: ApplyIfFiniteState):
+        self.state = state
         self.spec = optree.tree_structure(params_of(state.inner_state))
         self.fed: dict[int, torch.Tensor] = {}
-        self.committed: Optional[bool] = None
+        super().__init__(opt, state.inner_state, speculative=True)
 
     def feed(self, index: int, grad: torch.Tensor) -> None:
         self.inner.feed(index, grad)
         self.fed[index] = grad
 
-    def finish(self, grads: Updates = None) -> tuple[Params, Any]:
-        try:
-            full = merge_grads(self.spec, self.fed, grads)
-            self.fed.clear()
-            ok = bool(all_finite(full))
-        except BaseException:
+    def finish(self, grads: Updates = None) -> tuple[Params, ApplyIfFiniteState]:
+        full, finite = self.aborting(self._all_grads, grads)
+        if not finite:
             self.inner.abort()
-            raise
-        if not ok:
-            self.inner.abort()
-            return self.skipped(full, self.state)
-        try:
-            out, inner_state = self.inner.finish(grads)
-        except BaseException:
-            # the inner step completed before a signal's handler raised: so does this one
-            if stepped(self.state.inner_state, self.counts):
-                self.state.notfinite_count.zero_()
-            raise
-        self.committed = getattr(self.inner, "committed", None)
-        return out, self.finite_state(self.state, inner_state)
+            return _skipped(full, self.state, True)
+        return super().finish(grads)
 
-    def abort(self) -> None:
-        self.inner.abort()
+    def _all_grads(self, grads: Updates) -> tuple[Updates, bool]:
+        """Every grad (fed or given), and whether all are finite."""
+        full = merge_grads(self.spec, self.fed, grads)
+        self.fed.clear()
+        return full, bool(all_finite(full))
 
-    def close(self) -> None:
-        self.inner.close()
+    def wrap(self, out: Params, inner_state: OptState) -> tuple[Params, ApplyIfFiniteState]:
+        return out, _finite(self.state, inner_state)
+
+    def completed_anyway(self) -> None:
+        self.state.notfinite_count.zero_()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Union
+from typing import Any, Callable, Iterable, NamedTuple, Union
 
 import torch
 
-from functional_offload.base import (CONSUMED, GradientTransformation, HeldStep, Optimizer,
-                                     StateError, Step, check_usable, stepped, terminal_counts)
+from functional_offload.base import GradientTransformation, Optimizer, StateError, Step
+from functional_offload.combine import Wrapped, run_inner
+from functional_offload.state import CONSUMED, check_usable, terminal_counts
 from functional_offload.tree import describe
 from functional_offload.typing import OptState, Params, Updates
 
@@ -108,140 +109,147 @@ def inject_hyperparams(inner_factory: Callable[..., AnyT],
         raise ValueError(f"static_args {sorted(static - set(sig.parameters))} are not parameters "
                          f"of {name}, which takes {list(sig.parameters)}")
     ints = _int_params(sig)
-    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
     @functools.wraps(inner_factory)
     def factory(*args: Any, **kwargs: Any) -> AnyT:
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        numbers: dict[str, float] = {}
-        schedules: dict[str, Callable[[int], Any]] = {}
-        for k, v in bound.arguments.items():
-            if (sig.parameters[k].kind not in named or k in static or isinstance(v, bool)
-                    or (k in ints and isinstance(v, int))):
-                continue
-            if callable(v):
-                schedules[k] = v
-            elif isinstance(v, (int, float)):
-                numbers[k] = float(v)
-
-        def at(k: str, n: int) -> float:
-            """Schedule ``k``'s value at step ``n``, checked to be a number."""
-            try:
-                x = schedules[k](n)
-            except Exception as e:
-                raise TypeError(f"{name}: {k!r} is a callable, so it is taken as a schedule of the "
-                                f"step count, but {k}({n}) raised {type(e).__name__}: {e}. If it "
-                                f"is not a schedule, name it in static_args") from e
-            if isinstance(x, torch.Tensor) and x.dim() == 0:
-                x = x.item()
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
-                raise TypeError(f"{name}: the schedule {k!r} returned {x!r} at step {n}, not a "
-                                f"number. If {k!r} is not a schedule, name it in static_args")
-            return float(x)
-
-        def build(values: dict[str, float]) -> AnyT:
-            call = sig.bind(*args, **kwargs)
-            call.apply_defaults()
-            call.arguments.update(values)
-            return inner_factory(*call.args, **call.kwargs)
-
-        start = {**numbers, **{k: at(k, 0) for k in schedules}}
-        first = build(start)  # the constructor validates every value now
+        call = _Call(inner_factory, name, sig, static, ints, args, kwargs)
+        first = call.build(call.start)  # the constructor validates every value now
         if not isinstance(first, (Optimizer, GradientTransformation)):
             raise TypeError(f"inject_hyperparams: {name} returned a {type(first).__name__}, not "
                             "an Optimizer or a GradientTransformation")
-        terminal = isinstance(first, Optimizer)
-        names = sorted(start)
-        scheduled = tuple(schedules)
-
-        def init(params: Params) -> InjectHyperparamsState:
-            return InjectHyperparamsState(
-                torch.zeros((), dtype=torch.int64),
-                {k: torch.tensor(start[k], dtype=torch.float64) for k in names}, first.init(params))
-
-        def current(state: Any) -> tuple[AnyT, dict[str, float]]:
-            """The inner transformation for this update, and the values it was built from."""
-            if not isinstance(state, InjectHyperparamsState):
-                raise TypeError(f"inject_hyperparams({name}) expects its InjectHyperparamsState, "
-                                f"got {type(state).__name__}")
-            n = int(state.count)
-            if n == CONSUMED:
-                raise StateError("cannot update: this InjectHyperparamsState was consumed by an "
-                                 "earlier update; use the state that update returned")
-            if terminal:
-                check_usable(state.inner_state, "update")
-            hp = state.hyperparams
-            if not isinstance(hp, dict) or sorted(hp) != names:
-                got = sorted(hp) if isinstance(hp, dict) else type(hp).__name__
-                raise ValueError(f"state.hyperparams must hold exactly {names} (the injected "
-                                 f"arguments of {name}); got {got}")
-            state.check()
-            values = {k: hp[k].item() for k in numbers}
-            values.update({k: at(k, n) for k in schedules})
-            return build(values), values
-
-        def update(updates: Updates, state: InjectHyperparamsState) -> tuple[Any, OptState]:
-            inner, values = current(state)
-            return _complete(state, values, scheduled, terminal_counts(state.inner_state),
-                             lambda: inner.update(updates, state.inner_state))
-
-        if not terminal:
-            return GradientTransformation(init, update)
-
-        def begin(state: InjectHyperparamsState, speculative: bool = False) -> Step:
-            inner, values = current(state)
-            counts = terminal_counts(state.inner_state)
-            step = (inner.begin(state.inner_state, speculative) if inner.begin is not None
-                    else HeldStep(inner.update, state.inner_state))
-            return _Injected(step, state, values, scheduled, counts)
-
-        return Optimizer(init, update, begin)
+        return _injected(call, first)
 
     return factory
 
 
-def _complete(state: InjectHyperparamsState, values: dict[str, float], scheduled: tuple[str, ...],
-              counts: list[int], run: Callable[[], tuple[Any, OptState]]) -> tuple[Any, OptState]:
-    """``run()`` the inner update and return the new state (the scheduled values written, the
-    count advanced); ``state`` is consumed. An interrupt after the inner step completed (its
-    counts moved) leaves ``state`` holding the step, as a terminal optimizer does."""
-    try:
-        out, inner_state = run()
-    except BaseException:  # a signal's handler may raise once the inner step completed
-        if stepped(state.inner_state, counts):
-            state.count.add_(1)
-            for k in scheduled:
-                state.hyperparams[k].fill_(values[k])
-        raise
+_NAMED = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class _Call:
+    """One call of an injected factory: the numbers and schedules it was given (its injected
+    arguments), and the inner transformation rebuilt from values of them."""
+
+    def __init__(self, factory: Callable[..., AnyT], name: str, sig: inspect.Signature,
+                 static: set[str], ints: set[str], args: tuple, kwargs: dict[str, Any]):
+        self.factory, self.name, self.sig, self.args, self.kwargs = factory, name, sig, args, kwargs
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        self.numbers: dict[str, float] = {}
+        self.schedules: dict[str, Callable[[int], Any]] = {}
+        for k, v in bound.arguments.items():
+            if (sig.parameters[k].kind not in _NAMED or k in static or isinstance(v, bool)
+                    or (k in ints and isinstance(v, int))):
+                continue
+            if callable(v):
+                self.schedules[k] = v
+            elif isinstance(v, (int, float)):
+                self.numbers[k] = float(v)
+        self.start = {**self.numbers, **{k: self.at(k, 0) for k in self.schedules}}
+        self.names = sorted(self.start)
+        self.scheduled = tuple(self.schedules)
+
+    def at(self, k: str, n: int) -> float:
+        """Schedule ``k``'s value at step ``n``, checked to be a number."""
+        name = self.name
+        try:
+            x = self.schedules[k](n)
+        except Exception as e:
+            raise TypeError(f"{name}: {k!r} is a callable, so it is taken as a schedule of the "
+                            f"step count, but {k}({n}) raised {type(e).__name__}: {e}. If it "
+                            f"is not a schedule, name it in static_args") from e
+        if isinstance(x, torch.Tensor) and x.dim() == 0:
+            x = x.item()
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise TypeError(f"{name}: the schedule {k!r} returned {x!r} at step {n}, not a "
+                            f"number. If {k!r} is not a schedule, name it in static_args")
+        return float(x)
+
+    def build(self, values: dict[str, float]) -> AnyT:
+        """The inner transformation with the injected arguments set to ``values``."""
+        call = self.sig.bind(*self.args, **self.kwargs)
+        call.apply_defaults()
+        call.arguments.update(values)
+        return self.factory(*call.args, **call.kwargs)
+
+
+def _injected(call: _Call, first: AnyT) -> AnyT:
+    """The transformation ``inject_hyperparams`` returns for ``call`` (``first``: the inner one
+    built from the values at ``init``)."""
+    name, names, terminal = call.name, call.names, isinstance(first, Optimizer)
+
+    def init(params: Params) -> InjectHyperparamsState:
+        return InjectHyperparamsState(
+            torch.zeros((), dtype=torch.int64),
+            {k: torch.tensor(call.start[k], dtype=torch.float64) for k in names}, first.init(params))
+
+    def current(state: Any) -> tuple[AnyT, dict[str, float]]:
+        """The inner transformation for this update, and the values it was built from."""
+        if not isinstance(state, InjectHyperparamsState):
+            raise TypeError(f"inject_hyperparams({name}) expects its InjectHyperparamsState, "
+                            f"got {type(state).__name__}")
+        n = int(state.count)
+        if n == CONSUMED:
+            raise StateError("cannot update: this InjectHyperparamsState was consumed by an "
+                             "earlier update; use the state that update returned")
+        if terminal:
+            check_usable(state.inner_state, "update")
+        hp = state.hyperparams
+        if not isinstance(hp, dict) or sorted(hp) != names:
+            got = sorted(hp) if isinstance(hp, dict) else type(hp).__name__
+            raise ValueError(f"state.hyperparams must hold exactly {names} (the injected "
+                             f"arguments of {name}); got {got}")
+        state.check()
+        values = {k: hp[k].item() for k in call.numbers}
+        values.update({k: call.at(k, n) for k in call.schedules})
+        return call.build(values), values
+
+    def update(updates: Updates, state: InjectHyperparamsState) -> tuple[Any, OptState]:
+        inner, values = current(state)
+        out, inner_state = run_inner(lambda: inner.update(updates, state.inner_state),
+                                     state.inner_state, terminal_counts(state.inner_state),
+                                     lambda: _held(state, values, call.scheduled))
+        return out, _advanced(state, values, call.scheduled, inner_state)
+
+    if not terminal:
+        return GradientTransformation(init, update)
+
+    def begin(state: InjectHyperparamsState, speculative: bool = False) -> Step:
+        inner, values = current(state)
+        return _Injected(inner, state, values, call.scheduled, speculative)
+
+    return Optimizer(init, update, begin)
+
+
+def _held(state: InjectHyperparamsState, values: dict[str, float],
+          scheduled: tuple[str, ...]) -> None:
+    """The inner step completed but what ran it raised: ``state`` itself holds the step (the
+    scheduled values written, the count advanced), as a terminal optimizer's state does."""
+    state.count.add_(1)
+    for k in scheduled:
+        state.hyperparams[k].fill_(values[k])
+
+
+def _advanced(state: InjectHyperparamsState, values: dict[str, float], scheduled: tuple[str, ...],
+              inner_state: OptState) -> InjectHyperparamsState:
+    """The new state after a step (the scheduled values written, the count advanced); ``state``
+    is consumed."""
     written = {k: torch.tensor(values[k], dtype=torch.float64) for k in scheduled}
     new = InjectHyperparamsState(state.count + 1, {**state.hyperparams, **written}, inner_state)
     state.count.fill_(CONSUMED)
-    return out, new
+    return new
 
 
-class _Injected:
+class _Injected(Wrapped):
     """A step of the rebuilt inner optimizer; ``finish`` wraps its state in the new
     :class:`InjectHyperparamsState`."""
 
-    def __init__(self, inner: Step, state: InjectHyperparamsState, values: dict[str, float],
-                 scheduled: tuple[str, ...], counts: list[int]):
-        self.inner, self.state, self.values, self.scheduled, self.counts = (
-            inner, state, values, scheduled, counts)
-        self.delayed = getattr(inner, "delayed", False)
-        self.committed: Optional[bool] = None
+    def __init__(self, opt: Optimizer, state: InjectHyperparamsState, values: dict[str, float],
+                 scheduled: tuple[str, ...], speculative: bool):
+        self.state, self.values, self.scheduled = state, values, scheduled
+        super().__init__(opt, state.inner_state, speculative)
 
-    def feed(self, index: int, grad: torch.Tensor) -> None:
-        self.inner.feed(index, grad)
+    def wrap(self, out: Params, inner_state: OptState) -> tuple[Params, InjectHyperparamsState]:
+        return out, _advanced(self.state, self.values, self.scheduled, inner_state)
 
-    def finish(self, grads: Updates = None) -> tuple[Params, InjectHyperparamsState]:
-        out = _complete(self.state, self.values, self.scheduled, self.counts,
-                        lambda: self.inner.finish(grads))
-        self.committed = getattr(self.inner, "committed", None)
-        return out
-
-    def abort(self) -> None:
-        self.inner.abort()
-
-    def close(self) -> None:
-        self.inner.close()
+    def completed_anyway(self) -> None:
+        _held(self.state, self.values, self.scheduled)

@@ -10,10 +10,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Union
 import optree
 import torch
 
-from functional_offload.base import (CONSUMED, FAILED, EmptyState, GradientTransformation, HeldStep,
-                                     Optimizer, ParamRefs, Step, check_usable, merge_grads,
-                                     params_of, terminal_counts)
+from functional_offload.base import (EmptyState, GradientTransformation, Optimizer, ParamRefs,
+                                     Step, StepBase)
+from functional_offload.combine import begin_step, merge_grads
 from functional_offload.executor.shield import shielded
+from functional_offload.state import CONSUMED, FAILED, check_usable, params_of, terminal_counts
 from functional_offload.tree import check_grads, insertion_order, leaves_with_paths, paths_of
 from functional_offload.typing import OptState, Params, Updates
 
@@ -107,60 +108,12 @@ def partition(transforms: Mapping[str, AnyT], labels: Labels) -> AnyT:
                         "transformation in front of an optimizer (fo.chain(t, fo.adamw(...)))")
     transforms = dict(transforms)
 
-    def resolve(tree: Any) -> tuple[tuple[str, ...], list[Any], list[str], optree.PyTreeSpec]:
-        """``(paths, leaves, labels, spec)`` of ``tree`` (params or grads; ``None`` kept)."""
-        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
-        paths = paths_of(spec)
-        if len(set(paths)) != len(paths):
-            dup = next(p for p in paths if paths.count(p) > 1)
-            raise ValueError(f"two params leaves have the dotted path {dup!r} (e.g. {{'a.b': x}} "
-                             "and {'a': {'b': y}}); partition names each part's leaves by their "
-                             "path: rename one")
-        names = labels(tree) if callable(labels) else labels
-        try:
-            flat = spec.flatten_up_to(names)
-        except (ValueError, TypeError):
-            raise ValueError(_mismatch(names, paths)) from None
-        for path, name in zip(paths, flat):
-            if not isinstance(name, str):
-                raise TypeError(f"the label of leaf {path!r} is {name!r}; each leaf's label must "
-                                f"be a str, one of {list(transforms)}")
-            if name not in transforms:
-                raise ValueError(f"leaf {path!r} has the label {name!r}, which has no "
-                                 f"transformation (the labels are {list(transforms)}); add "
-                                 f"{name!r} to the dict or fix the labels")
-        return paths, leaves, flat, spec
-
     def init(params: Params) -> PartitionState:
-        paths, leaves, names, _ = resolve(params)
-        for path, x in zip(paths, leaves):
-            if x is None:
-                raise TypeError(f"params leaf {path!r} is None; partition needs a tensor at every "
-                                "leaf (leave frozen tensors out of the params tree)")
-        order = insertion_order(params)  # each part sees its leaves in the model's order
-        inner = {}
-        for label, t in transforms.items():
-            mine = [i for i in order if names[i] == label]
-            if not mine:
-                raise ValueError(f"the label {label!r} has a transformation but no leaf of the "
-                                 f"params is labelled {label!r}; label some leaves {label!r} or "
-                                 "leave it out of the dict")
-            inner[label] = t.init({paths[i]: leaves[i] for i in mine})
-        refs = (PartitionRefs(torch.zeros((), dtype=torch.int64), ParamRefs(params)) if opts
-                else EmptyState())
-        return PartitionState(refs, inner)
-
-    def check(state: Any) -> None:
-        if not isinstance(state, PartitionState) or not isinstance(state.inner_states, dict):
-            raise TypeError(f"partition expects its PartitionState, got {type(state).__name__}")
-        if sorted(state.inner_states) != sorted(transforms):
-            raise ValueError(f"this PartitionState holds the labels {sorted(state.inner_states)}, "
-                             f"the partition has {sorted(transforms)}; pass the state its init "
-                             "made")
+        return _init(transforms, labels, params, bool(opts))
 
     def update_grads(updates: Updates, state: PartitionState) -> tuple[Updates, PartitionState]:
-        check(state)
-        paths, leaves, names, spec = resolve(updates)
+        _check(transforms, state)
+        paths, leaves, names, spec = _resolve(transforms, labels, updates)
         out, news = list(leaves), {}
         for label, t in transforms.items():
             mine = [i for i, name in enumerate(names) if name == label]
@@ -174,25 +127,86 @@ def partition(transforms: Mapping[str, AnyT], labels: Labels) -> AnyT:
         return GradientTransformation(init, update_grads)
 
     def begin(state: PartitionState, speculative: bool = False) -> Step:
-        check(state)
+        _check(transforms, state)
         check_usable(state, "update")
         counts = {label: terminal_counts(s) for label, s in state.inner_states.items()}
-        steps: dict[str, Step] = {}
-        try:
-            for label, t in transforms.items():
-                s = state.inner_states[label]
-                steps[label] = (t.begin(s, speculative) if t.begin is not None
-                                else HeldStep(t.update, s))
-        except BaseException:
-            for step in steps.values():
-                step.abort()
-            raise
-        return _Partitioned(steps, state, counts)
+        return _Partitioned(_begin_parts(transforms, state, speculative), state, counts)
 
     def update(grads: Updates, state: PartitionState) -> tuple[Params, PartitionState]:
         return begin(state).finish(grads)
 
     return Optimizer(init, update, begin)
+
+
+def _resolve(transforms: dict[str, AnyT], labels: Labels,
+             tree: Any) -> tuple[tuple[str, ...], list[Any], list[str], optree.PyTreeSpec]:
+    """``(paths, leaves, labels, spec)`` of ``tree`` (params or grads; ``None`` kept)."""
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+    paths = paths_of(spec)
+    if len(set(paths)) != len(paths):
+        dup = next(p for p in paths if paths.count(p) > 1)
+        raise ValueError(f"two params leaves have the dotted path {dup!r} (e.g. {{'a.b': x}} "
+                         "and {'a': {'b': y}}); partition names each part's leaves by their "
+                         "path: rename one")
+    names = labels(tree) if callable(labels) else labels
+    try:
+        flat = spec.flatten_up_to(names)
+    except (ValueError, TypeError):
+        raise ValueError(_mismatch(names, paths)) from None
+    for path, name in zip(paths, flat):
+        if not isinstance(name, str):
+            raise TypeError(f"the label of leaf {path!r} is {name!r}; each leaf's label must "
+                            f"be a str, one of {list(transforms)}")
+        if name not in transforms:
+            raise ValueError(f"leaf {path!r} has the label {name!r}, which has no "
+                             f"transformation (the labels are {list(transforms)}); add "
+                             f"{name!r} to the dict or fix the labels")
+    return paths, leaves, flat, spec
+
+
+def _init(transforms: dict[str, AnyT], labels: Labels, params: Params,
+          terminal: bool) -> PartitionState:
+    """The partition's state: each part's ``init`` on its leaves (``{path: leaf}``)."""
+    paths, leaves, names, _ = _resolve(transforms, labels, params)
+    for path, x in zip(paths, leaves):
+        if x is None:
+            raise TypeError(f"params leaf {path!r} is None; partition needs a tensor at every "
+                            "leaf (leave frozen tensors out of the params tree)")
+    order = insertion_order(params)  # each part sees its leaves in the model's order
+    inner = {}
+    for label, t in transforms.items():
+        mine = [i for i in order if names[i] == label]
+        if not mine:
+            raise ValueError(f"the label {label!r} has a transformation but no leaf of the "
+                             f"params is labelled {label!r}; label some leaves {label!r} or "
+                             "leave it out of the dict")
+        inner[label] = t.init({paths[i]: leaves[i] for i in mine})
+    refs = (PartitionRefs(torch.zeros((), dtype=torch.int64), ParamRefs(params)) if terminal
+            else EmptyState())
+    return PartitionState(refs, inner)
+
+
+def _check(transforms: dict[str, AnyT], state: Any) -> None:
+    if not isinstance(state, PartitionState) or not isinstance(state.inner_states, dict):
+        raise TypeError(f"partition expects its PartitionState, got {type(state).__name__}")
+    if sorted(state.inner_states) != sorted(transforms):
+        raise ValueError(f"this PartitionState holds the labels {sorted(state.inner_states)}, "
+                         f"the partition has {sorted(transforms)}; pass the state its init "
+                         "made")
+
+
+def _begin_parts(transforms: dict[str, Optimizer], state: PartitionState,
+                 speculative: bool) -> dict[str, Step]:
+    """Each part's step (if one cannot begin, those begun are aborted)."""
+    steps: dict[str, Step] = {}
+    try:
+        for label, t in transforms.items():
+            steps[label] = begin_step(t, state.inner_states[label], speculative)
+    except BaseException:
+        for step in steps.values():
+            step.abort()
+        raise
+    return steps
 
 
 def _mismatch(names: Any, paths: tuple[str, ...]) -> str:
@@ -260,7 +274,7 @@ def _concurrently(calls: dict[str, Callable[[], Any]],
     return {label: results[label] for label in calls}
 
 
-class _Partitioned:
+class _Partitioned(StepBase):
     """A partition's step: each part's step, fed the leaves of its part (indices mapped from the
     whole tree's flatten order to the part's own)."""
 
@@ -276,7 +290,7 @@ class _Partitioned:
                       for label, s in state.inner_states.items()}
         self.route = {i: (label, j) for label, idx in self.parts.items() for j, i in enumerate(idx)}
         self.fed: dict[int, torch.Tensor] = {}
-        self.delayed = any(getattr(s, "delayed", False) for s in steps.values())
+        self.delayed = any(s.delayed for s in steps.values())
         self.finished = False
 
     def feed(self, index: int, grad: torch.Tensor) -> None:

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from functional_offload.base import FAILED, Optimizer, ParamRefs, flush
+from functional_offload.base import Optimizer, ParamRefs
+from functional_offload.state import FAILED, flush
 from functional_offload.compat.torch_optim.algorithms import FREE_OPTIONS, algorithm_for
 from functional_offload.compat.torch_optim.state_dicts import Run, StateDicts, apply_copies
 from functional_offload.compat.torch_optim.views import (Slot, mark_error, quiesce,

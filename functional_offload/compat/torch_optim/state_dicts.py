@@ -10,7 +10,8 @@ from typing import Any, Optional
 
 import torch
 
-from functional_offload.base import FAILED, Optimizer
+from functional_offload.base import Optimizer
+from functional_offload.state import FAILED
 from functional_offload.compat.torch_optim.views import (Slot, mark_error, param_label, quiesce,
                                                          scalar_dtype)
 

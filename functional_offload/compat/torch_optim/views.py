@@ -20,7 +20,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from functional_offload.base import BUSY, CONSUMED, FAILED, StateError, flush
+from functional_offload.base import StateError
+from functional_offload.state import BUSY, CONSUMED, FAILED, flush
 from functional_offload.optimizers.spec import torch_state_names
 from functional_offload.tree import local
 

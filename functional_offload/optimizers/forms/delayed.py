@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from functional_offload.base import mark_failed
+from functional_offload.state import mark_failed
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import HostWork
