@@ -12,6 +12,7 @@ The state's life cycle (its marks, :func:`~functional_offload.state.flush`) is i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Protocol
 
 import torch
@@ -141,6 +142,46 @@ class Pending(Protocol):
     def settle(self) -> None: ...
 
 
+@dataclasses.dataclass(eq=False)
+class StepCache:
+    """What a terminal state's steps learn for the next ones, and what a failed step leaves for
+    its recovery; shared by the states an update returns, never checkpointed.
+
+    The layout and what derives from it are valid for one identity, ``key`` (the optimizer's
+    spec and weight-decay mask, the params tree, the masters, moments and EMA trees: an update
+    keeps them); :meth:`invalidate` drops what a change makes stale.
+    """
+
+    packs: list = dataclasses.field(default_factory=list)  # small host leaves packed at init
+    key: tuple = ()  # the identity the layout was built for
+    layout: Any = None  # the leaves of that identity (optimizers.layout.Leaf)
+    static: Any = None  # what the steps of that layout reuse (optimizers.layout.Static)
+    kernel: Any = None  # (cpu_kernel, the host kernel over the layout's host views)
+    pack_buffers: dict = dataclasses.field(default_factory=dict)  # (pack, device, dtype) -> Buffers
+    spares: dict = dataclasses.field(default_factory=dict)  # speculative steps' second host
+    #                                                          buffers, by leaf index
+    grads_of: Any = None  # the grads check of the params tree (tree.GradsOf)
+    scale_was_one: bool = True  # a chain's factors were 1 in the last step: run ahead
+    lost_params: list = dataclasses.field(default_factory=list)  # a failed step changed these
+    #                                                                in place with no master
+    restore_params: bool = False  # loaded into a failed state: set the params from the masters
+
+    def invalidate(self, why: str) -> None:
+        """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all
+        derived from it), ``"params"`` (a param's dtype or shape changed: the static part and
+        the packs' buffers), ``"views"`` (host storages replaced: the kernel over them)."""
+        if why not in ("layout", "params", "views"):
+            raise ValueError(f"unknown reason {why!r}")
+        if why == "layout":
+            self.key, self.layout = (), None
+        if why in ("layout", "params"):
+            self.static = None
+        if why == "params":
+            self.pack_buffers.clear()
+        if why in ("layout", "views"):
+            self.kernel = None
+
+
 class ParamRefs(NamedTuple):
     """The live side of a terminal optimizer's state: the params it updates in place, and the
     buffers and work that belong to this process rather than to the checkpoint.
@@ -150,8 +191,7 @@ class ParamRefs(NamedTuple):
 
     tree: Params
     pending: Optional["Pending"] = None  # delayed mode: the step in flight
-    spare: Any = None  # speculative steps: a second set of host state buffers, by leaf index
-    notes: Any = None  # what steps learn for the next ones (a dict; e.g. whether to run ahead)
+    cache: Optional[StepCache] = None  # what steps learn for the next ones (terminal states)
 
 
 class StateError(RuntimeError):

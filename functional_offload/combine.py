@@ -90,8 +90,8 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
             return HeldStep(update, state)
         if not front:
             return _Chained(last.begin(state[-1], speculative), None, state, update)
-        notes = terminal_states(state[-1])[0].params.notes
-        ahead = notes is None or notes.get("scale_was_one", True)
+        cache = terminal_states(state[-1])[0].params.cache
+        ahead = cache is None or cache.scale_was_one
         inner = last.begin(state[-1], True) if ahead else HeldStep(last.update, state[-1])
         return _Chained(inner, front, state, update)
 
@@ -165,7 +165,7 @@ class _Chained(StepBase):
     """A chain's step: the terminal's step fed the raw grads; the front's factors (if any)
     decide at ``finish`` between committing it and redoing the step through ``update``.
 
-    Whether the factors were 1 is noted in the state's ``ParamRefs.notes``: after a step whose
+    Whether the factors were 1 is noted in the state's ``ParamRefs.cache``: after a step whose
     factor was not 1 (clipping on) the next step holds its grads instead of running ahead (a
     step run ahead would be redone), until a factor of 1 is seen again."""
 
@@ -192,9 +192,9 @@ class _Chained(StepBase):
         except BaseException:
             self.inner.abort()
             raise
-        notes = terminal_states(self.state[-1])[0].params.notes
-        if notes is not None:
-            notes["scale_was_one"] = ones
+        cache = terminal_states(self.state[-1])[0].params.cache
+        if cache is not None:
+            cache.scale_was_one = ones
         if isinstance(self.inner, HeldStep):  # nothing ran ahead
             self.inner.abort()
             return self.update(full, self.state)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import optree
 import torch
 
-from functional_offload.base import ParamRefs, StateError
+from functional_offload.base import ParamRefs, StateError, StepCache
 from functional_offload.tree import check_grads, flatten_like, local
 from functional_offload.typing import OptState, Params, Updates
 
@@ -137,14 +137,14 @@ def _refuse_marked(marked: list[tuple[Any, int]], action: str) -> None:
                              "thread); finish that step first")
 
 
-def mark_failed(count: torch.Tensor, notes: Optional[dict], lost: list[str]) -> None:
-    """Mark a terminal state (its ``count`` and ``ParamRefs.notes``) :data:`FAILED`. ``lost``:
+def mark_failed(count: torch.Tensor, cache: Optional[StepCache], lost: list[str]) -> None:
+    """Mark a terminal state (its ``count`` and ``ParamRefs.cache``) :data:`FAILED`. ``lost``:
     the paths of the params its failed step may have changed in place that the state keeps no
     master of, so that a checkpoint of the state alone cannot put them back
     (:func:`check_recoverable`)."""
     count.fill_(FAILED)
-    if notes is not None:
-        notes["lost_params"] = list(lost)
+    if cache is not None:
+        cache.lost_params = list(lost)
 
 
 def check_recoverable(state: OptState) -> None:
@@ -152,9 +152,9 @@ def check_recoverable(state: OptState) -> None:
     changed params that loading cannot restore; else note that the params of failed terminal
     states are to be set from their loaded masters (:func:`restore_params`)."""
     for s in terminal_states(state):
-        if int(s.count) != FAILED or s.params.notes is None:
+        if int(s.count) != FAILED or s.params.cache is None:
             continue
-        lost = s.params.notes.get("lost_params", [])
+        lost = s.params.cache.lost_params
         if lost:
             shown = ", ".join(repr(p) for p in lost[:8]) + (f" (of {len(lost)})" if len(lost) > 8 else "")
             raise StateError(
@@ -164,7 +164,7 @@ def check_recoverable(state: OptState) -> None:
                 "from your model checkpoint, then load into a fresh state: "
                 "state = fo.load(path, like=opt.init(params)) (with fo.TorchOptimizer: restore "
                 "the model's params, then optimizer.load_state_dict(...))")
-        s.params.notes["restore_params"] = True
+        s.params.cache.restore_params = True
 
 
 @torch.no_grad()
@@ -173,10 +173,10 @@ def restore_params(state: OptState) -> None:
     masters, just loaded (the params a failed step left half stepped are then those of the
     checkpoint, as after any completed step: each is its master rounded)."""
     for s in terminal_states(state):
-        notes = s.params.notes
-        if notes is None or not notes.pop("restore_params", False):
+        cache = s.params.cache
+        if cache is None or not cache.restore_params:
             continue
-        notes.pop("lost_params", None)
+        cache.restore_params, cache.lost_params = False, []
         params = flatten_like(s.params.tree, s.params.tree, "params")
         for p, m in zip(params, flatten_like(s.master, s.params.tree, "state.master")):
             if m is not None:
@@ -268,10 +268,10 @@ def params_of(state: OptState) -> Params:
 
 def grads_for(grads: Updates, state: OptState) -> list[Optional[torch.Tensor]]:
     """``grads`` flattened like the params of ``state`` (as :func:`params_of` finds them), each
-    checked (:func:`~functional_offload.tree.check_grads`; the state's notes keep what the check
+    checked (:func:`~functional_offload.tree.check_grads`; the state's cache keeps what the check
     learns of the params, for the next steps)."""
     refs = _refs_of(state)
-    return check_grads(grads, refs.tree, refs.notes)
+    return check_grads(grads, refs.tree, refs.cache)
 
 
 def _refs_of(state: OptState) -> ParamRefs:

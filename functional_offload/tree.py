@@ -306,24 +306,23 @@ def _may_overlap(t: torch.Tensor) -> bool:
     return False
 
 
-def grads_of(params: Any, notes: Optional[dict] = None) -> GradsOf:
-    """The :class:`GradsOf` ``params``, kept in ``notes`` (a state's ``ParamRefs.notes``) while
-    the params tree is the same object."""
-    kept = None if notes is None else notes.get("grads_of")
+def grads_of(params: Any, cache: Any = None) -> GradsOf:
+    """The :class:`GradsOf` ``params``, kept in ``cache.grads_of`` (a state's
+    :class:`~functional_offload.base.StepCache`) while the params tree is the same object."""
+    kept = None if cache is None else cache.grads_of
     if kept is not None and kept.tree is params:
         return kept
     made = GradsOf(params)
-    if notes is not None:
-        notes["grads_of"] = made
+    if cache is not None:
+        cache.grads_of = made
     return made
 
 
-def check_grads(grads: Any, params: Any,
-                notes: Optional[dict] = None) -> list[Optional[torch.Tensor]]:
+def check_grads(grads: Any, params: Any, cache: Any = None) -> list[Optional[torch.Tensor]]:
     """The grads of ``params``' leaves in flatten order (local shards of DTensors; ``None``
-    where there is none), each checked by :func:`check_grad`; ``notes``: where to keep what
+    where there is none), each checked by :func:`check_grad`; ``cache``: where to keep what
     the check learns of the params (see :func:`grads_of`)."""
-    of = grads_of(params, notes)
+    of = grads_of(params, cache)
     return of.check(of.flatten(grads))
 
 

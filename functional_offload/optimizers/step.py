@@ -15,7 +15,7 @@ The failure contract:
   after part of the step was applied in place marks it failed (nothing can then update, stream,
   save or checkpoint it until a checkpoint is loaded into it).
 - A speculative step (``begin(state, speculative=True)``) writes the host leaves it starts ahead
-  into spare buffers (``ParamRefs.spare``) and their params into device scratch; ``finish``
+  into spare buffers (``StepCache.spares``) and their params into device scratch; ``finish``
   swaps the buffers in (``Tensor.set_``, no copy) and copies the params, so ``abort`` leaves the
   state as it was. ``finish`` commits: from then on the leaves fed ahead whose work has not
   begun run in place (``Run.settle``), at the in-place kernel's rate; a failure after that marks
@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-from functional_offload.base import StepBase
+from functional_offload.base import StepBase, StepCache
 from functional_offload.state import BUSY, CONSUMED, claim, mark_failed, restore_params
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.device_math import run_groups
@@ -50,7 +50,7 @@ class TerminalStep(StepBase):
         self.t, self.state, self.speculative = t, state, bool(speculative)
         ((_, self.n),) = claim(state, "update")  # busy from here: nobody else begins on it
         try:
-            if state.params.notes and state.params.notes.get("restore_params"):
+            if state.params.cache is not None and state.params.cache.restore_params:
                 restore_params(state)  # loaded into a failed state in place (DCP) since
             self.hyper, self.hyper_no_decay = t.hyper_at(self.n)
             self.leaves: list[Leaf] = t.layout(state)
@@ -62,20 +62,18 @@ class TerminalStep(StepBase):
         self.finished = False
         self.closed = False
         self.delayed = t.delayed
-        notes = state.params.notes if state.params.notes is not None else {}
-        self.notes = notes
-        self.packs = notes.get("packs", [])
-        kept = notes.get("static")
-        if kept is None or kept[0] is not self.leaves:
-            kept = notes["static"] = (self.leaves, static(self.leaves, self.packs))
-        self.work = HostWork(t, self.leaves, kept[1], notes, self.hyper, self.hyper_no_decay)
+        cache = state.params.cache if state.params.cache is not None else StepCache()
+        self.cache = cache
+        if cache.static is None:
+            cache.static = static(self.leaves, cache.packs)
+        self.work = HostWork(t, self.leaves, cache, self.hyper, self.hyper_no_decay)
         self.form: HostForm = form_for(Case(t.delayed, t.spec.elementwise, self.speculative),
-                                       self.work, self.packs, state.params.spare)
+                                       self.work)
 
     @property
     def static(self) -> Static:
-        """What steps of this layout reuse (kept in the state's notes)."""
-        return self.work.static
+        """What steps of this layout reuse (kept in the state's cache)."""
+        return self.cache.static
 
     # ---- the protocol ---------------------------------------------------------------------
     def feed(self, index: int, grad: torch.Tensor) -> None:
@@ -94,7 +92,7 @@ class TerminalStep(StepBase):
         self.fed[index] = g
         if self.form.starts_ahead(index):
             if not self.form.ahead:  # a param laid out anew is taken or refused before work starts
-                grads_of(self.state.params.tree, self.notes).refresh()
+                grads_of(self.state.params.tree, self.cache).refresh()
             self._land_previous()
             self.form.start(index, g)
 
@@ -170,7 +168,7 @@ class TerminalStep(StepBase):
 
     def _fail(self, written: Any) -> None:
         """Mark the state failed; ``written``: the leaves whose step may have run in place."""
-        mark_failed(self.state.count, self.state.params.notes, self._lost(written))
+        mark_failed(self.state.count, self.state.params.cache, self._lost(written))
 
     def _land_previous(self) -> None:
         """A delayed step still in flight lands before this one changes anything (not at begin:
@@ -189,7 +187,7 @@ class TerminalStep(StepBase):
         """Every leaf's grad: the fed ones, the others from ``grads`` (checked). A param whose
         dtype or shape changed since the step's static part was made (``param.data = ...``,
         ``module.half()``) has it made again (the device groups, the packs' buffers)."""
-        of = grads_of(self.state.params.tree, self.notes)
+        of = grads_of(self.state.params.tree, self.cache)
         given = [None] * len(self.leaves) if grads is None else of.flatten(grads)
         fed = self.fed
         if not fed and self.static.taken == of.taken and of.plain(given):
@@ -211,11 +209,9 @@ class TerminalStep(StepBase):
             else:
                 out.append(check_grad(leaf.path, g, p))
         if changed:
-            for key in [k for k in self.notes if isinstance(k, tuple) and k[0] == "pack"]:
-                del self.notes[key]
-            self.work.static = static(self.leaves, self.packs)
-        self.work.static = self.static._replace(taken=of.taken)
-        self.notes["static"] = (self.leaves, self.static)
+            self.cache.invalidate("params")
+            self.cache.static = static(self.leaves, self.cache.packs)
+        self.cache.static = self.static._replace(taken=of.taken)
         return out
 
     @torch.no_grad()
@@ -237,7 +233,7 @@ class TerminalStep(StepBase):
             refs = state.params
             if landing is not None:
                 lost = self._lost(i for i, g in enumerate(gs) if g is not None)
-                refs = refs._replace(pending=Pending(landing, new_count, self.notes, lost))
+                refs = refs._replace(pending=Pending(landing, new_count, self.state.params.cache, lost))
             return state._replace(count=new_count, params=refs)
         except BaseException:
             form.cancel()

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional
 import optree
 import torch
 
-from functional_offload.base import Optimizer, ParamRefs, Step
+from functional_offload.base import Optimizer, ParamRefs, Step, StepCache
 from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels import native
@@ -233,7 +233,7 @@ class Terminal:
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, spare={}, notes={"packs": packs}),
+            params=ParamRefs(params, cache=StepCache(packs=packs)),
         )
 
     # ---- steps ----------------------------------------------------------------------------
@@ -244,19 +244,19 @@ class Terminal:
 
     def layout(self, state: Any) -> list[Leaf]:
         """The leaves of ``state``, in the params' flatten order. Built once and kept in the
-        state's notes while its trees, this spec and this weight-decay mask are the same objects
+        state's cache while its trees, this spec and this weight-decay mask are the same objects
         (an update keeps them); the mask is evaluated when the layout is built."""
-        notes = state.params.notes
+        cache = state.params.cache
         key = (self.spec, self.weight_decay_mask, state.params.tree, state.master, state.ema,
                *(getattr(state, m.name) for m in self.spec.moments))
-        cached = notes.get("layout") if notes is not None else None
-        if (cached is not None and len(cached[0]) == len(key)
-                and all(a is b for a, b in zip(cached[0], key))):
-            return cached[1]
+        if cache is not None and len(cache.key) == len(key) and all(
+                a is b for a, b in zip(cache.key, key)):
+            return cache.layout
         leaves = layout(state, self.spec, lambda params: decay_flags(params, self.weight_decay_mask),
                         self.ema_decay is not None)
-        if notes is not None:
-            notes["layout"] = (key, leaves)
+        if cache is not None:
+            cache.invalidate("layout")
+            cache.key, cache.layout = key, leaves
         return leaves
 
     def begin(self, state: Any, speculative: bool = False) -> Step:

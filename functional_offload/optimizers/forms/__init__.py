@@ -32,15 +32,15 @@ class Case(NamedTuple):
     speculative: bool  # begun with speculative=True
 
 
-# the first whose test holds; each form's constructor: (work, packs, spares) -> HostForm
-FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork, list, dict], HostForm]]] = [
-    (lambda c: not c.elementwise, lambda w, packs, spares: LeafGranular(w)),
-    (lambda c: c.delayed, lambda w, packs, spares: Delayed(w)),
+# the first whose test holds is the step's form, made from the step's HostWork
+FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork], HostForm]]] = [
+    (lambda c: not c.elementwise, LeafGranular),
+    (lambda c: c.delayed, Delayed),
     (lambda c: c.speculative, Speculative),
-    (lambda c: True, lambda w, packs, spares: InPlace(w, packs)),
+    (lambda c: True, InPlace),
 ]
 
 
-def form_for(case: Case, work: HostWork, packs: list, spares: dict) -> HostForm:
+def form_for(case: Case, work: HostWork) -> HostForm:
     """The form of a step in ``case``."""
-    return next(make for test, make in FORMS if test(case))(work, packs, spares)
+    return next(make for test, make in FORMS if test(case))(work)

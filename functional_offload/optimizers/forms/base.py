@@ -10,6 +10,7 @@ import torch
 from functional_offload.executor import HostLeaf, Run
 from functional_offload.kernels.host import host_kernel
 from functional_offload.kernels.work import Kernel
+from functional_offload.base import StepCache
 from functional_offload.optimizers.layout import Leaf, Static, TerminalLike, viewed, with_flat_views
 
 __all__ = ["HostForm", "HostWork", "by_device", "raise_run_errors", "wait_runs"]
@@ -72,16 +73,20 @@ def by_device(idx: list[int], gs: list) -> dict[torch.device, list[int]]:
 
 
 class HostWork:
-    """A step's host leaves and what runs them: the leaves' kernel (kept in the state's notes
+    """A step's host leaves and what runs them: the leaves' kernel (kept in the state's cache
     with their layout), executor runs opened per device, the host leaves handed to them."""
 
-    def __init__(self, t: TerminalLike, leaves: list[Leaf], static: Static, notes: dict,
+    def __init__(self, t: TerminalLike, leaves: list[Leaf], cache: StepCache,
                  hyper: Any, hyper_no_decay: Any):
-        self.t, self.leaves, self.static, self.notes = t, leaves, static, notes
+        self.t, self.leaves, self.cache = t, leaves, cache
         self.hyper, self.hyper_no_decay = hyper, hyper_no_decay
         self.ex = t.executor
         self._kernel: Optional[Kernel] = None
         self._views_checked = False
+
+    @property
+    def static(self) -> Static:
+        return self.cache.static
 
     def hyper_of(self, leaf: Leaf) -> Any:
         return self.hyper if leaf.decay else self.hyper_no_decay
@@ -93,7 +98,7 @@ class HostWork:
         if self._views_checked:
             return False
         self._views_checked = True
-        st = self.static
+        st = self.cache.static
         if [x.data_ptr() for _, x in st.viewed] == st.view_ptrs:
             return False
         for i in sorted({i for (i, x), ptr in zip(st.viewed, st.view_ptrs) if x.data_ptr() != ptr}):
@@ -102,20 +107,18 @@ class HostWork:
         return True
 
     def kernel(self) -> Kernel:
-        """The host kernel of these leaves, kept in the state's notes with their layout while
-        the leaves' tensors, the spec and ``cpu_kernel`` stay the same."""
+        """The host kernel of these leaves, kept in the state's cache with their layout while
+        the leaves' tensors and ``cpu_kernel`` stay the same."""
         if self._kernel is None:
-            replaced = self.check_views()
-            key = (self.leaves, self.t.spec, self.t.cpu_kernel)
-            kept = self.notes.get("kernel")
-            if kept is not None and not replaced and all(a is b for a, b in zip(kept[0], key)):
-                self._kernel = kept[1]
-            else:
+            cache = self.cache
+            if self.check_views():
+                cache.invalidate("views")
+            if cache.kernel is None or cache.kernel[0] != self.t.cpu_kernel:
                 spec = self.t.spec
-                self._kernel = host_kernel(spec.native, spec.scalars, spec.reference,
-                                           [lf.flat for lf in self.leaves if lf.on_host],
-                                           self.t.cpu_kernel)
-                self.notes["kernel"] = (key, self._kernel)
+                cache.kernel = (self.t.cpu_kernel, host_kernel(
+                    spec.native, spec.scalars, spec.reference,
+                    [lf.flat for lf in self.leaves if lf.on_host], self.t.cpu_kernel))
+            self._kernel = cache.kernel[1]
         return self._kernel
 
     def leaf(self, index: int) -> Leaf:

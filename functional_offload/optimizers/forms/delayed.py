@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from functional_offload.base import StepCache
 from functional_offload.state import mark_failed
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
@@ -21,8 +22,9 @@ class Pending:
     """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
     waits for it and drops its result (before a checkpoint is loaded over the state)."""
 
-    def __init__(self, landing: Landing, count: torch.Tensor, notes: Optional[dict], lost: list[str]):
-        self.landing, self.count, self.notes, self.lost = landing, count, notes, lost
+    def __init__(self, landing: Landing, count: torch.Tensor, cache: Optional[StepCache],
+                 lost: list[str]):
+        self.landing, self.count, self.cache, self.lost = landing, count, cache, lost
         self.done = False
         self.error: Optional[BaseException] = None
 
@@ -37,7 +39,7 @@ class Pending:
             _, interrupt = shielded(self.landing.land, ready)
         except BaseException as e:
             self.done, self.error = True, e
-            mark_failed(self.count, self.notes, self.lost)
+            mark_failed(self.count, self.cache, self.lost)
             raise
         finally:
             ex.order_after_copies(device)

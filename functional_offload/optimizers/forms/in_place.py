@@ -22,8 +22,8 @@ PackedRun = tuple[tuple[int, ...], Buffers, int, int]  # members, buffers, first
 class InPlace:
     """The in-place form (see the module)."""
 
-    def __init__(self, work: HostWork, packs: list):
-        self.work, self.packs = work, packs
+    def __init__(self, work: HostWork):
+        self.work = work
         self.ahead: set[int] = set()
         self.runs: dict[torch.device, Run] = {}  # the streamed runs (fed leaves)
         self.rest_runs: dict[torch.device, Run] = {}  # the runs of what finish hands over
@@ -94,18 +94,19 @@ class InPlace:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one
         multi-tensor copy), handed to ``runs`` as one host leaf over the arenas."""
         work, leaves, out = self.work, self.work.leaves, []
-        for k, pack in enumerate(self.packs):
+        for k, pack in enumerate(work.cache.packs):
             pack_runs = work.static.pack_runs[k]
             if any(gs[i] is None for i in pack.members):
                 pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in leaves])
             for first, last in pack_runs:
                 members = pack.members[first:last + 1]
                 lead, g0 = leaves[members[0]], gs[members[0]]
-                key = ("pack", k, g0.device, g0.dtype)
-                if key not in work.notes:
-                    work.notes[key] = buffers(pack, g0.device, g0.dtype,
-                                              [leaves[i].param.shape for i in pack.members])
-                bufs = work.notes[key]
+                key = (k, g0.device, g0.dtype)
+                kept = work.cache.pack_buffers
+                if key not in kept:
+                    kept[key] = buffers(pack, g0.device, g0.dtype,
+                                        [leaves[i].param.shape for i in pack.members])
+                bufs = kept[key]
                 lo, hi = pack.offsets[first], pack.offsets[last] + leaves[members[-1]].param.numel()
                 torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
                 ready = work.ex.ready(g0.device)  # after the gather, on the caller's stream

@@ -1,6 +1,6 @@
 """A speculative step (``begin(state, speculative=True)``): host leaves fed ahead of a factor
 not known yet (a clip, a finiteness check) write their new state into spare buffers
-(``ParamRefs.spare``, kept for later steps) and their params into device scratch. Finishing
+(``StepCache.spares``, kept for later steps) and their params into device scratch. Finishing
 commits: what has not begun runs in place (``Run.settle``); the spare buffers are swapped in
 (``Tensor.set_``, no copy) and the params copied, so an abort leaves the state as it was."""
 
@@ -26,9 +26,9 @@ def _swap(a: torch.Tensor, b: torch.Tensor) -> None:
 class Speculative(InPlace):
     """The speculative form (see the module); the leaves handed over at finish run in place."""
 
-    def __init__(self, work: HostWork, packs: list, spares: dict):
-        super().__init__(work, packs)
-        self.spares = spares
+    def __init__(self, work: HostWork):
+        super().__init__(work)
+        self.spares = work.cache.spares
         self.forms: dict[int, int] = {}  # id of each host leaf handed over ahead -> its leaf
         self.scratch: dict[int, torch.Tensor] = {}  # new params awaiting commit
         self.committed = False  # the swap has begun: the state is changed
