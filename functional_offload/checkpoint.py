@@ -28,6 +28,7 @@ import torch
 from functional_offload.base import (BUSY, CONSUMED, GradientTransformation, Optimizer, ParamRefs,
                                      check_recoverable, check_states, check_usable, claim, flush,
                                      mark_tensors, release, restore_params, terminal_states)
+from functional_offload.checks import is_int
 from functional_offload.executor.shield import shielded
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
@@ -311,10 +312,6 @@ def save(state: OptState, path: Union[str, os.PathLike]) -> None:
         release(marks)
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _read_safetensors(f: BinaryIO, size: int) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """``(metadata, tensors)`` of the safetensors file open as ``f`` (``size`` bytes); raises
     ``ValueError`` saying what is wrong with it."""
@@ -337,9 +334,9 @@ def _read_safetensors(f: BinaryIO, size: int) -> tuple[dict[str, str], dict[str,
     for key, e in header.items():
         if not (isinstance(e, dict) and isinstance(e.get("dtype"), str)
                 and isinstance(e.get("shape"), list)
-                and all(_is_int(d) and d >= 0 for d in e["shape"])
+                and all(is_int(d) and d >= 0 for d in e["shape"])
                 and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-                and all(_is_int(o) for o in e["data_offsets"])):
+                and all(is_int(o) for o in e["data_offsets"])):
             raise ValueError(f"tensor {key!r} has an invalid header entry {str(e)[:80]}")
         if e["dtype"] not in _DTYPES:
             raise ValueError(f"tensor {key!r} has dtype {e['dtype']!r}, which a checkpoint never "
@@ -377,7 +374,7 @@ def _check_crcs(meta: dict[str, str], sd: dict[str, torch.Tensor]) -> None:
         crcs = json.loads(meta["crc32"])
     except ValueError as e:
         raise ValueError(f"its crc32 metadata is not JSON ({e})") from None
-    if not isinstance(crcs, dict) or not all(_is_int(v) for v in crcs.values()):
+    if not isinstance(crcs, dict) or not all(is_int(v) for v in crcs.values()):
         raise ValueError(f"its crc32 metadata is not a map of integers: {meta['crc32'][:80]!r}")
     if sd.keys() - crcs.keys():
         raise ValueError(f"its crc32 metadata lacks {_some(sorted(sd.keys() - crcs.keys()))} of "

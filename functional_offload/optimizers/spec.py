@@ -13,11 +13,11 @@ the delayed update, EMA, checkpoints and failure handling come with it.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
+from functional_offload.checks import real
 from functional_offload.typing import ScalarOrSchedule
 
 __all__ = ["Moment", "OptimizerSpec", "check_nonneg", "check_positive", "check_beta",
@@ -117,19 +117,9 @@ def torch_state_names(state: Any) -> dict[str, str]:
     return dict(_TORCH_NAMES[kind])
 
 
-def _real(x: Any) -> Optional[float]:
-    """``x`` as a float if it is a real number (not a bool) that a float holds, else None."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        return None
-    try:
-        return float(x)
-    except OverflowError:
-        return None
-
-
 def check_nonneg(name: str, x: Any) -> float:
     """A finite number >= 0."""
-    v = _real(x)
+    v = real(x)
     if v is None or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
     return v
@@ -144,7 +134,7 @@ def check_positive(name: str, x: Any) -> float:
 
 def check_beta(name: str, b: Any) -> float:
     """A number in [0, 1)."""
-    v = _real(b)
+    v = real(b)
     if v is None or not 0 <= v < 1:
         raise ValueError(f"{name} must be in [0, 1), got {b!r}")
     return v
@@ -179,7 +169,7 @@ def check_representable(spec: OptimizerSpec, hyper: Any, names: Sequence[str]) -
     fields = getattr(hyper, "_fields", ())
     values = {k: getattr(hyper, k) for k in names if k in fields}
     involved = [k for k, v in values.items()
-                if _real(v) is not None and _fixed_by_zero(scalars, hyper, k, at)]
+                if real(v) is not None and _fixed_by_zero(scalars, hyper, k, at)]
     culprits = [k for k in involved if abs(values[k]) > 1] or involved
     if not culprits:
         raise ValueError(f"{spec.name}: the hyperparameters {', '.join(names)} give a kernel "

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 
 from functional_offload.base import BUSY, CONSUMED, FAILED, StateError, flush
+from functional_offload.checks import real
 from functional_offload.optimizers.spec import torch_state_names
 from functional_offload.tree import local
 
@@ -287,7 +288,7 @@ def _listed(keys: list[str]) -> str:
 
 def _as_step(x: Any, label: str) -> int:
     v = x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-            or v != int(v):
+    f = real(v)
+    if f is None or not math.isfinite(f) or f < 0 or f != int(f):
         raise ValueError(f"{label}: step {x!r} is not a whole number >= 0")
     return int(v)
