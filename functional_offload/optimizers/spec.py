@@ -100,21 +100,25 @@ class OptimizerSpec(NamedTuple):
             raise TypeError(f"{self.name}: native ops are element-wise")
         if self.decay is not None and self.decay not in self.hyperparameters:
             raise TypeError(f"{self.name}: decay hyperparameter {self.decay!r} is not declared")
-        names = _TORCH_NAMES.setdefault(self.state, {})
-        names.update({m.name: m.torch_name for m in self.moments})
         return self
 
-
-_TORCH_NAMES: dict[type, dict[str, str]] = {}  # state type -> {moment field: torch.optim's key}
+    def torch_names(self) -> dict[str, str]:
+        """``{moment field: torch.optim's per-param state key}``, from the moments' ``torch_name``."""
+        return {m.name: m.torch_name for m in self.moments}
 
 
 def torch_state_names(state: Any) -> dict[str, str]:
     """``{moment field: torch.optim's per-param state key}`` of a terminal state (or its type),
-    e.g. ``{"mu": "exp_avg", "nu": "exp_avg_sq"}`` for an :class:`~functional_offload.AdamState`."""
+    e.g. ``{"mu": "exp_avg", "nu": "exp_avg_sq"}`` for an :class:`~functional_offload.AdamState`.
+
+    The state type carries them as its class attribute ``TORCH_NAMES``, which
+    :func:`~functional_offload.optimizers.terminal.terminal` sets from the spec it is given.
+    """
     kind = state if isinstance(state, type) else type(state)
-    if kind not in _TORCH_NAMES:
+    names = getattr(kind, "TORCH_NAMES", None)
+    if not isinstance(names, dict):
         raise TypeError(f"{kind.__name__} is not the state of a terminal optimizer")
-    return dict(_TORCH_NAMES[kind])
+    return dict(names)
 
 
 def check_nonneg(name: str, x: Any) -> float:
