@@ -10,13 +10,13 @@ policy decides among the other ("device") leaves.
 
 from __future__ import annotations
 
-import math
 from contextvars import ContextVar
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from functional_offload.state import terminal_states
+from functional_offload.checks import is_int, real
 from functional_offload.tree import (check_tensor_leaves, flatten_like, insertion_order,
                                      leaves_with_paths)
 from functional_offload.typing import OptState, Params
@@ -236,10 +236,11 @@ def _leaf_bytes(state: OptState) -> list[int]:
 
 
 def _check_fraction(f: Any) -> float:
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or math.isnan(f) or not 0 <= f <= 1:
+    v = real(f)
+    if v is None or not 0 <= v <= 1:  # NaN too
         raise ValueError(f"offload fraction must be a number in [0, 1], got {f!r}; e.g. 0.5 "
                          "offloads about half of the elements, 1.0 all of them")
-    return float(f)
+    return v
 
 
 def offload_fraction(fraction: float, *, from_end: bool = False) -> Placement:
@@ -284,7 +285,7 @@ def device_budget(max_bytes: int) -> Placement:
     The first leaf that does not fit and every leaf after it go to the host, so the device part
     is a prefix of the leaves (as with the fraction policy, whose host part is a prefix).
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+    if not is_int(max_bytes) or max_bytes < 0:
         raise ValueError(f"device_budget takes a byte count >= 0, got {max_bytes!r}")
 
     def decide(leaves: Sequence[LeafInfo]) -> list[bool]:

@@ -18,6 +18,7 @@ from functional_offload.activations._steps import Budget, Step
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
                                                     Plan)
+from functional_offload.checks import is_int
 
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
 _MOVING = (OFFLOAD, RECOMPUTE_OFFLOAD)
@@ -62,7 +63,7 @@ class _Recomputed:
 
 def _check_int(name: str, value: Any, least: int, what: str) -> None:
     """An int (not a bool) of at least ``least``, or an error naming the option."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    if not is_int(value) or value < least:
         raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
 
@@ -135,7 +136,7 @@ class ActivationOffload:
             if not 0 <= offload <= 1:  # NaN too
                 raise ValueError(f"offload as a fraction must be in [0, 1], got {offload}")
             count = min(math.floor(offload * n), n - 1)
-        elif isinstance(offload, int) and not isinstance(offload, bool):
+        elif is_int(offload):
             count = offload
         elif offload is not None:
             raise ValueError(f"offload is a group count (int) or a fraction (float), got "

@@ -30,6 +30,8 @@ import itertools
 import math
 from typing import NamedTuple, Optional, Sequence
 
+from functional_offload.checks import is_int
+
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Plan", "plan",
            "simulate"]
 
@@ -299,7 +301,7 @@ _RANK = {KEEP: 0, OFFLOAD: 1, RECOMPUTE: 2, RECOMPUTE_OFFLOAD: 3}
 
 
 def _check_count(name: str, value: object, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    if not is_int(value) or value < least:
         raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
 
 

@@ -20,6 +20,7 @@ import math
 from typing import Iterator
 
 from functional_offload.activations import _hooks
+from functional_offload.checks import real
 
 __all__ = ["copy_on_cpu", "manual_clock", "ManualClock"]
 
@@ -49,10 +50,10 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         """Move the clock ``seconds`` (>= 0) ahead: what the code running now takes."""
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-                or not math.isfinite(seconds) or seconds < 0:
+        v = real(seconds)
+        if v is None or not math.isfinite(v) or v < 0:
             raise ValueError(f"advance takes seconds >= 0, got {seconds!r}")
-        self.seconds += seconds
+        self.seconds += v
 
 
 @contextlib.contextmanager

@@ -13,11 +13,11 @@ the delayed update, EMA, checkpoints and failure handling come with it.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
+from functional_offload.checks import real
 from functional_offload.typing import ScalarOrSchedule
 
 __all__ = ["Moment", "OptimizerSpec", "check_nonneg", "check_positive", "check_beta",
@@ -100,36 +100,30 @@ class OptimizerSpec(NamedTuple):
             raise TypeError(f"{self.name}: native ops are element-wise")
         if self.decay is not None and self.decay not in self.hyperparameters:
             raise TypeError(f"{self.name}: decay hyperparameter {self.decay!r} is not declared")
-        names = _TORCH_NAMES.setdefault(self.state, {})
-        names.update({m.name: m.torch_name for m in self.moments})
         return self
 
-
-_TORCH_NAMES: dict[type, dict[str, str]] = {}  # state type -> {moment field: torch.optim's key}
+    def torch_names(self) -> dict[str, str]:
+        """``{moment field: torch.optim's per-param state key}``, from the moments' ``torch_name``."""
+        return {m.name: m.torch_name for m in self.moments}
 
 
 def torch_state_names(state: Any) -> dict[str, str]:
     """``{moment field: torch.optim's per-param state key}`` of a terminal state (or its type),
-    e.g. ``{"mu": "exp_avg", "nu": "exp_avg_sq"}`` for an :class:`~functional_offload.AdamState`."""
+    e.g. ``{"mu": "exp_avg", "nu": "exp_avg_sq"}`` for an :class:`~functional_offload.AdamState`.
+
+    The state type carries them as its class attribute ``TORCH_NAMES``, which
+    :func:`~functional_offload.optimizers.terminal.terminal` sets from the spec it is given.
+    """
     kind = state if isinstance(state, type) else type(state)
-    if kind not in _TORCH_NAMES:
+    names = getattr(kind, "TORCH_NAMES", None)
+    if not isinstance(names, dict):
         raise TypeError(f"{kind.__name__} is not the state of a terminal optimizer")
-    return dict(_TORCH_NAMES[kind])
-
-
-def _real(x: Any) -> Optional[float]:
-    """``x`` as a float if it is a real number (not a bool) that a float holds, else None."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        return None
-    try:
-        return float(x)
-    except OverflowError:
-        return None
+    return dict(names)
 
 
 def check_nonneg(name: str, x: Any) -> float:
     """A finite number >= 0."""
-    v = _real(x)
+    v = real(x)
     if v is None or not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {x!r}")
     return v
@@ -144,7 +138,7 @@ def check_positive(name: str, x: Any) -> float:
 
 def check_beta(name: str, b: Any) -> float:
     """A number in [0, 1)."""
-    v = _real(b)
+    v = real(b)
     if v is None or not 0 <= v < 1:
         raise ValueError(f"{name} must be in [0, 1), got {b!r}")
     return v
@@ -179,7 +173,7 @@ def check_representable(spec: OptimizerSpec, hyper: Any, names: Sequence[str]) -
     fields = getattr(hyper, "_fields", ())
     values = {k: getattr(hyper, k) for k in names if k in fields}
     involved = [k for k, v in values.items()
-                if _real(v) is not None and _fixed_by_zero(scalars, hyper, k, at)]
+                if real(v) is not None and _fixed_by_zero(scalars, hyper, k, at)]
     culprits = [k for k in involved if abs(values[k]) > 1] or involved
     if not culprits:
         raise ValueError(f"{spec.name}: the hyperparameters {', '.join(names)} give a kernel "

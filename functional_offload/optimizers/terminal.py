@@ -79,6 +79,7 @@ class Terminal:
             raise TypeError(f"{spec.name}: hyperparameters {sorted(missing)} missing, "
                             f"{sorted(extra)} unknown")
         self.spec = spec
+        spec.state.TORCH_NAMES = spec.torch_names()  # what torch_state_names reads
         self.hypers = {k: check_schedule(k, v, spec.hyperparameters[k]) for k, v in hypers.items()}
         if not any(callable(v) for v in self.hypers.values()):  # constants: check them all now
             self.hyper_at(0)

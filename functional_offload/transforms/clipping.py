@@ -12,6 +12,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
 from functional_offload.base import EmptyState, GradientTransformation
+from functional_offload.checks import real
 from functional_offload.tree import check_float_leaves
 from functional_offload.typing import Params, Updates
 
@@ -147,14 +148,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         >>> g["w"]
         tensor([0.6000, 0.8000])
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+    limit = real(max_norm)
+    if limit is None or not limit > 0:
         raise ValueError(f"clip_by_global_norm needs max_norm > 0, got {max_norm!r}")
 
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
     def of(present: list[torch.Tensor], groups: Groups) -> torch.Tensor:
-        return torch.clamp(max_norm / (_global_norm(present, groups) + 1e-6), max=1.0)
+        return torch.clamp(limit / (_global_norm(present, groups) + 1e-6), max=1.0)
 
     def factor(updates: Updates, state: Any = None) -> torch.Tensor:
         present = _present(updates)

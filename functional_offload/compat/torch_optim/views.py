@@ -22,11 +22,12 @@ import torch
 
 from functional_offload.base import StateError
 from functional_offload.state import BUSY, CONSUMED, FAILED, flush
+from functional_offload.checks import real
 from functional_offload.optimizers.spec import torch_state_names
 from functional_offload.tree import local
 
-__all__ = ["Slot", "Copy", "Expect", "param_label", "scalar_dtype", "tree_of", "signature",
-           "quiesce", "mark_error"]
+__all__ = ["Slot", "Copy", "Expect", "apply_copies", "param_label", "scalar_dtype", "tree_of",
+           "signature", "quiesce", "mark_error"]
 
 STEP, MASTER, EMA = "step", "master", "ema"
 _ZERO = object()  # a Copy source: fill with zeros
@@ -123,6 +124,15 @@ class Copy:
             self.dst.copy_(self.src)
 
 
+def apply_copies(state: Any, copies: list[Copy], count: Optional[int]) -> None:
+    """Run the copies :meth:`Slot.copies_for` made and set the count (``None``: keep it)."""
+    with torch.no_grad():
+        for c in copies:
+            c.run()
+        if count is not None:
+            state.count.fill_(count)
+
+
 class Slot:
     """A param group's functional state (``None`` until the first step or load) and the views
     of it in ``optimizer.state``."""
@@ -167,9 +177,9 @@ class Slot:
 
     # ---- taking values in -----------------------------------------------------------------
     @staticmethod
-    def plan(state: Any, keys: list, params: list, entries: list[Optional[dict]], *, reset: bool,
-             resync_masters: bool, where: str, names: Optional[list] = None,
-             expect: Optional[Expect] = None) -> tuple[list[Copy], Optional[int]]:
+    def copies_for(state: Any, keys: list, params: list, entries: list[Optional[dict]], *,
+                   reset: bool, resync_masters: bool, where: str, names: Optional[list] = None,
+                   expect: Optional[Expect] = None) -> tuple[list[Copy], Optional[int]]:
         """The copies that put ``entries`` (torch-format per-param dicts, ``None`` where a param
         has none) into ``state``, and the count to set (``None``: keep it). Raises ``ValueError``
         naming the param and key of a value that does not fit; copies nothing.
@@ -288,7 +298,7 @@ def _listed(keys: list[str]) -> str:
 
 def _as_step(x: Any, label: str) -> int:
     v = x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
-            or v != int(v):
+    f = real(v)
+    if f is None or not math.isfinite(f) or f < 0 or f != int(f):
         raise ValueError(f"{label}: step {x!r} is not a whole number >= 0")
     return int(v)

@@ -1,0 +1,288 @@
+"""The class :class:`TorchOptimizer` (see :mod:`functional_offload.compat.torch_optim`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from functional_offload.base import Optimizer
+from functional_offload.state import FAILED, flush
+from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
+from functional_offload.compat.torch_optim.groups import GroupStates, GroupStep
+from functional_offload.compat.torch_optim.state_dicts import (from_earlier_format,
+                                                               pack_state_dict, unpack_state_dict)
+from functional_offload.compat.torch_optim.views import Slot
+from functional_offload.optimizers import adamw
+from functional_offload.transforms import clip_by_global_norm
+from functional_offload.tree import check_grad, local
+
+__all__ = ["TorchOptimizer"]
+
+
+class TorchOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose step is a functional_offload terminal optimizer.
+
+    Args:
+      params: tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or param-group
+        dicts holding either, as ``torch.optim`` accepts (names are kept in the group's
+        ``param_names``, as torch does).
+      optimizer: the functional constructor: ``fo.adamw``, ``fo.adam``, ``fo.sgd`` (or a
+        ``functools.partial`` of one), or another constructor of a terminal optimizer.
+      max_grad_norm: if set, gradients are clipped by their global norm over all groups
+        (``clip_grad_norm_`` semantics) before the step.
+      **defaults: torch's options of that algorithm (``lr``, ``betas``, ``eps``,
+        ``weight_decay``, ``maximize``, ``momentum``, ``nesterov``…; torch's defaults where not
+        given) and the functional constructor's keyword options (``placement``, ``mu_dtype``,
+        ``master_dtype``, ``ema_decay``, ``cpu_kernel``, ``delayed``…). Groups may override
+        any of them.
+
+    Options torch has and the adapter refuses raise ``ValueError`` (at construction, or at the
+    next step if written into a group later): ``amsgrad=True``, SGD's ``dampening != 0``,
+    ``capturable=True``, ``differentiable=True``. ``foreach`` and ``fused`` are accepted and
+    ignored (the functional optimizer picks its kernels: fused on the GPU, native on the host).
+    Other keys in a group (``name``, ``initial_lr``…) are ignored, as torch ignores them.
+
+    Per-param state: ``optimizer.state[p]`` holds the functional state's leaves themselves
+    (``exp_avg``, ``exp_avg_sq`` / ``momentum_buffer``), ``step`` (one float tensor per group:
+    the state's single count), ``master`` for a low-precision param and ``ema`` with
+    ``ema_decay``. Writing into these tensors changes the state; a tensor or step put in their
+    place is copied into the state before the next step.
+
+    Checkpoints: ``state_dict()`` is torch's format; ``torch.optim.AdamW``'s (``Adam``, ``SGD``)
+    loads into the matching adapter and continues the same trajectory, and the adapter's loads
+    into torch's class, which keeps ``master`` as unused state (drop it with a
+    ``register_load_state_dict_pre_hook`` if unwanted). On load, a master is taken from the
+    state_dict only at its own dtype; otherwise, and for the fp32 host copies that are not shown,
+    it is set from its param (the model's values are the truth then). A state_dict of another
+    algorithm is refused before anything is copied: a param's state that lacks a key the
+    algorithm reads (torch's class would fail at its next step) or holds another algorithm's
+    (``momentum_buffer`` loaded into AdamW, ``exp_avg_sq`` into Lion) raises ``ValueError``
+    naming the param and the keys. A delayed step in flight is dropped by a load, not landed
+    over the params (restore them from the model's checkpoint). Two differences stay: one
+    step count per group (torch keeps one per param; a torch state whose params' steps differ
+    continues from the largest, with a warning), and params that never had a grad still have
+    (zero) state.
+
+    Masters: a param whose state has a master (low-precision params; GPU params whose state is
+    on the host) is written from that master at every step. After changing such params' values
+    outside the optimizer (``model.load_state_dict`` mid-run), call :meth:`sync_masters`, or the
+    next step overwrites the change.
+
+    ``accelerate``: ``Accelerator.prepare`` copies every tensor of an optimizer's
+    ``state_dict()`` to the accelerator and loads it back. The state is created at the first
+    step, so preparing a new optimizer (the usual order, and ``transformers.Trainer``'s) moves
+    nothing. To prepare one that already has state (resumed before ``prepare``), pass
+    ``device_placement=False`` for it (``accelerator.prepare_optimizer(opt,
+    device_placement=False)`` or ``prepare(model, opt, device_placement=[True, False])``), or
+    load its checkpoint after ``prepare``; otherwise its host-resident state makes a round trip
+    through GPU memory.
+
+    ``delayed=True``: the params of the host-resident leaves land at the next ``step()``,
+    :meth:`flush` or ``state_dict()``; read ``optimizer.state`` after :meth:`flush`.
+
+    Failures: after a step that failed part-way, ``step()``, ``state_dict()``, copies, pickles
+    and :meth:`sync_masters` raise :class:`~functional_offload.StateError` until a checkpoint
+    is loaded: ``load_state_dict``, or ``fo.load`` / DCP into :attr:`fo_states`, with the
+    model's params restored from its own checkpoint. While another thread's step holds the
+    state, the same calls, ``load_state_dict`` and :attr:`fo_states` raise it too.
+
+    Example::
+
+        >>> import torch, functional_offload as fo
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw, lr=1e-3)
+        >>> sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+        >>> model(torch.ones(3, 4)).sum().backward(); opt.step(); sched.step(); opt.zero_grad()
+        >>> sorted(opt.state[model.weight])
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer: Callable[..., Optimizer] = adamw, *,
+                 max_grad_norm: Optional[float] = None, **defaults: Any):
+        algo, preset = algorithm_for(optimizer)
+        unknown = set(defaults) - algo.accepts
+        if unknown:
+            raise TypeError(f"TorchOptimizer over {algo.name} does not take {sorted(unknown)}; "
+                            f"it takes {sorted(algo.accepts)}")
+        self._setup(optimizer, algo, max_grad_norm)
+        merged = {**algo.defaults, **preset, **defaults}
+        states = self._states  # the values are checked before the params, as torch checks them
+        states.compile(states.values(merged, {}), states.options(merged), "")
+        super().__init__(params, merged)
+
+    def _setup(self, optimizer: Callable[..., Optimizer], algo: Algorithm,
+               max_grad_norm: Optional[float]) -> None:
+        self._make = optimizer
+        self._max_grad_norm = max_grad_norm
+        self._clip = clip_by_global_norm(max_grad_norm) if max_grad_norm is not None else None
+        self._states = GroupStates(algo)
+
+    # ---- pickling (torch's __getstate__ keeps defaults, state and param_groups) ----------------
+    def __getstate__(self) -> dict[str, Any]:
+        self._states.check_marks(self.param_groups, "be copied or pickled")
+        self.flush()
+        return {**super().__getstate__(), "_fo_optimizer": self._make,
+                "_fo_max_grad_norm": self._max_grad_norm}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        optimizer = state.pop("_fo_optimizer", adamw)
+        self._setup(optimizer, algorithm_for(optimizer)[0], state.pop("_fo_max_grad_norm", None))
+        super().__setstate__(state)  # the functional states are rebuilt from self.state
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group (as ``torch.optim``); its values are checked first, with torch's messages."""
+        if isinstance(param_group, dict) and hasattr(self, "_states"):
+            states, merged = self._states, {**self.defaults, **param_group}
+            states.compile(states.values(merged, self.defaults), states.options(merged),
+                           f"param group {len(self.param_groups)}: ")
+        super().add_param_group(param_group)
+
+    # ---- state dicts ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's format: ``{"state": {id: {...}}, "param_groups": [...]}``, ids being
+        positions over all groups, names in ``param_names``; the layout options (placement,
+        dtypes…) are the optimizer's construction, not its state, and are left out. ``step`` is
+        a tensor per param (torch's optimizers add to it in place). Runs torch's state-dict
+        hooks; lands delayed steps first."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        self._states.check_marks(self.param_groups, "take a state_dict")
+        self.flush()
+        sd = pack_state_dict(self._states, self.param_groups, self.state)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch.optim's format (this adapter's, or torch's class of the same algorithm).
+
+        Params are matched by position, as torch does (names are kept, not used); state_dicts
+        of the first TorchOptimizer (params by name) are converted. Everything is checked —
+        group sizes, each param's state keys (those the algorithm reads, and none of another
+        algorithm's), option values, every tensor's shape — before anything is copied. The
+        values are copied into the functional state (keeping its placement); masters not in
+        the state_dict are set from the params. A failed state is recovered; a delayed step
+        in flight is dropped; a state in another thread's step is refused
+        (:class:`~functional_offload.StateError`). Runs torch's load-state-dict hooks.
+        """
+        state_dict = from_earlier_format(state_dict.copy())
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        self.state = unpack_state_dict(self._states, self.param_groups, self.defaults, self.state,
+                                       state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One step of every group (as ``torch.optim``; ``closure`` re-evaluates the loss).
+
+        Every group's values, state and grads are checked before any group steps. A Ctrl-C
+        during the step lets every group finish its step, then is raised.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        runs = self._states.steps(self.param_groups, self.defaults)
+        for run in runs:
+            self._states.ready(run, self.state)
+        for run in runs:
+            self._gather(run)
+        if self._clip is not None and runs:
+            clipped, _ = self._clip.update([r.grads for r in runs], self._clip.init(None))
+            for r, g in zip(runs, clipped):
+                r.grads = g
+        interrupt: Optional[BaseException] = None
+        stepped = False
+        for run in runs:
+            slot = run.slot
+            state = slot.state
+            hidden = (Slot.moment_fields(state) - run.moments) if run.moments is not None else ()
+            given = state._replace(**{f: () for f in hidden}) if hidden else state
+            count = int(state.count)
+            try:
+                _, new = run.opt.update(run.grads, given)
+            except BaseException as e:
+                if int(state.count) == count + 1:  # a signal's handler raised once the step
+                    new = given  # had completed into the state passed in (the core's contract)
+                    interrupt = interrupt or e
+                else:
+                    # the state is as it was, or marked failed; if another group already
+                    # stepped, the optimizer as a whole is torn: every group is marked failed
+                    if stepped or int(state.count) == FAILED:
+                        for other in runs:
+                            if other.slot.state is not None:
+                                other.slot.state.count.fill_(FAILED)
+                    for other in runs:
+                        if other.slot.state is not None:
+                            other.slot.refresh()
+                    raise
+            stepped = True
+            if hidden:
+                new = new._replace(**{f: getattr(state, f) for f in hidden})
+            slot.state = new
+            slot.refresh()
+        if interrupt is not None:
+            raise interrupt
+        return loss
+
+    def _gather(self, run: GroupStep) -> None:
+        slot = run.slot
+        names = slot.group.get("param_names")
+        grads = []
+        for j, p in enumerate(slot.params):
+            label = names[j] if isinstance(names, list) and j < len(names) else \
+                f"param_groups[{run.index}]['params'][{j}]"
+            # checked here, handed on as they are: a DTensor grad keeps its mesh, so that
+            # clipping takes the norm over every rank's shards
+            grads.append(None if check_grad(str(label), p.grad, p) is None else p.grad)
+        if run.values.get("maximize"):
+            grads = [None if g is None else torch.neg(g) for g in grads]
+        run.grads = (dict(zip(slot.keys, grads)) if isinstance(slot.state.params.tree, dict)
+                     else grads)
+
+    # ---- public extras ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Land every delayed step still in flight (``delayed=True``): the params get their new
+        values and ``optimizer.state`` shows a finished step. A no-op otherwise."""
+        for slot in self._states.slots:
+            if slot.state is not None and slot.state.params.pending is not None:
+                flush(slot.state)
+
+    def sync_masters(self) -> None:
+        """Set every master from its param's current value, after the params were changed
+        outside the optimizer (e.g. ``model.load_state_dict`` mid-run); without it the next step
+        would write the masters' values back over the change. A failed state is refused: load a
+        checkpoint into it instead."""
+        self._states.check_marks(self.param_groups, "sync masters")
+        self.flush()
+        with torch.no_grad():
+            for slot in self._states.slots:
+                if slot.state is None:
+                    continue
+                for j, p in enumerate(slot.params):
+                    master = slot.state.master[slot.keys[j]]
+                    if master is not None:
+                        master.copy_(local(p))
+
+    @property
+    def fo_states(self) -> list[Any]:
+        """The functional states, one per param group (``None`` for an empty group), created
+        now if no step made them yet. For reading and for loading checkpoints into
+        (``fo.load(path, like=tuple(opt.fo_states))``, DCP): ``step()`` donates them. A failed
+        state is given as it is, so that a checkpoint loaded into it recovers it; until then
+        saving it and stepping raise :class:`~functional_offload.StateError`."""
+        runs = {r.index: r for r in self._states.steps(self.param_groups, self.defaults)}
+        for run in runs.values():
+            state = run.slot.state
+            if state is None or int(state.count) != FAILED:
+                self._states.ready(run, self.state, "read its functional state")
+        return [runs[i].slot.state if i in runs else None for i in range(len(self.param_groups))]
