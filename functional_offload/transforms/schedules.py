@@ -7,11 +7,10 @@ r"""Learning-rate schedules: plain callables of the number of updates already ap
 from __future__ import annotations
 
 import math
-from typing import Callable
+
+from functional_offload.typing import Schedule
 
 __all__ = ["constant", "linear_warmup", "cosine_decay", "warmup_cosine"]
-
-Schedule = Callable[[int], float]
 
 
 def _steps(name: str, n: int) -> int:
