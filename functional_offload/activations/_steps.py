@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from functional_offload.activations import planner
+import functional_offload.activations.planner as planner
 from functional_offload.activations._measure import Measure, profiling_decisions, timing_decisions
 from functional_offload.activations.planner import KEEP, OFFLOAD, Plan, Profile
 

@@ -13,7 +13,7 @@ import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from functional_offload.activations import _hooks
+from functional_offload.activations._hooks import copies_cpu
 from functional_offload.activations._steps import Budget, Step
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
@@ -177,7 +177,7 @@ class ActivationOffload:
                       "wait_s": 0.0, "inflight_peak_bytes": 0, "recomputed_groups": 0,
                       "measured_steps": 0, "plans": 0}
         self._pool = Pool(host_cap_bytes)
-        self._mover = Mover(self._pool, _hooks.copies_cpu(), self.stats)
+        self._mover = Mover(self._pool, copies_cpu(), self.stats)
         self._budget = None if budget_bytes is None else Budget(
             budget_bytes, n, None if max_inflight_bytes == "auto" else max_inflight_bytes, self.stats)
         self._step: Optional[Step] = None

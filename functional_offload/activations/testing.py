@@ -19,7 +19,7 @@ import contextlib
 import math
 from typing import Iterator
 
-from functional_offload.activations import _hooks
+from functional_offload.activations._hooks import set_clock, set_copies_cpu
 
 __all__ = ["copy_on_cpu", "manual_clock", "ManualClock"]
 
@@ -31,11 +31,11 @@ def copy_on_cpu() -> Iterator[None]:
     no faster memory to move them to): offloaded groups go through the pinned pool's
     bookkeeping with deferred copies — a copy runs when it is waited for, so sources stay alive,
     in flight, as on a GPU — and budget mode plans with offload as it does on a GPU."""
-    before = _hooks.set_copies_cpu(True)
+    before = set_copies_cpu(True)
     try:
         yield
     finally:
-        _hooks.set_copies_cpu(before)
+        set_copies_cpu(before)
 
 
 class ManualClock:
@@ -63,8 +63,8 @@ def manual_clock() -> Iterator[ManualClock]:
     :meth:`ManualClock.advance` to say how long it takes. (On a GPU, times come from CUDA
     events and do not read it.)"""
     clock = ManualClock()
-    before = _hooks.set_clock(clock)
+    before = set_clock(clock)
     try:
         yield clock
     finally:
-        _hooks.set_clock(before)
+        set_clock(before)

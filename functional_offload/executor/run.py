@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from functional_offload.executor import faults
+import functional_offload.executor.faults as faults
 from functional_offload.executor.plan import HostLeaf, Segment, block_size, cut
 from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
 
