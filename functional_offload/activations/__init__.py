@@ -7,7 +7,7 @@ backward, ``prefetch`` groups ahead; a recomputed group runs under ``torch.utils
 (their sources stay alive until then), so offloading ``k`` groups lowers the peak by close to
 their share. With ``budget_bytes`` the first steps of each input shape are measured (one, or
 two when keeping everything does not fit and a group can be recomputed) and a plan chooses, per
-group, what meets the budget in the least time (:func:`plan`, :class:`Plan`).
+group, what meets the budget in the least time (:func:`plan`, :class:`ActivationPlan`).
 
 Functional loops use :meth:`ActivationOffload.value_and_grad` (``torch.func.grad`` refuses
 saved-tensor hooks); module loops wrap the forward in :meth:`ActivationOffload.record` and call
@@ -35,7 +35,7 @@ Example::
 
 from functional_offload.activations.offload import ActivationOffload
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
-                                                    Plan, Profile, plan, simulate)
+                                                    ActivationPlan, Profile, plan, simulate)
 
-__all__ = ["ActivationOffload", "Plan", "Profile", "plan", "simulate", "KEEP", "OFFLOAD",
-           "RECOMPUTE", "RECOMPUTE_OFFLOAD"]
+__all__ = ["ActivationOffload", "ActivationPlan", "Profile", "plan", "simulate", "KEEP",
+           "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD"]

@@ -12,7 +12,7 @@ import torch
 
 import functional_offload.activations.planner as planner
 from functional_offload.activations._measure import Measure, profiling_decisions, timing_decisions
-from functional_offload.activations.planner import KEEP, OFFLOAD, Plan, Profile
+from functional_offload.activations.planner import KEEP, OFFLOAD, ActivationPlan, Profile
 
 
 class Step:
@@ -62,7 +62,7 @@ class Budget:
         self.last_key: Any = None
 
     @property
-    def plan(self) -> Optional[Plan]:
+    def plan(self) -> Optional[ActivationPlan]:
         state = self.plans.get(self.last_key)
         return state.plan if state is not None else None
 

@@ -17,7 +17,7 @@ from functional_offload.activations._hooks import copies_cpu
 from functional_offload.activations._steps import Budget, Step
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
-                                                    Plan)
+                                                    ActivationPlan)
 
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
 _MOVING = (OFFLOAD, RECOMPUTE_OFFLOAD)
@@ -187,7 +187,7 @@ class ActivationOffload:
 
     # ---- the public surface ---------------------------------------------------------------
     @property
-    def plan(self) -> Optional[Plan]:
+    def plan(self) -> Optional[ActivationPlan]:
         """The budget plan for the latest input shape (None before its profiling steps)."""
         return self._budget.plan if self._budget is not None else None
 

@@ -30,8 +30,8 @@ import itertools
 import math
 from typing import NamedTuple, Optional, Sequence
 
-__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Plan", "plan",
-           "simulate"]
+__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "ActivationPlan",
+           "plan", "simulate"]
 
 KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD = "keep", "offload", "recompute", "recompute+offload"
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
@@ -204,7 +204,7 @@ def simulate(p: Profile, decisions: Sequence[str], *, max_inflight_bytes: Option
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ActivationPlan:
     """Per group: keep, offload, recompute or recompute+offload; ``print(plan)`` shows why."""
 
     decisions: tuple[str, ...]
@@ -241,7 +241,7 @@ def _size(nbytes: float) -> str:
 
 
 def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[int] = None,
-         prefetch: Optional[int] = None, margin_bytes: int = 0) -> Plan:
+         prefetch: Optional[int] = None, margin_bytes: int = 0) -> ActivationPlan:
     """The plan of least predicted step time whose predicted peak fits ``budget_bytes``.
 
     A plan fits when :func:`simulate`'s peak plus ``margin_bytes`` is at most the budget. Each
@@ -290,7 +290,7 @@ def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[in
     sim = simulate(p, decisions, max_inflight_bytes=max_inflight_bytes, prefetch=pf)
     peak = sim.peak_bytes + margin_bytes
     keep_s = simulate(p, [KEEP] * n).step_s
-    return Plan(tuple(decisions), pf, int(budget_bytes), int(peak), sim.step_s, keep_s,
+    return ActivationPlan(tuple(decisions), pf, int(budget_bytes), int(peak), sim.step_s, keep_s,
                 tuple(sim.added_s), peak <= budget_bytes, p)
 
 
