@@ -267,7 +267,7 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
         entries = self._entries(params)
         state, keys = self._lay_out(run, params)
         names = run.slot.group.get("param_names")
-        copies, count = Slot.plan(state, keys, params, entries, reset=False, resync_masters=False,
+        copies, count = Slot.copies_for(state, keys, params, entries, reset=False, resync_masters=False,
                                   where=run.where, names=names)
         apply_copies(state, copies, count)
         slot.install(state, keys, params, self._fixed(run.options))
@@ -282,7 +282,7 @@ class TorchOptimizer(StateDicts, torch.optim.Optimizer):
             warnings.warn(f"{run.where}{gone} params have no entry in optimizer.state any more: "
                           "their state restarts from zero, but they share the group's step count",
                           stacklevel=4)
-        copies, count = Slot.plan(slot.state, slot.keys, slot.params, entries, reset=True,
+        copies, count = Slot.copies_for(slot.state, slot.keys, slot.params, entries, reset=True,
                                   resync_masters=False, where=run.where,
                                   names=slot.group.get("param_names"))
         quiesce(slot.state, dropping=False)

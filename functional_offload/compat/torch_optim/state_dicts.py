@@ -65,7 +65,7 @@ def _from_earlier_format(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_copies(state: Any, copies: list, count: Optional[int]) -> None:
-    """Run the copies :meth:`Slot.plan` made and set the count (``None``: keep it)."""
+    """Run the copies :meth:`Slot.copies_for` made and set the count (``None``: keep it)."""
     with torch.no_grad():
         for c in copies:
             c.run()
@@ -185,7 +185,7 @@ class StateDicts:
                 state, keys = slot.state, slot.keys
             else:
                 state, keys = self._lay_out(run, params, group=new)
-            copies, count = Slot.plan(state, keys, params, entries, reset=True, resync_masters=True,
+            copies, count = Slot.copies_for(state, keys, params, entries, reset=True, resync_masters=True,
                                       where=run.where, names=new.get("param_names"),
                                       expect=expect)
             staged.append((g, new, run, state, keys, copies, count, entries))

@@ -166,7 +166,7 @@ class Slot:
 
     # ---- taking values in -----------------------------------------------------------------
     @staticmethod
-    def plan(state: Any, keys: list, params: list, entries: list[Optional[dict]], *, reset: bool,
+    def copies_for(state: Any, keys: list, params: list, entries: list[Optional[dict]], *, reset: bool,
              resync_masters: bool, where: str, names: Optional[list] = None,
              expect: Optional[Expect] = None) -> tuple[list[Copy], Optional[int]]:
         """The copies that put ``entries`` (torch-format per-param dicts, ``None`` where a param
