@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from functional_offload.executor.plan import HostLeaf, Segment
+from functional_offload.executor.chunking import HostLeaf, Segment
 from functional_offload.executor.run import Run
 from functional_offload.executor.shield import shielding
 from functional_offload.executor.timeline import Timeline
