@@ -14,7 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from functional_offload.activations._hooks import copies_cpu
-from functional_offload.activations._steps import Budget, Step
+from functional_offload.activations._steps import Budget, Recording
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
                                                     ActivationPlan)
@@ -180,7 +180,7 @@ class ActivationOffload:
         self._mover = Mover(self._pool, copies_cpu(), self.stats)
         self._budget = None if budget_bytes is None else Budget(
             budget_bytes, n, None if max_inflight_bytes == "auto" else max_inflight_bytes, self.stats)
-        self._step: Optional[Step] = None
+        self._step: Optional[Recording] = None
         self._group: Optional[int] = None
         self._exclude: set[int] = set()
         self._moved_max, self._moved_for = 0, None
@@ -278,7 +278,7 @@ class ActivationOffload:
         self._pool.new_step()
         start = torch.cuda.memory_allocated() \
             if self._budget is not None and torch.cuda.is_available() else 0
-        self._step = Step(self.num_groups, start, self.prefetch)
+        self._step = Recording(self.num_groups, start, self.prefetch)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -323,7 +323,7 @@ class ActivationOffload:
                                "wrap the forward in `with off.record(exclude=model):` (or run it "
                                "under torch.no_grad() to evaluate)")
 
-    def _resolve(self, step: Step, key: Any, device: Optional[torch.device]) -> None:
+    def _resolve(self, step: Recording, key: Any, device: Optional[torch.device]) -> None:
         """This step's decisions: fixed counts, a plan for these input shapes, or profiling."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
@@ -335,14 +335,14 @@ class ActivationOffload:
         else:
             self._mover.measure = self._budget.decide(step, self._mover.can_move(device))
 
-    def _bound(self, step: Step, group: Optional[int], nbytes: int) -> Optional[int]:
+    def _bound(self, step: Recording, group: Optional[int], nbytes: int) -> Optional[int]:
         if self.max_inflight_bytes != "auto":
             return self.max_inflight_bytes
         now = step.moved[group] + nbytes if group is not None else nbytes
         return 2 * max(self._moved_max, now)
 
     @contextlib.contextmanager
-    def _in_group(self, step: Step, index: int, recomputable: bool) -> Iterator[None]:
+    def _in_group(self, step: Recording, index: int, recomputable: bool) -> Iterator[None]:
         outer, self._group = self._group, index
         m = step.measure
         if tuple(step.decisions) != self._moved_for:  # a new plan: its own in-flight bound
@@ -404,7 +404,7 @@ class ActivationOffload:
         self._backward_at(h.stored.step, h.stored.group)
         return self._mover.view(h)
 
-    def _backward_at(self, step: Step, g: Optional[int]) -> None:
+    def _backward_at(self, step: Recording, g: Optional[int]) -> None:
         """Backward reached a tensor of group ``g``: start the end callback, prefetch, profile."""
         if step.backward_group == -1:
             step.backward_group = None
@@ -429,7 +429,7 @@ class ActivationOffload:
             m.sample(("head", None) if g is None else ("bwd", g),
                      step.held(self.num_groups if g is None else g + 1))
 
-    def _backward_done(self, step: Step) -> None:
+    def _backward_done(self, step: Recording) -> None:
         if self._mover.measure is step.measure:
             self._mover.measure = None
         if self._budget is not None:
