@@ -25,10 +25,6 @@ class Transport:
         """An event marking the work queued so far on the calling thread's stream."""
         return None
 
-    def begin(self, ready: Optional[object] = None) -> None:
-        """Order the copies after ``ready`` (default: the work queued so far on this thread's
-        stream)."""
-
     def wait_in(self, ready: Optional[object]) -> None:
         """Order the copies in issued from now on after ``ready``."""
 
@@ -71,8 +67,8 @@ class CudaTransport(Transport):
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.d2h = self.stream_in = torch.cuda.Stream(device)
-        self.h2d = self.stream_out = torch.cuda.Stream(device)
+        self.stream_in = torch.cuda.Stream(device)
+        self.stream_out = torch.cuda.Stream(device)
 
     def ready(self) -> torch.cuda.Event:
         return torch.cuda.current_stream(self.device).record_event()
@@ -85,43 +81,38 @@ class CudaTransport(Transport):
         event.record(stream)
         return event
 
-    def begin(self, ready: Optional[torch.cuda.Event] = None) -> None:
-        ready = ready if ready is not None else self.ready()
-        self.wait_in(ready)
-        self.wait_out(ready)  # params are written after the caller's pending reads of them
-
     def wait_in(self, ready: Optional[torch.cuda.Event]) -> None:
         if ready is not None:
-            self.d2h.wait_event(ready)
+            self.stream_in.wait_event(ready)
 
     def wait_out(self, ready: Optional[torch.cuda.Event]) -> None:
         if ready is not None:
-            self.h2d.wait_event(ready)
+            self.stream_out.wait_event(ready)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.stream(self.stream_in):
             dst.copy_(src, non_blocking=True)
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.stream_out):
             dst.copy_(src, non_blocking=True)
 
     def copy_out_all(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.stream_out):
             torch._foreach_copy_(dsts, srcs)
 
     def mark_in(self) -> torch.cuda.Event:
-        return self._record(self.d2h)
+        return self._record(self.stream_in)
 
     def mark_out(self) -> torch.cuda.Event:
-        return self._record(self.h2d)
+        return self._record(self.stream_out)
 
     def wait_host(self, event: Optional[torch.cuda.Event]) -> None:
         if event is not None:
             event.synchronize()
 
     def end(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream_out)
 
 
 def transport_for(device: torch.device) -> Transport:
