@@ -4,10 +4,14 @@
 the caller's (compute) stream is ordered against them with events only — no device-wide sync.
 ``LocalTransport`` plays the device side with CPU tensors: the same calls, synchronous copies,
 so the pipeline's logic runs (and is tested) on a machine without a GPU.
+
+:func:`transport_for` gives one transport per GPU for the whole process: the host executors and
+activation offload copy on the same two streams of a device, instead of two each.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -115,9 +119,20 @@ class CudaTransport(Transport):
         torch.cuda.current_stream(self.device).wait_stream(self.stream_out)
 
 
+_transports: dict[torch.device, CudaTransport] = {}
+_making = threading.Lock()
+
+
 def transport_for(device: torch.device) -> Transport:
-    if device.type == "cuda":
-        return CudaTransport(device)
+    """The transport for params on ``device``: on a GPU, the process's one (made on first use),
+    so that every user of the device copies on its one pair of streams; on the CPU, a local one."""
     if device.type == "cpu":
         return LocalTransport()
-    raise ValueError(f"host-resident state needs params on 'cpu' or 'cuda', got {device}")
+    if device.type != "cuda":
+        raise ValueError(f"host-resident state needs params on 'cpu' or 'cuda', got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _making:
+        if device not in _transports:
+            _transports[device] = CudaTransport(device)
+        return _transports[device]
