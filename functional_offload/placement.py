@@ -23,7 +23,7 @@ from functional_offload.typing import OptState, Params
 
 __all__ = [
     "LeafInfo",
-    "Plan",
+    "PlacementPlan",
     "Placement",
     "plan",
     "offload_fraction",
@@ -47,7 +47,7 @@ class LeafInfo(NamedTuple):
         return self.tensor.numel()
 
 
-class Plan(NamedTuple):
+class PlacementPlan(NamedTuple):
     """Where each leaf's state lives, one row per leaf in the order the params were built
     (dict insertion order, e.g. ``named_parameters()`` order)."""
 
@@ -135,7 +135,7 @@ class Placement:
         return out
 
     def plan(self, params: Params, state_bytes: Sequence[int] | None = None,
-             host_bytes: Sequence[int] | None = None) -> Plan:
+             host_bytes: Sequence[int] | None = None) -> PlacementPlan:
         """Decide for every leaf of ``params`` (``meta`` tensors work).
 
         Args:
@@ -156,12 +156,14 @@ class Placement:
                          for i, a in zip(order, already) if not a]
         decided = iter(self.decide(device_leaves))
         on_host = tuple(True if a else next(decided) for a in already)
-        return Plan(tuple(paths[i] for i in order), on_host, tuple(leaves[i].numel() for i in order),
-                    tuple(int(host_bytes[i] if h else state_bytes[i]) for i, h in zip(order, on_host)),
-                    tuple(already), tuple(order))
+        return PlacementPlan(
+            tuple(paths[i] for i in order), on_host, tuple(leaves[i].numel() for i in order),
+            tuple(int(host_bytes[i] if h else state_bytes[i]) for i, h in zip(order, on_host)),
+            tuple(already), tuple(order))
 
 
-_previews: ContextVar[Optional[list[Plan]]] = ContextVar("functional_offload_previews", default=None)
+_previews: ContextVar[Optional[list[PlacementPlan]]] = ContextVar("functional_offload_previews",
+                                                                  default=None)
 
 
 def previewing() -> bool:
@@ -169,14 +171,14 @@ def previewing() -> bool:
     return _previews.get() is not None
 
 
-def record_plan(p: Plan) -> None:
+def record_plan(p: PlacementPlan) -> None:
     """Hand a terminal optimizer's plan to the :func:`plan` call around its ``init``."""
     plans = _previews.get()
     if plans is not None:
         plans.append(p)
 
 
-def plan(opt: Any, params: Params) -> Plan:
+def plan(opt: Any, params: Params) -> PlacementPlan:
     """The placement ``opt.init(params)`` would make, without allocating anything (the state
     comes out on ``meta``): each row's ``state_bytes`` are the bytes of the state tensors that
     ``init`` makes for that leaf (masters, moments, EMA), counted on that state.
@@ -217,7 +219,7 @@ def plan(opt: Any, params: Params) -> Plan:
     rank = {i: k for k, i in enumerate(insertion_order(params))}
     rows.sort(key=lambda r: rank[r[0]])
     index, paths_, on_host, numels, state_bytes, already = (tuple(x) for x in zip(*rows))
-    return Plan(paths_, on_host, numels, state_bytes, already, index)
+    return PlacementPlan(paths_, on_host, numels, state_bytes, already, index)
 
 
 def _leaf_bytes(state: OptState) -> list[int]:
@@ -247,8 +249,9 @@ def offload_fraction(fraction: float, *, from_end: bool = False) -> Placement:
     """Megatron's ``--optimizer-offload-fraction``: offload leaves greedily in the model's order.
 
     With ``N`` the number of elements in the device leaves, ``threshold = fraction · N``; walking
-    the leaves in the order the params were built (``named_parameters()`` order), a leaf is offloaded while the elements offloaded so far are below the
-    threshold. Whole leaves move, so the real fraction (:attr:`Plan.fraction`) can overshoot.
+    the leaves in the order the params were built (``named_parameters()`` order), a leaf is
+    offloaded while the elements offloaded so far are below the threshold. Whole leaves move, so
+    the real fraction (:attr:`PlacementPlan.fraction`) can overshoot.
 
     ``from_end=True`` walks from the last leaf instead, keeping the first leaves' state on the
     device. With grad streaming (:func:`functional_offload.stream`) this is the tail helper:

@@ -13,7 +13,7 @@ import torch
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor, HostLeaf, Timeline, physical_cores
-from functional_offload.executor.plan import arrived, cut
+from functional_offload.executor.chunking import arrived, cut
 from functional_offload.kernels import native
 from functional_offload.kernels.work import Piece, PyQueue, Work
 from functional_offload.optimizers.adam import scalars as adam_scalars

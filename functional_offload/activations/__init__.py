@@ -1,13 +1,14 @@
 """Activation memory: keep, offload to pinned host memory, or recompute, per layer group.
 
 The forward marks layer groups. Tensors autograd saves in an offloaded group are copied
-device→host on a side stream into pinned buffers from a reused pool and come back during
-backward, ``prefetch`` groups ahead; a recomputed group runs under ``torch.utils.checkpoint``
-(non-reentrant) and saves only its inputs. The bytes whose copy has not landed are bounded
+device→host into pinned buffers from a reused pool and come back during backward,
+``prefetch`` groups ahead, on the device's two copy streams (the ones the host executors use);
+a recomputed group runs under ``torch.utils.checkpoint`` (non-reentrant) and saves only its
+inputs. The bytes whose copy has not landed are bounded
 (their sources stay alive until then), so offloading ``k`` groups lowers the peak by close to
 their share. With ``budget_bytes`` the first steps of each input shape are measured (one, or
 two when keeping everything does not fit and a group can be recomputed) and a plan chooses, per
-group, what meets the budget in the least time (:func:`plan`, :class:`Plan`).
+group, what meets the budget in the least time (:func:`plan`, :class:`ActivationPlan`).
 
 Functional loops use :meth:`ActivationOffload.value_and_grad` (``torch.func.grad`` refuses
 saved-tensor hooks); module loops wrap the forward in :meth:`ActivationOffload.record` and call
@@ -35,7 +36,7 @@ Example::
 
 from functional_offload.activations.offload import ActivationOffload
 from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
-                                                    Plan, Profile, plan, simulate)
+                                                    ActivationPlan, Profile, plan, simulate)
 
-__all__ = ["ActivationOffload", "Plan", "Profile", "plan", "simulate", "KEEP", "OFFLOAD",
-           "RECOMPUTE", "RECOMPUTE_OFFLOAD"]
+__all__ = ["ActivationOffload", "ActivationPlan", "Profile", "plan", "simulate", "KEEP",
+           "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD"]

@@ -10,12 +10,12 @@ from typing import Any, Optional
 
 import torch
 
-from functional_offload.activations import planner
+import functional_offload.activations.planner as planner
 from functional_offload.activations._measure import Measure, profiling_decisions, timing_decisions
-from functional_offload.activations.planner import KEEP, OFFLOAD, Plan, Profile
+from functional_offload.activations.planner import KEEP, OFFLOAD, ActivationPlan, Profile
 
 
-class Step:
+class Recording:
     """One recorded forward and its backward: decisions, per-group bytes, the profiling."""
 
     def __init__(self, n: int, start_bytes: int, prefetch: int):
@@ -47,7 +47,7 @@ class Step:
 class _PlanState:
     def __init__(self, profile: Profile):
         self.profile, self.margin, self.plan = profile, 0, None  # no plan: times not measured yet
-        self.timing: list[weakref.ref] = []  # the timing steps begun (their Step objects)
+        self.timing: list[weakref.ref] = []  # the timing steps begun (their Recording objects)
         self.verify_left = 4 if profile.peak_bytes is not None else 0  # GPU: check the peak
 
 
@@ -62,11 +62,11 @@ class Budget:
         self.last_key: Any = None
 
     @property
-    def plan(self) -> Optional[Plan]:
+    def plan(self) -> Optional[ActivationPlan]:
         state = self.plans.get(self.last_key)
         return state.plan if state is not None else None
 
-    def decide(self, step: Step, can_move: bool) -> Optional[Measure]:
+    def decide(self, step: Recording, can_move: bool) -> Optional[Measure]:
         """Set ``step``'s decisions: its key's plan, or profiling (returns the recorder)."""
         self.last_key = step.key
         state = self.plans.pop(step.key, None)
@@ -94,7 +94,7 @@ class Budget:
             torch.cuda.reset_peak_memory_stats(step.device)
         return None
 
-    def backward_done(self, step: Step) -> None:
+    def backward_done(self, step: Recording) -> None:
         """Plan from a profiling step; correct a plan by a measured peak; notice new shapes."""
         state = self.plans.get(step.key)
         if step.measure is not None:
@@ -118,7 +118,7 @@ class Budget:
                 del self.plans[step.key]  # the next step profiles again
                 return
 
-    def _profiled(self, step: Step, state: Optional[_PlanState]) -> None:
+    def _profiled(self, step: Recording, state: Optional[_PlanState]) -> None:
         """After a profiling step: the memory profile (first step), or its times and the plan."""
         m = step.measure
         if not m.timing:

@@ -1,5 +1,11 @@
-"""Moving saved tensors: a pool of pinned host buffers, copy streams and events, and the holders
+"""Moving saved tensors: a pool of pinned host buffers, copies and events, and the holders
 autograd keeps instead of tensors (each checks its tensor's version counter, as autograd does).
+
+The copies go through the process's transport for the tensor's device
+(:func:`~functional_offload.executor.transport.transport_for`): on a GPU, the same two copy
+streams the host executors use. On the CPU (``testing.copy_on_cpu``) it is the local transport,
+whose copies are synchronous; the mover defers its copies there (:class:`CpuCopy`) so that
+sources stay in flight as on a GPU.
 
 Ownership: autograd's graph owns the holders, a holder owns its ``Stored`` copy, and a copy owns
 its host buffer, which goes back to the pool when the copy is freed — when backward has used it,
@@ -15,6 +21,7 @@ from typing import Any, Optional
 import torch
 
 from functional_offload.activations._hooks import now
+from functional_offload.executor.transport import Transport, transport_for
 
 
 class Pool:
@@ -192,24 +199,24 @@ class Moved:
 
 
 class Mover:
-    """Copies storages down on one side stream and back on another; bounds bytes in flight."""
+    """Copies storages down on the transport's stream in and back on its stream out; bounds
+    bytes in flight."""
 
     def __init__(self, pool: Pool, copy_on_cpu: bool, stats: dict):
         self.pool, self.copy_on_cpu, self.stats = pool, copy_on_cpu, stats
-        self.streams: dict[torch.device, tuple[Any, Any]] = {}
         self.inflight: list[weakref.ref] = []  # copies whose source is still held, oldest first
         self.live: dict[tuple, Stored] = {}  # (device, storage ptr) -> copy, in the open group
         self.measure: Any = None  # the profiling step's recorder, if any
 
-    def can_move(self, device: torch.device) -> bool:
-        return device.type == "cuda" or (device.type == "cpu" and self.copy_on_cpu)
+    def transport(self, device: torch.device) -> Optional[Transport]:
+        """The copies' transport for ``device``; None: its tensors stay where they are (the
+        CPU, unless made under ``testing.copy_on_cpu``: there is no faster memory to free)."""
+        if device.type == "cuda" or (device.type == "cpu" and self.copy_on_cpu):
+            return transport_for(device)
+        return None
 
-    def streams_for(self, device: torch.device) -> tuple[Any, Any]:
-        if device.type != "cuda":
-            return None, None
-        if device not in self.streams:
-            self.streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return self.streams[device]
+    def can_move(self, device: torch.device) -> bool:
+        return self.transport(device) is not None
 
     def _pending(self) -> list[Stored]:
         alive = [s for s in (r() for r in self.inflight) if s is not None and s.src is not None]
@@ -267,21 +274,21 @@ class Mover:
         if host is None:
             return None
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-        down, _ = self.streams_for(t.device)
+        tr = self.transport(t.device)
+        down = tr.stream_in
         s = Stored(self.pool, step, group, key, host, src, down)
         log = self.measure.copies["d2h"] if self.measure is not None else None
         if down is None:
             s.offloaded = CpuCopy(host, src, log)
         else:
-            down.wait_stream(torch.cuda.current_stream(t.device))
-            if last_read is not None:  # the buffer's last copy back went first
-                down.wait_event(last_read)
+            tr.wait_in(tr.ready())
+            tr.wait_in(last_read)  # the buffer's last copy back went first
             with torch.cuda.stream(down):
                 start = self.measure.copy_begin() if log is not None else None
                 host.copy_(src, non_blocking=True)
                 if log is not None:
                     log.append((s.nbytes, start, self.measure.copy_begin()))
-            s.offloaded = down.record_event()
+            s.offloaded = tr.mark_in()
         self.live[key] = s
         self.inflight.append(weakref.ref(s))
         self.stats["offloaded_bytes"] += s.nbytes
@@ -297,7 +304,8 @@ class Mover:
         if s.src is not None:
             s.device_copy = s.src
             return
-        _, up = self.streams_for(s.device)
+        tr = self.transport(s.device)
+        up = tr.stream_out
         self.stats["reloaded_bytes"] += s.nbytes
         log = self.measure.copies["h2d"] if self.measure is not None else None
         if up is None:
@@ -306,11 +314,10 @@ class Mover:
             if log is not None:
                 log.append((s.nbytes, now() - t0))
             return
+        tr.wait_out(s.offloaded)
         # allocated from the reload stream's pool: a block the compute stream just freed may
         # still be read by its queued kernels, which the reload stream is not ordered after
         with torch.cuda.stream(up):
-            if s.offloaded is not None:
-                up.wait_event(s.offloaded)
             dev = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
             start = self.measure.copy_begin() if log is not None else None
             dev.copy_(s.host, non_blocking=True)
@@ -318,7 +325,7 @@ class Mover:
                 log.append((s.nbytes, start, self.measure.copy_begin()))
         dev.record_stream(torch.cuda.current_stream(s.device))  # freed after compute used it
         s.device_copy = dev
-        s.reloaded = up.record_event()
+        s.reloaded = tr.mark_out()
 
     def view(self, h: Moved) -> torch.Tensor:
         """The saved view, on the device, for autograd (the compute stream waits for it)."""

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import weakref
-from collections.abc import Iterable
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import optree
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from functional_offload.activations import _hooks
-from functional_offload.activations._steps import Budget, Step
-from functional_offload.activations._transfer import Kept, Moved, Mover, Pool, Versioned
-from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
-                                                    Plan)
-from functional_offload.checks import is_int
+from functional_offload.activations._hooks import copies_cpu
+from functional_offload.activations._options import check_options
+from functional_offload.activations._recompute import Recomputed
+from functional_offload.activations._steps import Budget, Recording
+from functional_offload.activations._transfer import Kept, Moved, Mover, Pool
+from functional_offload.activations.planner import (OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
+                                                    ActivationPlan)
 
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
 _MOVING = (OFFLOAD, RECOMPUTE_OFFLOAD)
@@ -32,39 +31,6 @@ class _GroupForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.off.run(self.index, self.forward, *args, **kwargs)
-
-
-def _checkpoint_hooks() -> Optional[tuple[Callable, Callable]]:
-    """The saved-tensor hooks on top (checkpoint's, in its forward), where torch tells them
-    (about 2.8 on: earlier versions recompute unchecked, as checkpoint does)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return None if top is None else top(False)
-
-
-class _Recomputed:
-    """A recomputed group's function. Its first call, the forward (under checkpoint's hooks),
-    keeps each saved tensor's version counter and checks it when backward unpacks the tensor,
-    as autograd does: changed in place after it was saved, inside the group or later, it would
-    otherwise be recomputed from the changed values. The recomputes call ``fn`` plainly."""
-
-    def __init__(self, fn: Callable, index: int):
-        self.fn, self.index, self.ran = fn, index, False
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        hooks = None if self.ran else _checkpoint_hooks()
-        self.ran = True
-        if hooks is None:
-            return self.fn(*args, **kwargs)
-        (pack, unpack), index = hooks, self.index
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: Versioned(pack(t), t, index),
-                                                      lambda h: unpack(h.get())):
-            return self.fn(*args, **kwargs)
-
-
-def _check_int(name: str, value: Any, least: int, what: str) -> None:
-    """An int (not a bool) of at least ``least``, or an error naming the option."""
-    if not is_int(value) or value < least:
-        raise ValueError(f"{name} must be an int >= {least} ({what}), got {value!r}")
 
 
 def _param_like(t: torch.Tensor) -> bool:
@@ -126,69 +92,27 @@ class ActivationOffload:
                  budget_bytes: Optional[int] = None, min_bytes: int = 1 << 20, prefetch: int = 1,
                  max_inflight_bytes: Union[int, str, None] = "auto",
                  host_cap_bytes: Optional[int] = None, recompute_groups: Sequence[int] = ()):
-        _check_int("num_groups", num_groups, 1, "how many groups the forward marks")
-        n = num_groups
-        if (offload is None) == (budget_bytes is None):
-            raise ValueError("pass one of offload= (how many early groups to offload) or "
-                             "budget_bytes= (a peak-memory budget the planner meets)")
-        count = None
-        if isinstance(offload, float):
-            if not 0 <= offload <= 1:  # NaN too
-                raise ValueError(f"offload as a fraction must be in [0, 1], got {offload}")
-            count = min(math.floor(offload * n), n - 1)
-        elif is_int(offload):
-            count = offload
-        elif offload is not None:
-            raise ValueError(f"offload is a group count (int) or a fraction (float), got "
-                             f"{offload!r}")
-        if count is not None and not 0 <= count <= n - 1:
-            raise ValueError(f"can offload 0 … {n - 1} of {n} groups (never the last), got "
-                             f"{count}; lower `offload`")
-        if budget_bytes is not None:
-            _check_int("budget_bytes", budget_bytes, 1, "a byte count, e.g. 8 << 30")
-        _check_int("min_bytes", min_bytes, 0, "a byte count")
-        _check_int("prefetch", prefetch, 1, "how many groups ahead backward reloads")
-        if not (max_inflight_bytes is None or isinstance(max_inflight_bytes, str)
-                and max_inflight_bytes == "auto"):
-            _check_int("max_inflight_bytes", max_inflight_bytes, 0,
-                       "a byte count, 'auto' (twice the largest group's) or None (no bound)")
-        if host_cap_bytes is not None:
-            _check_int("host_cap_bytes", host_cap_bytes, 0, "a byte count or None (no bound)")
-        if isinstance(recompute_groups, (str, bytes)) or not isinstance(recompute_groups, Iterable):
-            raise ValueError(f"recompute_groups must be a sequence of group indices, got "
-                             f"{recompute_groups!r}")
-        recompute_groups = tuple(recompute_groups)
-        for i in recompute_groups:
-            _check_int("recompute_groups", i, 0, f"group indices 0 … {n - 1}")
-        bad = sorted(i for i in recompute_groups if not 0 <= i < n)
-        if bad or (recompute_groups and budget_bytes is not None):
-            raise ValueError(f"recompute_groups go with offload= and name groups 0 … {n - 1}; got "
-                             f"{list(recompute_groups)} (with budget_bytes the planner decides)")
-        both = sorted(set(range(count or 0)) & set(recompute_groups))
-        if both:
-            raise ValueError(f"groups {both} are both offloaded and recomputed; recomputed groups "
-                             "save no activations to offload — offload fewer groups or recompute "
-                             "others")
-        self.num_groups, self.offloaded_groups, self.budget_bytes = n, count, budget_bytes
+        count, self._fixed = check_options(num_groups, offload, budget_bytes, min_bytes, prefetch,
+                                           max_inflight_bytes, host_cap_bytes, recompute_groups)
+        n = self.num_groups = num_groups
+        self.offloaded_groups, self.budget_bytes = count, budget_bytes
         self.min_bytes, self.prefetch = min_bytes, prefetch
         self.max_inflight_bytes = max_inflight_bytes
-        self._fixed = None if count is None else [
-            RECOMPUTE if i in recompute_groups else OFFLOAD if i < count else KEEP for i in range(n)]
         self.stats = {"offloaded_bytes": 0, "reloaded_bytes": 0, "tensors": 0, "waits": 0,
                       "wait_s": 0.0, "inflight_peak_bytes": 0, "recomputed_groups": 0,
                       "measured_steps": 0, "plans": 0}
         self._pool = Pool(host_cap_bytes)
-        self._mover = Mover(self._pool, _hooks.copies_cpu(), self.stats)
+        self._mover = Mover(self._pool, copies_cpu(), self.stats)
         self._budget = None if budget_bytes is None else Budget(
             budget_bytes, n, None if max_inflight_bytes == "auto" else max_inflight_bytes, self.stats)
-        self._step: Optional[Step] = None
+        self._step: Optional[Recording] = None
         self._group: Optional[int] = None
         self._exclude: set[int] = set()
         self._moved_max, self._moved_for = 0, None
 
     # ---- the public surface ---------------------------------------------------------------
     @property
-    def plan(self) -> Optional[Plan]:
+    def plan(self) -> Optional[ActivationPlan]:
         """The budget plan for the latest input shape (None before its profiling steps)."""
         return self._budget.plan if self._budget is not None else None
 
@@ -224,7 +148,7 @@ class ActivationOffload:
                 step.measure.inputs[index] = sum(seen.values())
             if step.decisions[index] in _RECOMPUTING:
                 self.stats["recomputed_groups"] += 1
-                return checkpoint(_Recomputed(fn, index), *args, use_reentrant=False, **kwargs)
+                return checkpoint(Recomputed(fn, index), *args, use_reentrant=False, **kwargs)
             return fn(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -279,7 +203,7 @@ class ActivationOffload:
         self._pool.new_step()
         start = torch.cuda.memory_allocated() \
             if self._budget is not None and torch.cuda.is_available() else 0
-        self._step = Step(self.num_groups, start, self.prefetch)
+        self._step = Recording(self.num_groups, start, self.prefetch)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -324,7 +248,7 @@ class ActivationOffload:
                                "wrap the forward in `with off.record(exclude=model):` (or run it "
                                "under torch.no_grad() to evaluate)")
 
-    def _resolve(self, step: Step, key: Any, device: Optional[torch.device]) -> None:
+    def _resolve(self, step: Recording, key: Any, device: Optional[torch.device]) -> None:
         """This step's decisions: fixed counts, a plan for these input shapes, or profiling."""
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
@@ -336,14 +260,14 @@ class ActivationOffload:
         else:
             self._mover.measure = self._budget.decide(step, self._mover.can_move(device))
 
-    def _bound(self, step: Step, group: Optional[int], nbytes: int) -> Optional[int]:
+    def _bound(self, step: Recording, group: Optional[int], nbytes: int) -> Optional[int]:
         if self.max_inflight_bytes != "auto":
             return self.max_inflight_bytes
         now = step.moved[group] + nbytes if group is not None else nbytes
         return 2 * max(self._moved_max, now)
 
     @contextlib.contextmanager
-    def _in_group(self, step: Step, index: int, recomputable: bool) -> Iterator[None]:
+    def _in_group(self, step: Recording, index: int, recomputable: bool) -> Iterator[None]:
         outer, self._group = self._group, index
         m = step.measure
         if tuple(step.decisions) != self._moved_for:  # a new plan: its own in-flight bound
@@ -405,7 +329,7 @@ class ActivationOffload:
         self._backward_at(h.stored.step, h.stored.group)
         return self._mover.view(h)
 
-    def _backward_at(self, step: Step, g: Optional[int]) -> None:
+    def _backward_at(self, step: Recording, g: Optional[int]) -> None:
         """Backward reached a tensor of group ``g``: start the end callback, prefetch, profile."""
         if step.backward_group == -1:
             step.backward_group = None
@@ -430,7 +354,7 @@ class ActivationOffload:
             m.sample(("head", None) if g is None else ("bwd", g),
                      step.held(self.num_groups if g is None else g + 1))
 
-    def _backward_done(self, step: Step) -> None:
+    def _backward_done(self, step: Recording) -> None:
         if self._mover.measure is step.measure:
             self._mover.measure = None
         if self._budget is not None:

@@ -32,8 +32,8 @@ from typing import NamedTuple, Optional, Sequence
 
 from functional_offload.checks import is_int
 
-__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Plan", "plan",
-           "simulate"]
+__all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "ActivationPlan",
+           "plan", "simulate"]
 
 KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD = "keep", "offload", "recompute", "recompute+offload"
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
@@ -206,7 +206,7 @@ def simulate(p: Profile, decisions: Sequence[str], *, max_inflight_bytes: Option
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class ActivationPlan:
     """Per group: keep, offload, recompute or recompute+offload; ``print(plan)`` shows why."""
 
     decisions: tuple[str, ...]
@@ -243,7 +243,7 @@ def _size(nbytes: float) -> str:
 
 
 def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[int] = None,
-         prefetch: Optional[int] = None, margin_bytes: int = 0) -> Plan:
+         prefetch: Optional[int] = None, margin_bytes: int = 0) -> ActivationPlan:
     """The plan of least predicted step time whose predicted peak fits ``budget_bytes``.
 
     A plan fits when :func:`simulate`'s peak plus ``margin_bytes`` is at most the budget. Each
@@ -292,7 +292,7 @@ def plan(profile: Profile, budget_bytes: int, *, max_inflight_bytes: Optional[in
     sim = simulate(p, decisions, max_inflight_bytes=max_inflight_bytes, prefetch=pf)
     peak = sim.peak_bytes + margin_bytes
     keep_s = simulate(p, [KEEP] * n).step_s
-    return Plan(tuple(decisions), pf, int(budget_bytes), int(peak), sim.step_s, keep_s,
+    return ActivationPlan(tuple(decisions), pf, int(budget_bytes), int(peak), sim.step_s, keep_s,
                 tuple(sim.added_s), peak <= budget_bytes, p)
 
 

@@ -19,7 +19,7 @@ import contextlib
 import math
 from typing import Iterator
 
-from functional_offload.activations import _hooks
+from functional_offload.activations._hooks import set_clock, set_copies_cpu
 from functional_offload.checks import real
 
 __all__ = ["copy_on_cpu", "manual_clock", "ManualClock"]
@@ -32,11 +32,11 @@ def copy_on_cpu() -> Iterator[None]:
     no faster memory to move them to): offloaded groups go through the pinned pool's
     bookkeeping with deferred copies — a copy runs when it is waited for, so sources stay alive,
     in flight, as on a GPU — and budget mode plans with offload as it does on a GPU."""
-    before = _hooks.set_copies_cpu(True)
+    before = set_copies_cpu(True)
     try:
         yield
     finally:
-        _hooks.set_copies_cpu(before)
+        set_copies_cpu(before)
 
 
 class ManualClock:
@@ -50,10 +50,9 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         """Move the clock ``seconds`` (>= 0) ahead: what the code running now takes."""
-        v = real(seconds)
-        if v is None or not math.isfinite(v) or v < 0:
+        if real(seconds) is None or not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"advance takes seconds >= 0, got {seconds!r}")
-        self.seconds += v
+        self.seconds += seconds
 
 
 @contextlib.contextmanager
@@ -64,8 +63,8 @@ def manual_clock() -> Iterator[ManualClock]:
     :meth:`ManualClock.advance` to say how long it takes. (On a GPU, times come from CUDA
     events and do not read it.)"""
     clock = ManualClock()
-    before = _hooks.set_clock(clock)
+    before = set_clock(clock)
     try:
         yield clock
     finally:
-        _hooks.set_clock(before)
+        set_clock(before)

@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from functional_offload.executor.host import HostExecutor
-from functional_offload.executor.plan import ALIGN, HostLeaf, Segment
+from functional_offload.executor.chunking import ALIGN, HostLeaf, Segment
 from functional_offload.kernels.work import Kernel
 
 __all__ = ["Landing"]

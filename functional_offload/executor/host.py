@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from functional_offload.executor.plan import HostLeaf, Segment
+from functional_offload.executor.chunking import HostLeaf, Segment
 from functional_offload.executor.run import Run
 from functional_offload.executor.shield import shielding
 from functional_offload.executor.timeline import Timeline
@@ -127,7 +127,8 @@ class HostExecutor:
                         "checkpoint optimizer states with fo.save / state_dict instead")
 
     def reserve(self, device: torch.device) -> None:
-        """Allocate the staging ring (pinned for CUDA) and streams for params on ``device``."""
+        """Allocate the staging ring (pinned for CUDA) for params on ``device`` and take its
+        transport (on a GPU the process's one, whose streams every executor shares)."""
         with self._reserving:
             if device in self._busy:
                 return

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from functional_offload.executor import faults
+import functional_offload.executor.faults as faults
 from functional_offload.executor.run import HostStepError
 
 __all__ = ["LeafItem", "run_leaves"]

@@ -3,8 +3,8 @@
 A :class:`Run` is fed host leaves (:meth:`Run.add`, all at once or as autograd produces their
 grads) and driven by a thread of its own, so that nothing the caller's thread does — including
 a ``KeyboardInterrupt`` landing in it — can leave the pipeline's bookkeeping half-done. The
-driver cuts chunks from what has arrived (:mod:`~functional_offload.executor.plan`); chunk ``k``
-takes ring slot ``k mod S``, which holds its grads (copied in) and its output params (copied
+driver cuts chunks from what has arrived (:mod:`~functional_offload.executor.chunking`); chunk
+``k`` takes ring slot ``k mod S``, which holds its grads (copied in) and its output params (copied
 out). While the workers run the kernel on chunk ``k``, the grads of chunks ``k+1 … k+S-1`` copy
 in and the params of chunk ``k-1`` copy out:
 
@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from functional_offload.executor import faults
-from functional_offload.executor.plan import HostLeaf, Segment, block_size, cut
+import functional_offload.executor.faults as faults
+from functional_offload.executor.chunking import HostLeaf, Segment, block_size, cut
 from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
 
 __all__ = ["Run", "HostStepError"]

@@ -4,10 +4,14 @@
 the caller's (compute) stream is ordered against them with events only — no device-wide sync.
 ``LocalTransport`` plays the device side with CPU tensors: the same calls, synchronous copies,
 so the pipeline's logic runs (and is tested) on a machine without a GPU.
+
+:func:`transport_for` gives one transport per GPU for the whole process: the host executors and
+activation offload copy on the same two streams of a device, instead of two each.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -24,10 +28,6 @@ class Transport:
     def ready(self) -> Optional[object]:
         """An event marking the work queued so far on the calling thread's stream."""
         return None
-
-    def begin(self, ready: Optional[object] = None) -> None:
-        """Order the copies after ``ready`` (default: the work queued so far on this thread's
-        stream)."""
 
     def wait_in(self, ready: Optional[object]) -> None:
         """Order the copies in issued from now on after ``ready``."""
@@ -71,8 +71,8 @@ class CudaTransport(Transport):
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.d2h = self.stream_in = torch.cuda.Stream(device)
-        self.h2d = self.stream_out = torch.cuda.Stream(device)
+        self.stream_in = torch.cuda.Stream(device)
+        self.stream_out = torch.cuda.Stream(device)
 
     def ready(self) -> torch.cuda.Event:
         return torch.cuda.current_stream(self.device).record_event()
@@ -85,48 +85,54 @@ class CudaTransport(Transport):
         event.record(stream)
         return event
 
-    def begin(self, ready: Optional[torch.cuda.Event] = None) -> None:
-        ready = ready if ready is not None else self.ready()
-        self.wait_in(ready)
-        self.wait_out(ready)  # params are written after the caller's pending reads of them
-
     def wait_in(self, ready: Optional[torch.cuda.Event]) -> None:
         if ready is not None:
-            self.d2h.wait_event(ready)
+            self.stream_in.wait_event(ready)
 
     def wait_out(self, ready: Optional[torch.cuda.Event]) -> None:
         if ready is not None:
-            self.h2d.wait_event(ready)
+            self.stream_out.wait_event(ready)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.stream(self.stream_in):
             dst.copy_(src, non_blocking=True)
 
     def copy_out(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.stream_out):
             dst.copy_(src, non_blocking=True)
 
     def copy_out_all(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.stream_out):
             torch._foreach_copy_(dsts, srcs)
 
     def mark_in(self) -> torch.cuda.Event:
-        return self._record(self.d2h)
+        return self._record(self.stream_in)
 
     def mark_out(self) -> torch.cuda.Event:
-        return self._record(self.h2d)
+        return self._record(self.stream_out)
 
     def wait_host(self, event: Optional[torch.cuda.Event]) -> None:
         if event is not None:
             event.synchronize()
 
     def end(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.h2d)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream_out)
+
+
+_transports: dict[torch.device, CudaTransport] = {}
+_making = threading.Lock()
 
 
 def transport_for(device: torch.device) -> Transport:
-    if device.type == "cuda":
-        return CudaTransport(device)
+    """The transport for params on ``device``: on a GPU, the process's one (made on first use),
+    so that every user of the device copies on its one pair of streams; on the CPU, a local one."""
     if device.type == "cpu":
         return LocalTransport()
-    raise ValueError(f"host-resident state needs params on 'cpu' or 'cuda', got {device}")
+    if device.type != "cuda":
+        raise ValueError(f"host-resident state needs params on 'cpu' or 'cuda', got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _making:
+        if device not in _transports:
+            _transports[device] = CudaTransport(device)
+        return _transports[device]

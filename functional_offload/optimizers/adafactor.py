@@ -15,6 +15,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Optional
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs
+from functional_offload.checks import real
 from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.spec import Moment, OptimizerSpec, check_nonneg
 from functional_offload.optimizers.terminal import terminal
@@ -114,7 +115,7 @@ def on_device(params: list, grads: list, moments: list, h: AdafactorHyper) -> No
 
 
 def _check_decay(name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x > 0:
+    if real(x) is None or not math.isfinite(x) or x > 0:
         raise ValueError(f"{name} must be a finite number <= 0, got {x!r}")
     return float(x)
 

@@ -18,6 +18,7 @@ import optree
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs, Step, StepCache
+from functional_offload.checks import real
 from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels import native
@@ -63,8 +64,7 @@ class Terminal:
             raise TypeError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype!r}")
         if executor is not None and not isinstance(executor, HostExecutor):
             raise TypeError(f"executor must be a HostExecutor, got {type(executor).__name__}")
-        if ema_decay is not None and (isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float))
-                                      or not 0 <= ema_decay < 1):
+        if ema_decay is not None and (real(ema_decay) is None or not 0 <= ema_decay < 1):
             raise ValueError(f"ema_decay must be a number in [0, 1) or None, got {ema_decay!r}")
         if weight_decay_mask is not None and spec.decay is None:
             raise TypeError(f"{spec.name} has no weight decay to mask")

@@ -9,6 +9,7 @@ import optree
 import torch
 
 from functional_offload.base import Optimizer, StateError, Step
+from functional_offload.checks import is_int
 from functional_offload.combine import HeldStep, Wrapped
 from functional_offload.state import CONSUMED, check_usable, grads_for, params_of
 from functional_offload.tree import (check_grad, flatten_like, is_dtensor,
@@ -80,7 +81,7 @@ def MultiSteps(opt: Optimizer, every_k: int, *,  # noqa: N802 - optax's name
         raise TypeError(f"MultiSteps wraps an Optimizer (adamw, sgd..., or a chain ending in "
                         f"one), got a {type(opt).__name__}; wrap the whole chain so that the mean "
                         "grad reaches the optimizer")
-    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    if not is_int(every_k) or every_k < 1:
         raise ValueError(f"MultiSteps needs every_k, an int >= 1, got {every_k!r}")
     if acc_dtype is not None and (not isinstance(acc_dtype, torch.dtype)
                                   or not acc_dtype.is_floating_point):

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Union
 import torch
 
 from functional_offload.base import GradientTransformation, Optimizer, StateError, Step
+from functional_offload.checks import real
 from functional_offload.combine import Wrapped, run_inner
 from functional_offload.state import CONSUMED, check_usable, terminal_counts
 from functional_offload.tree import describe
@@ -159,7 +160,7 @@ class _Call:
                             f"is not a schedule, name it in static_args") from e
         if isinstance(x, torch.Tensor) and x.dim() == 0:
             x = x.item()
-        if isinstance(x, bool) or not isinstance(x, (int, float)):
+        if real(x) is None:
             raise TypeError(f"{name}: the schedule {k!r} returned {x!r} at step {n}, not a "
                             f"number. If {k!r} is not a schedule, name it in static_args")
         return float(x)

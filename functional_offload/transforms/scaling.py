@@ -5,6 +5,7 @@ from __future__ import annotations
 import optree
 
 from functional_offload.base import EmptyState, GradientTransformation
+from functional_offload.checks import real
 from functional_offload.typing import Params, Updates
 
 __all__ = ["scale"]
@@ -20,7 +21,7 @@ def scale(factor: float) -> GradientTransformation:
         >>> t.update({"w": torch.ones(2)}, t.init(None))[0]["w"]
         tensor([0.5000, 0.5000])
     """
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+    if real(factor) is None:
         raise TypeError(f"scale needs a number, got {factor!r}")
 
     def init(params: Params) -> EmptyState:

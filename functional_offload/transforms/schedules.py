@@ -7,15 +7,15 @@ r"""Learning-rate schedules: plain callables of the number of updates already ap
 from __future__ import annotations
 
 import math
-from typing import Callable
+
+from functional_offload.checks import is_int
+from functional_offload.typing import Schedule
 
 __all__ = ["constant", "linear_warmup", "cosine_decay", "warmup_cosine"]
 
-Schedule = Callable[[int], float]
-
 
 def _steps(name: str, n: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n) or n < 0:
         raise ValueError(f"{name} must be an int >= 0, got {n!r}")
     return n
 

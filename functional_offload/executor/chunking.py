@@ -1,4 +1,4 @@
-"""The chunk planner: host leaves laid end to end, cut into chunks of at most ``chunk_bytes``.
+"""Chunking: host leaves laid end to end, cut into chunks of at most ``chunk_bytes``.
 
 A chunk takes what has arrived (all leaves at once for a plain update; leaf by leaf with grad
 streaming) up to ``chunk_bytes`` of grads, segment offsets aligned to 64 bytes; it waits for an
