@@ -35,8 +35,9 @@ Example::
 """
 
 from functional_offload.activations.offload import ActivationOffload
-from functional_offload.activations.planner import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
-                                                    ActivationPlan, Profile, plan, simulate)
+from functional_offload.activations.cost_model import (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
+                                                       Profile, simulate)
+from functional_offload.activations.planner import ActivationPlan, plan
 
 __all__ = ["ActivationOffload", "ActivationPlan", "Profile", "plan", "simulate", "KEEP",
            "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD"]

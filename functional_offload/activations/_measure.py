@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from functional_offload.activations._hooks import now
-from functional_offload.activations.planner import KEEP, OFFLOAD, RECOMPUTE, Profile
+from functional_offload.activations.cost_model import KEEP, OFFLOAD, RECOMPUTE, Profile
 
 
 class Measure:

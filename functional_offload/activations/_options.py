@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, Optional, Sequence, Union
 
-from functional_offload.activations.planner import KEEP, OFFLOAD, RECOMPUTE
+from functional_offload.activations.cost_model import KEEP, OFFLOAD, RECOMPUTE
 from functional_offload.checks import is_int
 
 __all__ = ["check_int", "check_options"]

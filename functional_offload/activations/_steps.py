@@ -10,9 +10,11 @@ from typing import Any, Optional
 
 import torch
 
+import functional_offload.activations.cost_model as cost_model
 import functional_offload.activations.planner as planner
 from functional_offload.activations._measure import Measure, profiling_decisions, timing_decisions
-from functional_offload.activations.planner import KEEP, OFFLOAD, ActivationPlan, Profile
+from functional_offload.activations.cost_model import KEEP, OFFLOAD, Profile
+from functional_offload.activations.planner import ActivationPlan
 
 
 class Recording:
@@ -35,7 +37,7 @@ class Recording:
     def held(self, below: int) -> int:
         """Bytes the decisions hold for groups ``0 … below-1``, plus what the copies hold."""
         inputs = self.measure.inputs if self.measure is not None else [0] * len(self.saved)
-        return sum(planner.held_bytes(self.decisions[j], self.saved[j], self.small[j], inputs[j])
+        return sum(cost_model.held_bytes(self.decisions[j], self.saved[j], self.small[j], inputs[j])
                    for j in range(below)) + self.device_bytes()
 
     def device_bytes(self) -> int:
@@ -131,7 +133,7 @@ class Budget:
             self.plans[step.key] = state = _PlanState(profile)
             if len(self.plans) > 32:  # the input shape used longest ago
                 del self.plans[next(iter(self.plans))]
-            keep = planner.simulate(profile, [KEEP] * self.num_groups,
+            keep = cost_model.simulate(profile, [KEEP] * self.num_groups,
                                     max_inflight_bytes=self.bound).peak_bytes
             if keep <= self.budget_bytes or not any(profile.recomputable[:-1]):
                 self._replan(state)  # keeping everything fits, or nothing can be recomputed:

@@ -16,8 +16,8 @@ from functional_offload.activations._options import check_options
 from functional_offload.activations._recompute import Recomputed
 from functional_offload.activations._steps import Budget, Recording
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool
-from functional_offload.activations.planner import (OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD,
-                                                    ActivationPlan)
+from functional_offload.activations.cost_model import OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD
+from functional_offload.activations.planner import ActivationPlan
 
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
 _MOVING = (OFFLOAD, RECOMPUTE_OFFLOAD)

@@ -25,8 +25,8 @@ class HostLeaf(NamedTuple):
 
     path: str
     grad: torch.Tensor  # 1-D, on the device the copies come from (a GPU, or the CPU)
-    param: Optional[torch.Tensor]  # 1-D: where the new param goes (the param, a delayed step's
-    #                                 buffer or device scratch); None: the value is the param
+    out: Optional[torch.Tensor]  # 1-D: where the new param goes (the param, a delayed step's
+    #                               buffer or device scratch); None: the value is the param
     state: tuple[torch.Tensor, ...]  # host tensors, 1-D: (value fp32, moments...)
     hyper: Any  # per-leaf scalars handed to the kernel
     targets: tuple[torch.Tensor, ...] = ()  # new (value, moments...) go here; () = in place

@@ -71,7 +71,7 @@ class Landing:
         ready = executor.ready(self.device)  # the copies above are complete here
         self.run = executor.open(self.device, kernel, threads,
                                  chunk_done=lambda _, segs: self._done.extend(segs or ()))
-        self.run.add_all([leaf._replace(grad=g, param=p) for leaf, g, p in zip(leaves, grads, self._up)],
+        self.run.add_all([leaf._replace(grad=g, out=p) for leaf, g, p in zip(leaves, grads, self._up)],
                          ready)
         self.run.close()
 

@@ -197,7 +197,7 @@ class _Pipeline:
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         last = None  # (storage address, byte after the last span there, byte after it in the slot)
         for seg in segs:
-            x = self.leaves[seg.leaf].grad if which == 0 else self.leaves[seg.leaf].param
+            x = self.leaves[seg.leaf].grad if which == 0 else self.leaves[seg.leaf].out
             if x.stride(0) != 1:  # a strided 1-D view: copied as itself
                 out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype)))
                 last = None
@@ -256,9 +256,9 @@ class _Pipeline:
                 return x if whole or x is None else x[cut_]
 
             out = None
-            if leaf.param is not None:
-                out = (part(leaf.param) if leaf.param.device.type == "cpu"  # in place
-                       else self.view(k, 1, seg, leaf.param.dtype))
+            if leaf.out is not None:
+                out = (part(leaf.out) if leaf.out.device.type == "cpu"  # in place
+                       else self.view(k, 1, seg, leaf.out.dtype))
             pieces.append(Piece(grads.get(id(seg), part(leaf.grad)),
                                 leaf.state if whole else tuple(x[cut_] for x in leaf.state), out,
                                 leaf.hyper, leaf.targets if whole else tuple(x[cut_] for x in leaf.targets),
@@ -297,7 +297,7 @@ class _Pipeline:
         if error is not None:
             raise self.failures[0][1] if self.failures else error
         out = [seg for seg in self.chunks[k]
-               if self.leaves[seg.leaf].param is not None and self.leaves[seg.leaf].param.device.type != "cpu"]
+               if self.leaves[seg.leaf].out is not None and self.leaves[seg.leaf].out.device.type != "cpu"]
         if out:
             for event in self.leaf_events(out):
                 if event not in self.seen:  # params on the device have their grads copied in
