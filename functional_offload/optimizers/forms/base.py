@@ -13,7 +13,7 @@ from functional_offload.kernels.work import Kernel
 from functional_offload.base import StepCache
 from functional_offload.optimizers.layout import Leaf, Static, TerminalLike, viewed, with_flat_views
 
-__all__ = ["HostForm", "HostWork", "by_device", "raise_run_errors", "wait_runs"]
+__all__ = ["AtFinish", "HostForm", "HostWork", "by_device", "raise_run_errors", "wait_runs"]
 
 
 class HostForm(Protocol):
@@ -49,6 +49,39 @@ class HostForm(Protocol):
     def handed_in_place(self) -> bool: ...
 
     def release(self) -> None: ...
+
+
+class AtFinish:
+    """The defaults of a form whose leaves all start at ``finish`` and write nothing that waits
+    for success: nothing is handed over ahead, so nothing to close, settle, commit or cancel."""
+
+    def __init__(self, work: "HostWork"):
+        self.work = work
+        self.ahead: set[int] = set()
+
+    def starts_ahead(self, index: int) -> bool:
+        return False
+
+    def start(self, index: int, grad: torch.Tensor) -> None:
+        raise AssertionError(f"{type(self).__name__} starts nothing ahead")
+
+    def close(self) -> None:
+        pass
+
+    def settle(self) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+    def handed_in_place(self) -> bool:
+        return False
+
+    def release(self) -> None:
+        pass
 
 
 def wait_runs(runs: dict) -> None:

@@ -13,7 +13,7 @@ from functional_offload.base import StepCache
 from functional_offload.state import mark_failed
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
-from functional_offload.optimizers.forms.base import HostWork
+from functional_offload.optimizers.forms.base import AtFinish, HostWork
 
 __all__ = ["Delayed", "Pending"]
 
@@ -54,27 +54,14 @@ class Pending:
             raise interrupt
 
 
-class Delayed:
+class Delayed(AtFinish):
     """The delayed form (see the module): nothing starts before finish, which starts the run
     and returns its :class:`Landing`; the step's count and lost params make it
     :class:`Pending`."""
 
     def __init__(self, work: HostWork):
-        self.work = work
-        self.ahead: set[int] = set()
+        super().__init__(work)
         self.started = False
-
-    def starts_ahead(self, index: int) -> bool:
-        return False
-
-    def start(self, index: int, grad: torch.Tensor) -> None:
-        raise AssertionError("a delayed step starts nothing ahead")
-
-    def close(self) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
 
     def finish(self, gs: list, rest: list[int], ready: dict) -> Optional[Landing]:
         if not rest:
@@ -86,17 +73,5 @@ class Delayed:
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         return landing
 
-    def commit(self) -> None:
-        pass
-
-    def cancel(self) -> None:
-        pass
-
     def touched(self) -> bool:
         return self.started
-
-    def handed_in_place(self) -> bool:
-        return False
-
-    def release(self) -> None:
-        pass

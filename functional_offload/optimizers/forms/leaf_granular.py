@@ -8,30 +8,17 @@ from typing import Optional
 import torch
 
 from functional_offload.executor.leaves import LeafItem, run_leaves
-from functional_offload.optimizers.forms.base import HostWork, by_device
+from functional_offload.optimizers.forms.base import AtFinish, HostWork, by_device
 
 __all__ = ["LeafGranular"]
 
 
-class LeafGranular:
+class LeafGranular(AtFinish):
     """The leaf-granular form (see the module)."""
 
     def __init__(self, work: HostWork):
-        self.work = work
-        self.ahead: set[int] = set()
+        super().__init__(work)
         self.begun: list[str] = []  # the leaves whose math began
-
-    def starts_ahead(self, index: int) -> bool:
-        return False
-
-    def start(self, index: int, grad: torch.Tensor) -> None:
-        raise AssertionError("a leaf-granular step starts nothing ahead")
-
-    def close(self) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
 
     def _item(self, index: int, g: torch.Tensor) -> LeafItem:
         work = self.work
@@ -53,17 +40,5 @@ class LeafGranular:
             run_leaves(ex, device, [self._item(i, gs[i]) for i in idx], ready[device], self.begun)
             ex.order_after_copies(device)
 
-    def commit(self) -> None:
-        pass
-
-    def cancel(self) -> None:
-        pass
-
     def touched(self) -> bool:
         return bool(self.begun)
-
-    def handed_in_place(self) -> bool:
-        return False
-
-    def release(self) -> None:
-        pass
