@@ -89,7 +89,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                 loss.backward()
                 t2 = mark()
             _, holder[0] = s.finish()
-            ahead[{True: "kept", False: "redone", None: "held"}[getattr(s, "committed", None)]] += 1
+            ahead[{True: "kept", False: "redone", None: "held"}[s.committed]] += 1
         else:
             loss.backward()
             t2 = mark()
