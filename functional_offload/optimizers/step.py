@@ -67,8 +67,8 @@ class TerminalStep(StepBase):
         if cache.static is None:
             cache.static = static(self.leaves, cache.packs)
         self.work = HostWork(t, self.leaves, cache, self.hyper, self.hyper_no_decay)
-        self.form: HostForm = form_for(Case(t.delayed, t.spec.elementwise, self.speculative),
-                                       self.work)
+        self.form: HostForm = form_for(Case(t.delayed, t.spec.elementwise, self.speculative,
+                                            t.executor.engine), self.work)
 
     @property
     def static(self) -> Static:
