@@ -65,7 +65,8 @@ def assert_same(a, b):
 @pytest.mark.parametrize("ema", [False, True], ids=["", "ema"])
 @pytest.mark.parametrize("mask", [False, True], ids=["", "mask"])
 def test_bits_of_on_device(entry, dtype, ema, mask):
-    assert_same(run(entry, on_host(), "gpu", dtype, ema, mask), run(entry, on_device(), "cpu", dtype, ema, mask))
+    assert_same(run(entry, on_host(), "gpu", dtype, ema, mask),
+                run(entry, on_device(), "cpu", dtype, ema, mask))
 
 
 @pytest.mark.cuda
@@ -90,7 +91,8 @@ def test_one_chunk_and_strided_params(entry):
 def test_delayed_keeps_its_form():
     """A delayed step with engine="gpu" runs as delayed steps do: the bits of engine="cpu"."""
     entry = ELEMENTWISE[0]
-    assert_same(run(entry, on_host(), "gpu", delayed=True), run(entry, on_host(), "cpu", delayed=True))
+    assert_same(run(entry, on_host(), "gpu", delayed=True),
+                run(entry, on_host(), "cpu", delayed=True))
 
 
 @pytest.mark.cuda
@@ -131,8 +133,9 @@ def test_gpu_engine_refuses_cpu_params(delayed):
 
 def test_chunks_cover_the_leaves():
     sizes = [5, 3000, 1, 700, 4096]
-    leaves = [with_flat_views(Leaf(f"p{i}", p, p, p, (torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)),
-                                   torch.zeros(n), True, True))
+    leaves = [with_flat_views(Leaf(
+                  f"p{i}", p, p, p, (torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)),
+                  torch.zeros(n), True, True))
               for i, n in enumerate(sizes) for p in [torch.zeros(n)]]
     out = chunks(leaves, [0, 1, 3, 4], 4096)
     assert len(out) > 1 and all(c.nbytes <= 4096 for c in out)
@@ -141,6 +144,7 @@ def test_chunks_cover_the_leaves():
         for p in c.pieces:
             assert covered.get(p.index, 0) == p.lo < p.hi  # in order, no gap
             covered[p.index] = p.hi
-            ends = [off + (p.hi - p.lo) * x.element_size() for off, x in zip(p.offsets, state_of(leaves[p.index]))]
+            ends = [off + (p.hi - p.lo) * x.element_size()
+                    for off, x in zip(p.offsets, state_of(leaves[p.index]))]
             assert all(a <= b for a, b in zip(ends, p.offsets[1:])) and ends[-1] <= c.nbytes
     assert covered == {0: 5, 1: 3000, 3: 700, 4: 4096}

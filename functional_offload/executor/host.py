@@ -143,9 +143,9 @@ class HostExecutor:
             if device in self._busy:
                 return
             if self.engine == "gpu" and device.type != "cuda":
-                raise ValueError(f"HostExecutor(engine='gpu') steps host-resident state on its params' "
-                                 f"GPU, but a param is on {device}; use engine='cpu' (the default) "
-                                 "for params off a GPU")
+                raise ValueError(f"HostExecutor(engine='gpu') steps host-resident state on its "
+                                 f"params' GPU, but a param is on {device}; use engine='cpu' (the "
+                                 "default) for params off a GPU")
             staged = device.type != "cpu" or self.stage_host_grads
             self._slot_events[device] = [None] * self.slots
             self._transports[device] = transport_for(device)

@@ -90,8 +90,9 @@ def _view(buf: torch.Tensor, offset: int, like: torch.Tensor, n: int) -> torch.T
 
 class GpuEngine:
     """The GPU engine form (see the module): plain steps of element-wise optimizers whose
-    executor has ``engine="gpu"``. It starts nothing ahead: leaves fed by :func:`~functional_offload.stream`
-    run at finish. ``touched`` once a chunk's math was queued (it writes params, then state)."""
+    executor has ``engine="gpu"``. It starts nothing ahead: leaves fed by
+    :func:`~functional_offload.stream` run at finish. ``touched`` once a chunk's math was queued
+    (it writes params, then the state comes back)."""
 
     def __init__(self, work: HostWork):
         self.work = work
@@ -139,7 +140,8 @@ class GpuEngine:
                         t.wait_host(before[s])  # the last run's copies out read the slot
                     up = ring[2 * s * size: (2 * s + 1) * size]
                     down = ring[(2 * s + 1) * size: (2 * s + 2) * size]
-                    landing.append((chunk, down, self._chunk(t, k, chunk, up, down, bufs[s], grads)))
+                    event = self._chunk(t, k, chunk, up, down, bufs[s], grads)
+                    landing.append((chunk, down, event))
                 while landing:
                     self._land(t, *landing.popleft())
             except Exception as e:
