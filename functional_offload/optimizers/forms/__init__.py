@@ -5,9 +5,7 @@
   packed small leaves, strided write-back);
 - :class:`Speculative`: the same, with leaves fed ahead of an unknown factor into spare buffers;
 - :class:`Delayed`: in the background, landed by the next step;
-- :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time;
-- :class:`GpuEngine`: element-wise math on the params' GPU, the state copied up and back in
-  chunks (plain steps of an executor with ``engine="gpu"``).
+- :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time.
 
 :func:`form_for` picks one; a new form is a module here and a line in ``FORMS``.
 """
@@ -18,13 +16,12 @@ from typing import Callable, NamedTuple
 
 from functional_offload.optimizers.forms.base import HostForm, HostWork
 from functional_offload.optimizers.forms.delayed import Delayed, Pending
-from functional_offload.optimizers.forms.gpu_engine import GpuEngine
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.optimizers.forms.leaf_granular import LeafGranular
 from functional_offload.optimizers.forms.speculative import Speculative
 
-__all__ = ["FORMS", "Case", "Delayed", "GpuEngine", "HostForm", "HostWork", "InPlace",
-           "LeafGranular", "Pending", "Speculative", "form_for"]
+__all__ = ["FORMS", "Case", "Delayed", "HostForm", "HostWork", "InPlace", "LeafGranular", "Pending",
+           "Speculative", "form_for"]
 
 
 class Case(NamedTuple):
@@ -33,7 +30,6 @@ class Case(NamedTuple):
     delayed: bool  # the optimizer's delayed=True
     elementwise: bool  # the spec's math is element-wise
     speculative: bool  # begun with speculative=True
-    engine: str  # the executor's engine: "cpu" or "gpu"
 
 
 # the first whose test holds is the step's form, made from the step's HostWork
@@ -41,7 +37,6 @@ FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork], HostForm]]] = [
     (lambda c: not c.elementwise, LeafGranular),
     (lambda c: c.delayed, Delayed),
     (lambda c: c.speculative, Speculative),
-    (lambda c: c.engine == "gpu", GpuEngine),
     (lambda c: True, InPlace),
 ]
 
