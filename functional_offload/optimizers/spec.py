@@ -112,7 +112,8 @@ def torch_state_names(state: Any) -> dict[str, str]:
     e.g. ``{"mu": "exp_avg", "nu": "exp_avg_sq"}`` for an :class:`~functional_offload.AdamState`.
 
     The state type carries them as its class attribute ``TORCH_NAMES``, which
-    :func:`~functional_offload.optimizers.terminal.terminal` sets from the spec it is given.
+    :func:`~functional_offload.optimizers.terminal.terminal` sets from the spec it is given: a
+    state type is known here once an optimizer of its spec was built.
     """
     kind = state if isinstance(state, type) else type(state)
     names = getattr(kind, "TORCH_NAMES", None)

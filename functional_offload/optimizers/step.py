@@ -233,7 +233,7 @@ class TerminalStep(StepBase):
             refs = state.params
             if landing is not None:
                 lost = self._lost(i for i, g in enumerate(gs) if g is not None)
-                refs = refs._replace(pending=Pending(landing, new_count, self.state.params.cache, lost))
+                refs = refs._replace(pending=Pending(landing, new_count, state.params.cache, lost))
             return state._replace(count=new_count, params=refs)
         except BaseException:
             form.cancel()

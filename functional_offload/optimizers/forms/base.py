@@ -20,9 +20,9 @@ class HostForm(Protocol):
     """How a step's host-resident leaves run (one form per step, chosen by
     :func:`~functional_offload.optimizers.forms.form_for`).
 
-    ``feed`` hands a leaf over at once where ``starts_ahead`` says so (grad streaming);
-    ``finish`` hands over the rest and waits for them (after ``settle``, before the device
-    math); ``commit`` writes what waits for every run's success; on an error, ``cancel`` stops
+    ``feed`` hands a leaf over at once where ``starts_ahead`` says so (grad streaming); at
+    the step's ``finish``, ``settle`` runs before the device math and ``finish`` after it,
+    handing over the rest and waiting for them; ``commit`` writes what waits for every run's success; on an error, ``cancel`` stops
     the runs and ``touched`` says whether anything may have been written in place
     (``handed_in_place`` is the same question at ``abort``, before ``finish``)."""
 

@@ -79,7 +79,7 @@ class Speculative(InPlace):
             self._swap_in()
 
     def touched(self) -> bool:
-        return super().touched() or bool(self.ahead and self.committed)
+        return super().touched() or self.committed
 
     def _swap_in(self) -> None:
         self.committed = True
