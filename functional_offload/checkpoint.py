@@ -5,7 +5,9 @@ The state tree is flattened to dotted-path keys (``"1.mu.layer.weight"``, ``"1.c
 safetensors with a CRC-32 per tensor, written atomically and read whole
 (:mod:`functional_offload.checkpoint_file`). Restoring is strict and exact: every key, shape and
 dtype must match ``like`` — a fp32 master is never silently cast — and the values are copied
-into ``like``'s tensors, so they keep ``like``'s placement (re-placement on load).
+into ``like``'s tensors, so they keep ``like``'s placement (re-placement on load). A split
+master (``store_param_remainders``) is saved as its fp32 value, so either format of the master
+loads into the other, exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from functional_offload.state import (BUSY, CONSUMED, check_recoverable, check_s
                                       restore_params, terminal_states)
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
+from functional_offload.kernels.remainder import is_split, join, split_
 from functional_offload.tree import leaves_with_paths
 from functional_offload.typing import OptState
 
@@ -80,8 +83,9 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
 
     A delayed update still in flight is finished first (:func:`~functional_offload.flush`).
 
-    The tensors are the state's own (not copies); ``torch.save`` of the result loads with
-    ``weights_only=True``.
+    The tensors are the state's own (not copies), but for split masters
+    (``store_param_remainders``), given as their fp32 values; ``torch.save`` of the result
+    loads with ``weights_only=True``.
     """
     return _landed(state, "take a state_dict")
 
@@ -98,12 +102,11 @@ def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
 
 
 def state_tensors(state: OptState) -> dict[str, torch.Tensor]:
-    """:func:`state_dict` without its checks and without landing work in flight (for loading
-    into the state, after :func:`ready_for_load`)."""
+    """:func:`state_dict` without its checks and without landing work in flight."""
     paths, leaves = _state_leaves(state)
     if len(set(paths)) != len(paths):
         raise ValueError("two state leaves share a dotted path; use keys without dots")
-    return dict(zip(paths, leaves))
+    return {p: join(x) if is_split(x) else x for p, x in zip(paths, leaves)}
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
@@ -127,10 +130,11 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
                               "and params as the saved state")
     for p, x in zip(paths, leaves):
         y = sd[p]
-        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+        shape, dtype = (x.shape[1:], torch.float32) if is_split(x) else (x.shape, x.dtype)
+        if not isinstance(y, torch.Tensor) or y.shape != shape or y.dtype != dtype:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
-                                  f"{(tuple(x.shape), x.dtype)}; values are never cast on load")
+                                  f"{(tuple(shape), dtype)}; values are never cast on load")
     counts = {id(t) for t in mark_tensors(like)}
     for p, x in zip(paths, leaves):
         if id(x) in counts and int(sd[p]) < 0:
@@ -141,7 +145,10 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     @torch.no_grad()
     def copy_all() -> None:
         for p, x in zip(paths, leaves):
-            x.copy_(sd[p])
+            if is_split(x):
+                split_(x, sd[p])
+            else:
+                x.copy_(sd[p])
         restore_params(like)
 
     _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn

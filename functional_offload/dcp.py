@@ -39,6 +39,7 @@ from functional_offload import checkpoint
 from functional_offload.base import ParamRefs
 from functional_offload.state import terminal_states
 from functional_offload.checkpoint import CheckpointError
+from functional_offload.kernels.remainder import is_split
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
 
@@ -231,6 +232,7 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
                  planner=fo.dcp.StrictLoadPlanner())
         assert int(like.count) == 1  # loaded in place
     """
+    _refuse_split(state)
     if loading:
         checkpoint.ready_for_load(state)
     else:
@@ -239,6 +241,21 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
     if not loading:
         _check_ranks_agree(sd)
     return sd
+
+
+def _refuse_split(state: OptState) -> None:
+    """Raise ``ValueError`` for split masters, which DCP cannot load into in place."""
+    for s in terminal_states(state):
+        if "master" not in s._fields:
+            continue
+        paths, masters, _ = leaves_with_paths(s.master)
+        split = [p for p, m in zip(paths, masters) if isinstance(m, torch.Tensor) and is_split(m)]
+        if split:
+            raise ValueError(f"functional_offload.dcp does not checkpoint split masters "
+                             f"(store_param_remainders=True), as of leaf {split[0]!r}: DCP loads "
+                             "into the state's tensors in place, and a split master is two "
+                             "halves of its fp32 value; use fo.save/fo.load per rank, or "
+                             "store_param_remainders=False")
 
 
 class StrictLoadPlanner(DefaultLoadPlanner):

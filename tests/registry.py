@@ -22,6 +22,7 @@ class Entry(NamedTuple):
     exact: bool  # the torch kernel gives the oracle's bits (same ops in the same order)
     native: bool = True  # has a native host op
     delayed: bool = True  # offers delayed=True
+    remainders: bool = True  # offers store_param_remainders=True
 
 
 def torch_oracle(cls: type, **kwargs: Any) -> Oracle:
@@ -73,5 +74,5 @@ OPTIMIZERS = [
     Entry("sgd-nesterov", fo.sgd, SGD, torch_oracle(torch.optim.SGD, **SGD), True),
     Entry("lion", fo.lion, LION, lion_by_hand(**LION), True),
     Entry("adafactor", fo.adafactor, ADAFACTOR, torch_oracle(torch.optim.Adafactor, **ADAFACTOR), True,
-          native=False, delayed=False),
+          native=False, delayed=False, remainders=False),
 ]

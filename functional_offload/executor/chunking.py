@@ -35,6 +35,8 @@ class HostLeaf(NamedTuple):
     ema_target: Optional[torch.Tensor] = None  # the new EMA goes here; None = in place
     settled: Optional["HostLeaf"] = None  # the leaf writing in place: used instead of this one
     #                                       when its run is settled before the leaf begins
+    high: Optional[torch.Tensor] = None  # 1-D, pinned: where the kernel writes the new param's
+    #   bits (a split master's high half); a device ``out`` is copied up from here, not the slot
 
 
 class Segment(NamedTuple):

@@ -179,6 +179,7 @@ class _Pipeline:
         self.out_events: list[Any] = []  # per chunk: its slot's last copy out once it is done
         self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
         self.failures: list[tuple[int, BaseException]] = []
+        self.high_copied: Any = None  # the last copy up from a state's high halves
 
     # ---- helpers -------------------------------------------------------------------------
     def slot_bytes(self, k: int, which: int, offset: int, nbytes: int) -> torch.Tensor:
@@ -256,9 +257,10 @@ class _Pipeline:
                 return x if whole or x is None else x[cut_]
 
             out = None
-            if leaf.out is not None:
-                out = (part(leaf.out) if leaf.out.device.type == "cpu"  # in place
-                       else self.view(k, 1, seg, leaf.out.dtype))
+            if leaf.out is not None and leaf.out.device.type == "cpu":
+                out = part(leaf.out)  # in place
+            elif leaf.out is not None and leaf.high is None:
+                out = self.view(k, 1, seg, leaf.out.dtype)
             pieces.append(Piece(grads.get(id(seg), part(leaf.grad)),
                                 leaf.state if whole else tuple(x[cut_] for x in leaf.state), out,
                                 leaf.hyper, leaf.targets if whole else tuple(x[cut_] for x in leaf.targets),
@@ -303,11 +305,17 @@ class _Pipeline:
                 if event not in self.seen:  # params on the device have their grads copied in
                     t.wait_out(event)
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
-            for dev, host in self.spans(k, 1, out):
+            high = [seg for seg in out if self.leaves[seg.leaf].high is not None]
+            for dev, host in self.spans(k, 1, [seg for seg in out if self.leaves[seg.leaf].high is None]):
                 t.copy_out(dev, host)
+            for seg in high:  # from the state's high half, where the kernel wrote the param
+                leaf = self.leaves[seg.leaf]
+                t.copy_out(leaf.out[seg.start:seg.stop], leaf.high[seg.start:seg.stop].view(leaf.out.dtype))
             if tl:
                 tl.span("H2D", f"params c{k}", s0, tl.stamp(self.device, t.stream_out))
             self.slot_events[k % self.S] = t.mark_out()
+            if high:
+                self.high_copied = self.slot_events[k % self.S]
         self.out_events[k] = self.slot_events[k % self.S]  # no copy out: the out half is as it was
         if self.run_.chunk_done is not None:
             self.run_.chunk_done(self.leaves, self.chunks[k])
@@ -363,6 +371,7 @@ class _Pipeline:
                 run.ex.join_workers(workers)
             for ev in self.in_events:  # never return while a copy in still reads the grads
                 self.t.wait_host(ev)
+            self.t.wait_host(self.high_copied)  # nor a copy up the state's high halves
             if self.tl:
                 for w, k, waiting, a, b in self.q.spans():
                     self.tl.span(f"fo-host_{w}", f"{'wait' if waiting else 'kernel'} c{k}", a, b)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from functional_offload.kernels import native
+from functional_offload.kernels.remainder import is_split, join_halves, split_halves
 from functional_offload.kernels.work import Kernel, Work
 
 __all__ = ["host_kernel", "torch_kernel"]
@@ -26,21 +27,36 @@ def torch_kernel(reference: Callable[..., None]) -> Callable[[Work], None]:
     def kernel(work: Work) -> None:
         for p, a, b in work.claims():
             state = [x[a:b] for x in p.state]
+            dst = [x[a:b] for x in p.targets] if p.targets else state
+            split = is_split(state[0])  # (high half, remainder, moments...)
+            if split:
+                value = join_halves(state[0], state[1])
+                moments = dst[2:]
+            else:
+                value, moments = dst[0], dst[1:]
             if p.targets:
-                dst = [x[a:b] for x in p.targets]
-                for d, s in zip(dst, state):
+                for d, s in zip(dst[2:] if split else dst, state[2:] if split else state):
                     d.copy_(s)
-                state = dst
-            reference([state[0]], [p.grad[a:b]], [[m] for m in state[1:]], p.hyper)
+            reference([value], [p.grad[a:b]], [[m] for m in moments], p.hyper)
+            if split:
+                split_halves(value, dst[0], dst[1])
             if p.out is not None:
-                p.out[a:b].copy_(state[0])
+                p.out[a:b].copy_(dst[0].view(torch.bfloat16) if split else value)
             if p.ema is not None:
                 if p.ema_target is None:
-                    p.ema[a:b].lerp_(state[0], 1 - p.ema_decay)
+                    p.ema[a:b].lerp_(value, 1 - p.ema_decay)
                 else:
-                    torch.lerp(p.ema[a:b], state[0], 1 - p.ema_decay, out=p.ema_target[a:b])
+                    torch.lerp(p.ema[a:b], value, 1 - p.ema_decay, out=p.ema_target[a:b])
 
     return kernel
+
+
+def _native_fits(state: Sequence[torch.Tensor]) -> bool:
+    """Whether the native op takes this state: an fp32 or split value, moments of one dtype
+    among fp32 and bf16."""
+    moments = state[2:] if is_split(state[0]) else state[1:]
+    return ((is_split(state[0]) or state[0].dtype == torch.float32)
+            and all(m.dtype in _NATIVE_STATE for m in moments) and len({m.dtype for m in moments}) <= 1)
 
 
 def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[float]]],
@@ -49,16 +65,16 @@ def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[fl
     """The kernel for host leaves whose state tensors are ``states`` (value, moments...).
 
     ``mode``: ``"native"`` (raise if it cannot run), ``"torch"``, or ``"auto"`` (native when
-    the op is registered, the build exists and every leaf has an fp32 value and fp32 or bf16
-    moments of one dtype; torch otherwise).
+    the op is registered, the build exists and every leaf has an fp32 or split value
+    (:mod:`~functional_offload.kernels.remainder`) and fp32 or bf16 moments of one dtype; torch
+    otherwise). A split value's state is (high half, remainder, moments...).
     """
     if mode == "torch" or op is None:
         if mode == "native":
             raise RuntimeError("cpu_kernel='native' but this optimizer has no native op; use 'auto'")
         return torch_kernel(reference)
     mod = native.module()
-    fits = all(st[0].dtype == torch.float32 and all(m.dtype in _NATIVE_STATE for m in st[1:])
-               and len({m.dtype for m in st[1:]}) <= 1 for st in states)
+    fits = all(_native_fits(st) for st in states)
     if mod is not None and fits:
         return native.NativeKernel(mod, op, scalars)
     if mode == "native":

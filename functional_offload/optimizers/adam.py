@@ -131,7 +131,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSc
           mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
           weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
           executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-          delayed: bool = False) -> Optimizer:
+          delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
     r"""AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     With :math:`t` the step (1 for the first update), :math:`\eta_t` the learning rate
@@ -171,6 +171,14 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSc
         gradient applied was computed at the params of one step earlier:
         :math:`\theta_{t+1} = \theta_t - \eta\,\Delta(\nabla L(\theta_{t-1}))`. The first
         update leaves these params unchanged. Device-resident leaves update at once.
+      store_param_remainders: keep the fp32 master of each bf16 param as the param's bits (the
+        master's high 16 bits, rounded) plus an ``int16`` remainder (its low 16 bits), as
+        Megatron's and TransformerEngine's option of that name
+        (:mod:`~functional_offload.kernels.remainder`). The master stays exact, bit for bit that
+        of the fp32 format, and the host step writes no separate param: 2 bytes per param
+        fewer through host memory. The param is the master rounded to nearest with ties away
+        from zero (the fp32 format rounds ties to even: one bf16 ulp apart where a master lies
+        exactly halfway). Small host leaves (packed, at most 65,536 elements) keep fp32 masters.
 
     Returns:
       An :class:`~functional_offload.Optimizer` whose state is an :class:`AdamState`.
@@ -190,7 +198,8 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSc
     """
     return _adam(ADAMW, lr, betas, eps, weight_decay, mu_dtype, nu_dtype, placement=placement,
                  master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
-                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)
+                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed,
+                 store_param_remainders=store_param_remainders)
 
 
 def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
@@ -199,7 +208,7 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSch
          mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
          weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
          executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-         delayed: bool = False) -> Optimizer:
+         delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Adam (Kingma & Ba) with weight decay coupled as L2, as ``torch.optim.Adam``.
 
     The same as :func:`adamw` except for the weight decay, which is added to the gradient:
@@ -224,4 +233,5 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSch
     """
     return _adam(ADAM, lr, betas, eps, weight_decay, mu_dtype, nu_dtype, placement=placement,
                  master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
-                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)
+                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed,
+                 store_param_remainders=store_param_remainders)

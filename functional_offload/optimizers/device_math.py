@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
+from functional_offload.kernels.remainder import high, join, split_
+
 if TYPE_CHECKING:
     from functional_offload.executor.timeline import Timeline
     from functional_offload.optimizers.layout import Leaf
@@ -56,8 +58,10 @@ class Group(NamedTuple):
     params: list[torch.Tensor]  # those params
     news: list[torch.Tensor]  # and their values (masters)
     emas: list[torch.Tensor]  # the leaves' EMAs, or [] without
-    cast_at: list[int]  # positions (in idx) whose params' dtype is not the values'
-    cast: Optional[Cast]  # their grads in the values' dtype
+    cast_at: list[int]  # positions (in idx) whose params' dtype is not the math's
+    cast: Optional[Cast]  # their grads in the math's dtype
+    split: bool = False  # the values are split masters (kernels/remainder.py): the math runs on
+    #                      their fp32 values, joined per batch, and ``news`` are their high halves
 
 
 def device_groups(leaves: list["Leaf"]) -> list[Group]:
@@ -70,22 +74,27 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             keyed.setdefault(key, []).append(i)
     groups = []
     for (device, dtype, *_, decay), idx in keyed.items():
+        split = dtype == torch.int16
+        dtype = torch.float32 if split else dtype  # the math's
         written = [k for k, i in enumerate(idx) if leaves[i].has_master]
         cast_at = [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype]
         groups.append(Group(
             idx, [leaves[i].value for i in idx],
             [[leaves[i].moments[j] for i in idx] for j in range(len(leaves[idx[0]].moments))],
             decay, device, written, [leaves[idx[k]].param for k in written],
-            [leaves[idx[k]].value for k in written],
+            [high(leaves[idx[k]].value) if split else leaves[idx[k]].value for k in written],
             [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
-            Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None))
+            Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None,
+            split))
     return groups
 
 
 def _with_grads(grp: Group, grads: list) -> Optional[tuple]:
     """The group's lists cut to the leaves with a grad this step (their grads cast one by one),
     or None if no leaf has one."""
-    grads = [g if g is None or g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads, grp.values)]
+    dtype = torch.float32 if grp.split else None  # else each value's
+    grads = [g if g is None or g.dtype == (dtype or v.dtype) else g.to(dtype or v.dtype)
+             for g, v in zip(grads, grp.values)]
     keep = [k for k, g in enumerate(grads) if g is not None]
     if not keep:
         return None
@@ -107,6 +116,28 @@ def _cast(grp: Group, grads: list) -> list:
     return grads
 
 
+_SPLIT_BATCH = 1 << 26  # elements joined at once: the fp32 values a batch of split masters needs
+
+
+def _split_math(math: Callable[..., None], values: list, grads: list, moments: list, hyper: Any,
+                emas: list, ema_decay: Optional[float]) -> None:
+    """``math`` on split masters: in batches of about ``_SPLIT_BATCH`` elements, their fp32
+    values joined, stepped (and the EMAs moved), split back."""
+    start = 0
+    while start < len(values):
+        stop, n = start, 0
+        while stop < len(values) and (stop == start or n + values[stop][0].numel() <= _SPLIT_BATCH):
+            n += values[stop][0].numel()
+            stop += 1
+        temps = [join(v) for v in values[start:stop]]
+        math(temps, grads[start:stop], [m[start:stop] for m in moments], hyper)
+        for v, t in zip(values[start:stop], temps):
+            split_(v, t)
+        if emas:
+            torch._foreach_lerp_(emas[start:stop], temps, 1 - (ema_decay or 0.0))
+        start = stop
+
+
 def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],
                hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
                timeline: Optional["Timeline"]) -> bool:
@@ -125,16 +156,20 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
             grads, values, moments, params, news, emas = cut
         touched = True
         s0 = timeline.stamp(grp.device) if timeline else None
+        h = hyper if grp.decay else hyper_no_decay
         try:
             if cast is not None:
                 grads = _cast(grp, grads)
-            math(values, grads, moments, hyper if grp.decay else hyper_no_decay)
+            if grp.split:
+                _split_math(math, values, grads, moments, h, emas, ema_decay)
+            else:
+                math(values, grads, moments, h)
         finally:
             if cast is not None:
                 cast.release()  # after the math is queued: the stream orders its reuse
         if params:
             torch._foreach_copy_(params, news)
-        if emas:
+        if emas and not grp.split:
             torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
                                         for v, e in zip(values, emas)], 1 - (ema_decay or 0.0))
         if timeline:

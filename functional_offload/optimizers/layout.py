@@ -7,20 +7,21 @@ leaves are where, the device groups, the packs' runs, the host views' addresses)
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Protocol
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import optree
 import torch
 
 from functional_offload.executor import HostExecutor
+from functional_offload.kernels.remainder import flat_halves, is_split
 from functional_offload.optimizers.device_math import Group, device_groups
 from functional_offload.optimizers.packing import Pack
 from functional_offload.optimizers.packing import runs as runs_of
 from functional_offload.optimizers.spec import OptimizerSpec
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 
-__all__ = ["Leaf", "Static", "TerminalLike", "check_master", "layout", "static", "viewed",
-           "with_flat_views"]
+__all__ = ["Leaf", "Static", "TerminalLike", "check_master", "flat_state", "layout", "static",
+           "viewed", "with_flat_views"]
 
 
 class TerminalLike(Protocol):
@@ -55,7 +56,8 @@ class Leaf(NamedTuple):
     ema: Optional[torch.Tensor]
     has_master: bool
     decay: bool  # weight decay applies
-    flat: tuple[torch.Tensor, ...] = ()  # host leaves of element-wise math: (value, moments...) 1-D
+    flat: tuple[torch.Tensor, ...] = ()  # host leaves of element-wise math: (value, moments...)
+    #   1-D; a split value as its two halves (kernels/remainder.py)
     ema_flat: Optional[torch.Tensor] = None  # and the EMA, 1-D
 
     @property
@@ -66,8 +68,15 @@ class Leaf(NamedTuple):
 def with_flat_views(leaf: Leaf) -> Leaf:
     """``leaf`` with its 1-D host views (``flat``, ``ema_flat``) made from its tensors (views do
     not follow a tensor whose storage is replaced: they are made anew when that happened)."""
-    return leaf._replace(flat=(leaf.value.view(-1), *(m.view(-1) for m in leaf.moments)),
+    return leaf._replace(flat=flat_state(leaf.value, leaf.moments),
                          ema_flat=None if leaf.ema is None else leaf.ema.view(-1))
+
+
+def flat_state(value: torch.Tensor, moments: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """A leaf's host state as the kernels take it: 1-D views of the value (a split value's
+    halves) and the moments."""
+    values = flat_halves(value) if is_split(value) else (value.view(-1),)
+    return (*values, *(m.view(-1) for m in moments))
 
 
 def layout(state: Any, spec: OptimizerSpec, decay: Callable[[Any], list[bool]],
@@ -103,6 +112,10 @@ def check_master(leaf: Leaf) -> None:
     fits it (an fp32 master made for an fp32 param that is fp64 now: ``module.double()``);
     params without a master, and low-precision params of an fp32 master, are followed."""
     p, v = leaf.param, leaf.value
+    if leaf.has_master and is_split(v) and p.dtype != torch.bfloat16:
+        raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps a split master "
+                        "(store_param_remainders) made for a bf16 param; convert it back, or make "
+                        "a new state for the new dtype with opt.init(params)")
     if leaf.has_master and p.dtype not in (torch.bfloat16, torch.float16) and p.dtype != v.dtype:
         raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps a {v.dtype} "
                         "master made for its dtype at init; convert it back, or make a new state "
@@ -132,7 +145,8 @@ def viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int
     for i, leaf in enumerate(leaves):
         if leaf.flat:
             views = (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
-            tensors = (leaf.value, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
+            values = (leaf.value,) * (len(leaf.flat) - len(leaf.moments))  # a split one: 2 views
+            tensors = (*values, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
             pairs += [(i, x) for x in tensors]
             ptrs += [v.data_ptr() for v in views]
     return pairs, ptrs

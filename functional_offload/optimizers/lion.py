@@ -68,7 +68,7 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[ScalarOrSchedule, ScalarOrSch
          master_dtype: torch.dtype = torch.float32, mu_dtype: Optional[torch.dtype] = None,
          weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
          executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-         delayed: bool = False) -> Optimizer:
+         delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms").
 
     .. math::
@@ -87,8 +87,8 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[ScalarOrSchedule, ScalarOrSch
       lr: learning rate :math:`\eta`, a float or a schedule of the step count.
       betas: :math:`(\beta_1, \beta_2)`, each in [0, 1).
       weight_decay: :math:`\lambda`, decoupled.
-      placement, master_dtype, weight_decay_mask, ema_decay, executor, cpu_kernel, delayed: as in
-        :func:`~functional_offload.adamw`.
+      placement, master_dtype, weight_decay_mask, ema_decay, executor, cpu_kernel, delayed,
+        store_param_remainders: as in :func:`~functional_offload.adamw`.
       mu_dtype: dtype of the momentum (default fp32 for low-precision params).
 
     Returns:
@@ -109,4 +109,5 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[ScalarOrSchedule, ScalarOrSch
     return terminal(LION, {"lr": lr, "beta1": betas[0], "beta2": betas[1], "weight_decay": weight_decay},
                     moment_dtypes={"mu": mu_dtype}, placement=placement, master_dtype=master_dtype,
                     weight_decay_mask=weight_decay_mask, ema_decay=ema_decay, executor=executor,
-                    cpu_kernel=cpu_kernel, delayed=delayed)
+                    cpu_kernel=cpu_kernel, delayed=delayed,
+                 store_param_remainders=store_param_remainders)

@@ -89,7 +89,7 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = Fal
         master_dtype: torch.dtype = torch.float32, momentum_dtype: Optional[torch.dtype] = None,
         weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
         executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-        delayed: bool = False) -> Optimizer:
+        delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Stochastic gradient descent, as ``torch.optim.SGD`` (no dampening).
 
     With :math:`\mu` the momentum, :math:`\lambda` the weight decay and :math:`b_0 = 0`:
@@ -110,8 +110,8 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = Fal
       momentum: :math:`\mu \ge 0` (a float or a schedule when it is not 0).
       nesterov: Nesterov momentum (needs ``momentum > 0``).
       weight_decay: :math:`\lambda`, coupled as L2; a float or a schedule.
-      placement, master_dtype, weight_decay_mask, ema_decay, executor, cpu_kernel, delayed: as
-        in :func:`adamw` (delayed plain SGD:
+      placement, master_dtype, weight_decay_mask, ema_decay, executor, cpu_kernel, delayed,
+        store_param_remainders: as in :func:`adamw` (delayed plain SGD:
         :math:`\theta_{t+1} = \theta_t - \eta\nabla L(\theta_{t-1})`).
       momentum_dtype: dtype of the buffers (default fp32 for low-precision params).
 
@@ -137,4 +137,5 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = Fal
     return terminal(spec(has_momentum, nesterov), hypers,
                     moment_dtypes={"momentum": momentum_dtype}, placement=placement,
                     master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
-                    ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)
+                    ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed,
+                 store_param_remainders=store_param_remainders)

@@ -22,6 +22,7 @@ from functional_offload.checks import real
 from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels import native
+from functional_offload.kernels.remainder import is_split, new_split
 from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
 from functional_offload.optimizers.layout import Leaf, decay_flags, layout
@@ -51,7 +52,8 @@ class Terminal:
     def __init__(self, spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
                  moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement],
                  master_dtype: torch.dtype, weight_decay_mask: Any, ema_decay: Optional[float],
-                 executor: Optional[HostExecutor], cpu_kernel: str, delayed: bool):
+                 executor: Optional[HostExecutor], cpu_kernel: str, delayed: bool,
+                 store_param_remainders: bool = False):
         if placement is not None and not isinstance(placement, Placement):
             raise TypeError(f"placement must be a functional_offload.placement.Placement, got "
                             f"{type(placement).__name__} (e.g. placement.offload_fraction(0.5))")
@@ -70,6 +72,16 @@ class Terminal:
             raise TypeError(f"{spec.name} has no weight decay to mask")
         if not isinstance(delayed, bool):
             raise TypeError(f"delayed must be True or False, got {delayed!r}")
+        if not isinstance(store_param_remainders, bool):
+            raise TypeError(f"store_param_remainders must be True or False, got "
+                            f"{store_param_remainders!r}")
+        if store_param_remainders and master_dtype != torch.float32:
+            raise ValueError("store_param_remainders=True keeps an fp32 master as the bf16 param "
+                             f"and a 16-bit remainder; it needs master_dtype=torch.float32, got "
+                             f"{master_dtype}")
+        if store_param_remainders and not spec.elementwise:
+            raise ValueError(f"{spec.name} does not support store_param_remainders=True: its host "
+                             "step runs leaf by leaf on fp32 masters")
         if delayed and not spec.elementwise:
             raise ValueError(f"{spec.name} does not support delayed=True: its host step runs leaf "
                              "by leaf; hide it with fo.stream, or keep its state on the device")
@@ -92,6 +104,7 @@ class Terminal:
         self._executor = executor
         self.cpu_kernel = cpu_kernel
         self.delayed = delayed
+        self.store_param_remainders = store_param_remainders
 
     @property
     def executor(self) -> HostExecutor:
@@ -141,6 +154,14 @@ class Terminal:
         return p.dtype in LOW_PRECISION or (host and (
             p.device.type != "cpu" or self.delayed or not p.is_contiguous()))
 
+    def _split(self, p: torch.Tensor, host: bool) -> bool:
+        """Whether the leaf's master is split (kernels/remainder.py): bf16 params with
+        ``store_param_remainders``, but for small host leaves packed with fp32 masters (their
+        bytes are few; a pack shares one fp32 arena)."""
+        return (self.store_param_remainders and p.dtype == torch.bfloat16
+                and not (host and self.spec.elementwise and not self.delayed
+                         and p.numel() <= PACK_MAX))
+
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
         """State bytes of a leaf as init makes them: moments, master (if it gets one), EMA."""
         total = 0
@@ -189,15 +210,18 @@ class Terminal:
         moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
         for p, host in zip(locals_, on_host):
             where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
-            master = (p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
-                      if self._needs_master(p, host) else None)
+            master = None
+            if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
+                master = new_split(p, where, pin=not preview and host and p.device.type == "cuda")
+            elif self._needs_master(p, host):
+                master = p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
             masters.append(master)
             for m in self.spec.moments:
                 shape = self._moment_shape(m, p)
                 moments[m.name].append(None if shape is None else torch.zeros(
                     shape, dtype=self._moment_dtype(m.name, p), device=where))
             if self.ema_decay is not None:
-                src = master if master is not None else p.detach()
+                src = master if master is not None and not is_split(master) else p.detach()
                 emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
                                    copy=True).contiguous())  # fp32, fp64 for fp64 values
         return masters, moments, emas
@@ -224,7 +248,7 @@ class Terminal:
         masters, moments, emas = self._make_state(locals_, on_host, preview)
         packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
             [i for i, (p, m) in enumerate(zip(locals_, masters))
-             if on_host[i] and m is not None and p.numel() <= PACK_MAX],
+             if on_host[i] and m is not None and not is_split(m) and p.numel() <= PACK_MAX],
             [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
             decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_])
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
@@ -278,12 +302,14 @@ def terminal(spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
              moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement] = None,
              master_dtype: torch.dtype = torch.float32, weight_decay_mask: Any = None,
              ema_decay: Optional[float] = None, executor: Optional[HostExecutor] = None,
-             cpu_kernel: str = "auto", delayed: bool = False) -> Optimizer:
+             cpu_kernel: str = "auto", delayed: bool = False,
+             store_param_remainders: bool = False) -> Optimizer:
     """The :class:`~functional_offload.Optimizer` of ``spec`` with these hyperparameters and
     options (see :func:`~functional_offload.adamw` for what each option does). Everything is
     validated here, before any state exists."""
     t = Terminal(spec, hypers, moment_dtypes=moment_dtypes, placement=placement,
                  master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
-                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed)
+                 ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed,
+                 store_param_remainders=store_param_remainders)
     return Optimizer(t.init, t.update, t.begin)
 

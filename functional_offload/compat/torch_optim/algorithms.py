@@ -20,7 +20,8 @@ from functional_offload.compat.torch_optim.views import Expect
 from functional_offload.optimizers import adam, adamw, sgd
 from functional_offload.optimizers.spec import torch_state_names
 
-__all__ = ["Algorithm", "algorithm_for", "number", "FREE_OPTIONS", "TORCH_STATE_KEYS"]
+__all__ = ["Algorithm", "algorithm_for", "check_options", "number", "FREE_OPTIONS",
+           "TORCH_STATE_KEYS"]
 
 FREE_OPTIONS = frozenset({"weight_decay_mask", "executor", "cpu_kernel"})
 """Keyword options of the functional constructors that may change between steps; the others
@@ -72,6 +73,15 @@ def _check_nonneg(v: Mapping[str, Any], key: str, label: str) -> None:
         raise ValueError(f"Tensor {key} must be 1-element")
     if not callable(x) and not 0.0 <= x:
         raise ValueError(f"Invalid {label} value: {x}")
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a functional constructor's option the adapter refuses."""
+    if options.get("store_param_remainders"):
+        raise _refuse("store_param_remainders", options["store_param_remainders"],
+                      "torch.optim's state holds a master as one tensor, a split master is two "
+                      "halves", "use the functional optimizer (fo.adamw(store_param_remainders="
+                      "True)) or leave it False")
 
 
 def _check_flags(v: Mapping[str, Any]) -> None:

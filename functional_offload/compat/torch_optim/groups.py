@@ -13,7 +13,7 @@ import warnings
 from typing import Any, Optional
 
 from functional_offload.base import Optimizer, ParamRefs
-from functional_offload.compat.torch_optim.algorithms import FREE_OPTIONS, Algorithm
+from functional_offload.compat.torch_optim.algorithms import FREE_OPTIONS, Algorithm, check_options
 from functional_offload.compat.torch_optim.views import (Slot, apply_copies, mark_error, quiesce,
                                                          signature, tree_of)
 
@@ -81,6 +81,7 @@ class GroupStates:
         """Check a group's values and build this step's functional optimizer from them."""
         try:
             self.algo.check(values)
+            check_options(options)
             return self.algo.build(values, options), self.algo.moments(values)
         except (ValueError, TypeError, RuntimeError) as e:
             if not where:

@@ -11,6 +11,7 @@ import torch
 from functional_offload.executor import HostLeaf, Run
 from functional_offload.optimizers.forms.base import HostWork, raise_run_errors, wait_runs
 from functional_offload.optimizers.forms.in_place import InPlace
+from functional_offload.optimizers.layout import flat_state
 
 __all__ = ["Speculative"]
 
@@ -40,8 +41,9 @@ class Speculative(InPlace):
         """Host buffers like the leaf's (value, moments..., ema), kept for later steps."""
         if index not in self.spares:
             leaf = self.work.leaves[index]
-            self.spares[index] = tuple(torch.empty_like(x) for x in (leaf.value, *leaf.moments)
-                                       + ((leaf.ema,) if leaf.ema is not None else ()))
+            self.spares[index] = tuple(  # pinned like the leaf's: a split value is copied up
+                torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_pinned())
+                for x in (leaf.value, *leaf.moments) + ((leaf.ema,) if leaf.ema is not None else ()))
         return self.spares[index]
 
     def ahead_leaf(self, index: int, g: torch.Tensor) -> HostLeaf:
@@ -54,7 +56,7 @@ class Speculative(InPlace):
             out.record_stream(self.work.ex.transport(out.device).stream_out)
         # once the step is known to commit: in place
         settled = self.in_place_leaf(index, g) if leaf.param.is_contiguous() else None
-        form = self.work.host_leaf(index, g, out, tuple(x.view(-1) for x in spare[:k]),
+        form = self.work.host_leaf(index, g, out, flat_state(spare[0], spare[1:k]),
                                    spare[k].view(-1) if leaf.ema is not None else None, settled)
         self.forms[id(form)] = index
         return form

@@ -1,0 +1,94 @@
+r"""The split master: an exact fp32 master of a bf16 param kept as two 16-bit halves.
+
+With ``store_param_remainders=True`` the master of a bf16 leaf is an ``int16`` tensor of shape
+``(2, *param.shape)``: row 0 the *high half* (the bf16 param's bits), row 1 the *remainder* (the
+master's low 16 bits), as TransformerEngine's and Megatron's ``store_param_remainders``. The
+halves hold all 32 bits of the fp32 master, so the master is exact: every step computes the same
+fp32 master as the fp32 format, bit for bit. The bf16 param is the high half itself, so the host
+step writes no separate copy of it: for a GPU param the high half (pinned) is what is copied up.
+
+With :math:`b` the master's bits, :math:`h` its high and :math:`l` its low 16 bits (``int16``):
+
+.. math::
+
+    \text{high} = h + [l < 0] \pmod{2^{16}}, \qquad \text{remainder} = l,
+    \qquad h = \text{high} - [\text{remainder} < 0] \pmod{2^{16}}
+
+The high half is the master rounded to bf16 to nearest with ties away from zero (the fp32
+format rounds ties to even: the params of the two formats differ by one bf16 ulp where the
+master lies exactly halfway, about one element in :math:`2^{17}` per step; no 16-bit remainder
+can give ties to even, which needs :math:`2^{16}+1` codes for an even high half). A NaN master
+keeps a NaN param except for payloads no arithmetic produces (high bits ``0x7fff``/``0xffff``
+with bit 15 set). The library keeps no other ``int16`` state: an ``int16`` master is a split one.
+
+Checkpoints hold the fp32 master in either format (:func:`join` on save, :func:`split_` on
+load), so a checkpoint of one format loads into the other.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+
+__all__ = ["is_split", "new_split", "join", "split_", "join_halves", "split_halves", "high",
+           "flat_halves"]
+
+assert sys.byteorder == "little", "the split master reads fp32 bits as little-endian int16 pairs"
+
+
+def is_split(master: torch.Tensor) -> bool:
+    """Whether ``master`` is a split master (``int16``, rows high and remainder)."""
+    return master.dtype == torch.int16
+
+
+def new_split(param: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """A split master of the bf16 ``param`` on ``device`` (pinned host memory with ``pin``): the
+    param's bits as the high half, a zero remainder (the master equals the param)."""
+    out = torch.empty((2, *param.shape), dtype=torch.int16, device=device, pin_memory=pin)
+    out[0].copy_(param.detach().contiguous().view(torch.int16))
+    out[1].zero_()
+    return out
+
+
+def high(master: torch.Tensor) -> torch.Tensor:
+    """The high half of a split master as bf16 (a view): the param's value."""
+    return master[0].view(torch.bfloat16)
+
+
+def flat_halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high half and the remainder as 1-D ``int16`` views."""
+    return master[0].view(-1), master[1].view(-1)
+
+
+def join(master: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of a split master (a new tensor of the param's shape)."""
+    return join_halves(master[0], master[1])
+
+
+def split_(master: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Write ``value`` (any float dtype, the param's shape) as fp32 into the split ``master``;
+    returns ``master``."""
+    split_halves(value.to(device=master.device, dtype=torch.float32), master[0], master[1])
+    return master
+
+
+def join_halves(hi: torch.Tensor, lo: torch.Tensor,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 values of high halves ``hi`` and remainders ``lo`` (``int16``, one shape), into
+    ``out`` (fp32, that shape) if given."""
+    if out is None:
+        out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
+    pairs = out.view(torch.int16).view(*hi.shape, 2)  # (low, high) 16 bits of each fp32
+    pairs[..., 0].copy_(lo)
+    torch.sub(hi, (lo < 0).to(torch.int16), out=pairs[..., 1])  # wraps mod 2**16
+    return out
+
+
+def split_halves(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
+    """Write the fp32 ``value`` into high halves ``hi`` and remainders ``lo``."""
+    pairs = value.contiguous().view(torch.int16).view(*value.shape, 2)
+    low = pairs[..., 0]
+    torch.add(pairs[..., 1], (low < 0).to(torch.int16), out=hi)
+    lo.copy_(low)

@@ -1,0 +1,150 @@
+"""The split master (``store_param_remainders=True``): its bit format, exactness against the fp32
+master for every registry optimizer that offers it, in every host form, checkpoints across the
+two formats, and the errors for what it does not support."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import functional_offload as fo
+from functional_offload.kernels import native, remainder
+from functional_offload.testing import fail_host_kernel
+from registry import OPTIMIZERS
+
+ENTRIES = [e for e in OPTIMIZERS if e.remainders]
+KERNELS = ["torch"] + (["native"] if native.module() is not None else [])
+N = 70_001  # above the packed size: the leaf gets a split master on the host
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def _master(state, key: str) -> torch.Tensor:
+    m = state.master[key]
+    return remainder.join(m) if remainder.is_split(m) else m
+
+
+def test_split_holds_every_fp32_bit_pattern():
+    torch.manual_seed(0)
+    bits = torch.randint(-2**31, 2**31 - 1, (1 << 18,), dtype=torch.int32)
+    bits[:6] = torch.tensor([0, -2**31, 0x7F800000, 0x7FC00000, 0x3F808000, 0x3F818000])
+    values = bits.view(torch.float32)
+    m = remainder.split_(torch.empty((2, values.numel()), dtype=torch.int16), values)
+    assert torch.equal(_bits(remainder.join(m)), bits)
+    hi = remainder.high(m).float()
+    finite = torch.isfinite(values) & torch.isfinite(values.to(torch.bfloat16).float())
+    tie = (bits & 0xFFFF) == 0x8000
+    # to nearest, as the fp32 format's cast, except at exact ties: away from zero
+    assert torch.equal(hi[finite & ~tie], values.to(torch.bfloat16).float()[finite & ~tie])
+    up = values[finite & tie].abs() < hi[finite & tie].abs()
+    assert up.all() and int((finite & tie).sum()) >= 2
+    assert hi[2] == float("inf") and hi[3].isnan()
+
+
+def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int = 6):
+    """``steps`` updates of bf16 params by fixed grads (independent of the params), in ``mode``:
+    "plain" (update), "stream" (fo.stream around a backward giving those grads), "delayed"."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(N).bfloat16().requires_grad_(),
+              "b": torch.randn(5, 7).bfloat16().requires_grad_()}  # small: packed, fp32 master
+    opt = fo.chain(fo.clip_by_global_norm(max_norm),
+                   entry.make(**entry.hypers, cpu_kernel=kernel, delayed=mode == "delayed",
+                              store_param_remainders=rem))
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in params.items()}
+        if mode == "stream":
+            with fo.stream(opt, state) as s:
+                sum((p.float() * grads[k].float()).sum() for k, p in params.items()).backward()
+            _, state = s.finish()
+            for p in params.values():
+                p.grad = None
+        else:
+            _, state = opt.update(grads, state)
+    fo.flush(state)
+    return params, state[-1]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed"])
+@pytest.mark.parametrize("max_norm", [1e9, 1e-2], ids=["clip-never", "clip-scales"])
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_split_master_is_bit_identical_to_the_fp32_master(entry, kernel, mode, max_norm):
+    if mode == "delayed" and not entry.delayed:
+        pytest.skip("no delayed mode")
+    p32, s32 = _train(entry, False, kernel, mode, max_norm)
+    p16, s16 = _train(entry, True, kernel, mode, max_norm)
+    assert remainder.is_split(s16.master["w"])
+    for k in p32:
+        assert torch.equal(_bits(_master(s16, k)), _bits(_master(s32, k))), k
+        for field in ("mu", "nu", "momentum"):
+            a, b = getattr(s32, field, ()), getattr(s16, field, ())
+            if a != () and a[k] is not None:
+                assert torch.equal(a[k], b[k]), (k, field)
+    hi = remainder.high(s16.master["w"])
+    assert torch.equal(p16["w"].detach(), hi)  # the param is the high half
+    tie = (_bits(_master(s32, "w")) & 0xFFFF) == 0x8000
+    differ = p16["w"].detach() != p32["w"].detach()
+    assert not (differ & ~tie).any()  # the params differ only where the master is halfway
+    assert torch.equal(p16["b"].detach(), p32["b"].detach())  # packed: an fp32 master
+
+
+def test_a_checkpoint_of_either_master_format_loads_into_the_other(tmp_path):
+    entry = ENTRIES[0]
+    params, state = _train(entry, True, KERNELS[-1], "plain", 1e9)
+    path = os.fspath(tmp_path / "opt.safetensors")
+    fo.save(state, path)
+    assert fo.state_dict(state)["master.w"].dtype == torch.float32
+    for rem in (False, True):
+        like = entry.make(**entry.hypers, store_param_remainders=rem).init(params)
+        loaded = fo.load(path, like)
+        assert remainder.is_split(loaded.master["w"]) == rem
+        assert torch.equal(_bits(_master(loaded, "w")), _bits(_master(state, "w")))
+        back = entry.make(**entry.hypers, store_param_remainders=not rem).init(params)
+        again = fo.load_state_dict(fo.state_dict(loaded), back)
+        assert torch.equal(_bits(_master(again, "w")), _bits(_master(state, "w")))
+
+
+def test_a_failed_step_of_split_masters_recovers_from_the_checkpoint(tmp_path):
+    entry = ENTRIES[0]
+    torch.manual_seed(0)
+    params = {"w": torch.randn(N).bfloat16()}
+    opt = entry.make(**entry.hypers, store_param_remainders=True,
+                     executor=fo.executor.HostExecutor(chunk_bytes=1 << 16))
+    grads = {"w": torch.randn(N).bfloat16()}
+    params, state = opt.update(grads, opt.init(params))
+    path = os.fspath(tmp_path / "opt.safetensors")
+    fo.save(state, path)
+    saved = params["w"].clone()
+    with fail_host_kernel(after=1), pytest.raises(fo.HostStepError):
+        opt.update(grads, state)
+    assert not torch.equal(params["w"], saved)  # half stepped in place
+    with pytest.raises(fo.StateError):
+        fo.save(state, path)
+    state = fo.load(path, like=state)
+    assert torch.equal(params["w"], saved)  # set from the loaded master's high half
+    assert torch.equal(params["w"], remainder.high(state.master["w"]))
+
+
+def test_bad_options_name_what_to_fix():
+    with pytest.raises(TypeError, match="store_param_remainders must be True or False"):
+        fo.adamw(store_param_remainders=1)
+    with pytest.raises(ValueError, match="master_dtype=torch.float32"):
+        fo.adamw(store_param_remainders=True, master_dtype=torch.float64)
+    with pytest.raises(ValueError, match="store_param_remainders"):
+        fo.TorchOptimizer([torch.nn.Parameter(torch.zeros(3))], fo.adamw, store_param_remainders=True)
+
+
+def test_a_param_whose_dtype_changed_is_refused_naming_it():
+    params = {"w": torch.nn.Parameter(torch.randn(N).bfloat16())}
+    opt = fo.adamw(store_param_remainders=True)
+    state = opt.init(params)
+    _, state = opt.update({"w": torch.ones(N).bfloat16()}, state)
+    params["w"].data = params["w"].data.float()  # module.float()
+    with pytest.raises(TypeError, match="'w'.*split master"):
+        opt.update({"w": torch.ones(N)}, state)
