@@ -77,3 +77,19 @@ def test_fsdp2_check_and_a_system_on_one_gloo_rank(tmp_path, monkeypatch):
         assert fsdp2_step.run_system("delayed:1", args, torch.device("cpu"), mesh)["mean_s"] > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_host_memory_measures():
+    import host_memory
+
+    r = host_memory.measure([(1 << 16,)], threads=[1], reps=1, copy_bytes=1 << 22, copy_piece=1 << 20)
+    assert {"fp32", "bf16m"} <= set(r["formats"]) and r["formats"] == host_memory.available_formats()
+    assert [(k["format"], k["threads"]) for k in r["kernel"]] == [(f, 1) for f in r["formats"]]
+    for k in r["kernel"]:
+        assert k["gparams_s"] > 0 and k["gbs"] == pytest.approx(k["bytes_per_param"] * k["gparams_s"])
+    if torch.cuda.is_available():
+        assert all(v > 0 for c in r["copies"].values() for v in c.values())
+        assert [(o["format"], o["threads"]) for o in r["overlap"]] == [(f, 1) for f in r["formats"]]
+        assert all(o["kernel_gbs"] > 0 and o["copies_gbs"] > 0 for o in r["overlap"])
+    else:
+        assert r["copies"] is None and r["overlap"] == [] and "copies skipped: no CUDA device" in r["notes"]
