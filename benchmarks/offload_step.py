@@ -16,6 +16,9 @@ Systems (``F``: offload fraction, Megatron's semantics):
   ``stream:F``     ours with ``fo.stream`` around backward.
   ``delayed:F``    ours with ``delayed=True`` (ZeRO-Offload's delayed parameter update).
   ``stream16:F`` / ``delayed16:F``   the same with bf16 moments (fp32 masters kept).
+  ``plainr:F``, ``streamr:F``, ``delayedr:F`` (and ``...r16:F``)   the same with
+                   ``store_param_remainders=True`` (the exact master as the bf16 param plus an
+                   int16 remainder), with fp32 (bf16) moments.
   ``lion:F`` / ``streamlion:F``   ``fo.lion`` (lr / 10, weight decay x 10), plain / streamed.
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
@@ -57,7 +60,8 @@ from ours import HYPER, Timeline, build_ours, fo
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-OURS = ("plain", "stream", "delayed", "stream16", "delayed16", "lion", "streamlion")
+OURS = ("plain", "stream", "delayed", "stream16", "delayed16", "lion", "streamlion",
+        "plainr", "streamr", "delayedr", "plainr16", "streamr16", "delayedr16")
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
 SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,delayed16:1,hdo:1,torchao"
 
@@ -132,10 +136,13 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
             zero()
         return step, lambda: None
     if name in OURS:
-        ours = build_ours(name.removesuffix("16").removesuffix("lion") or "plain",
+        base = name.removesuffix("16")
+        ours = build_ours(base.removesuffix("r") if base.endswith("r") else
+                          base.removesuffix("lion") or "plain",
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
-                          bf16_moments=name.endswith("16"), threads=args.threads,
+                          bf16_moments=name.endswith("16"), remainders=base.endswith("r"),
+                          threads=args.threads,
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
                     threads=ours.executor.threads, ahead=ours.ahead)

@@ -46,7 +46,7 @@ class Ours(NamedTuple):
 
 def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                clip: Optional[float] = 1.0,
-               bf16_moments: bool = False, optimizer: str = "adamw",
+               bf16_moments: bool = False, remainders: bool = False, optimizer: str = "adamw",
                threads: Optional[int] = None, chunk_mb: int = 32,
                slots: int = 4, timeline: Optional[Timeline] = None) -> Ours:
     """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
@@ -54,13 +54,15 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
 
     ``threads`` defaults to the library's choice (physical cores; one fewer for ``delayed``, whose
     host step runs beside the training loop). ``bf16_moments``: mu and nu in bf16 (fp32 masters
-    kept); ``optimizer``: ``"adamw"`` or ``"lion"``."""
+    kept); ``remainders``: ``store_param_remainders=True``; ``optimizer``: ``"adamw"`` or
+    ``"lion"``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
     low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
+    low["store_param_remainders"] = remainders
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's
         opt = fo.lion(HYPER["lr"] / 10, betas=(0.9, 0.99), weight_decay=HYPER["weight_decay"] * 10,
