@@ -11,9 +11,9 @@
 // Per piece, optionally: `targets` (the new value and moments go there instead of in place: the
 // old state stays intact until the caller commits), an `ema` of the value updated in the same
 // pass, and `out` (the param in the grad's dtype). A split master (kernels/remainder.py) comes
-// as two int16 state tensors, its high half and its remainder, before the moments: each
-// sub-block's fp32 value is joined from them in scratch and split back after the step, and
-// `out` (bf16) then gets the new high half. Blocks are processed in sub-blocks small
+// as two int16 state tensors, its high half and its remainder, before the moments: the op's
+// loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
+// then gets the new high half. Blocks are processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
 // computed in a per-thread scratch and streamed to them with non-temporal stores: a plain store
 // reads each line of the target before writing it, a third more memory traffic than in place.
@@ -107,32 +107,11 @@ int64_t now_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linu
       std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// A split master's fp32 values from its high halves and remainders, and back (ties away from
-// zero); `out`, if given, gets the new high halves too (the param). Integer arithmetic mod 2^16.
+// A split master's fp32 values from its high halves and remainders (for its EMA).
 __attribute__((noinline)) void join(const uint16_t* __restrict hi, const int16_t* __restrict lo,
                                     float* __restrict v, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t h = uint16_t(hi[i] - uint16_t(lo[i] < 0));
-    const uint32_t u = (h << 16) | uint16_t(lo[i]);
-    float f;
-    std::memcpy(&f, &u, 4);
-    v[i] = f;
-  }
-}
-
-__attribute__((noinline)) void split(const float* __restrict v, uint16_t* __restrict hi,
-                                     int16_t* __restrict lo, uint16_t* __restrict out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &v[i], 4);
-    const int16_t l = int16_t(uint16_t(u));
-    const uint16_t h = uint16_t((u >> 16) + uint32_t(l < 0));
-    hi[i] = h;
-    lo[i] = l;
-  }
-  if (out != nullptr) std::memcpy(out, hi, size_t(n) * 2);
+  for (int64_t i = 0; i < n; ++i) v[i] = join_value(hi[i], lo[i]);
 }
 
 struct Piece {
@@ -166,54 +145,44 @@ struct Chunk {
 
   void compute(size_t i, int64_t a, int64_t len) const {
     const Piece& p = pieces[i];
-    const size_t v0 = p.split ? 2 : 1;  // the first moment's state index
-    const size_t k = p.state.size() - v0;  // moments
+    const size_t v0 = p.split ? 2 : 1;  // value tensors: (fp32 value) or (high half, remainder)
+    const size_t nt = p.state.size();  // the value tensors, then the moments
     const int64_t gsize = p.grad.element_size();
     const bool staged = !p.targets.empty();  // computed in the scratch, streamed to the targets
     const int64_t sub = staged ? kStagedSub : kSub;
-    thread_local std::vector<float> scratch(size_t(kSub) * (kMaxMoments + 1));
-    void* where[kMaxMoments + 1];  // where the sub-block's value and moments are updated
+    thread_local std::vector<float> scratch(size_t(kSub) * (kMaxMoments + 3));
+    float* joined = scratch.data() + (kMaxMoments + 2) * kSub;  // a split value, for the EMA
+    void* where[kMaxMoments + 2];  // where the sub-block's state tensors are updated
     for (int64_t off = a; off < a + len; off += sub) {
       const int64_t n = std::min(sub, a + len - off);
-      for (size_t j = 0; j <= k; ++j) {
-        if (j == 0 && p.split) {  // the value: joined in scratch, wherever the result goes
-          where[0] = scratch.data();
-          join(static_cast<const uint16_t*>(p.state[0].data_ptr()) + off,
-               static_cast<const int16_t*>(p.state[1].data_ptr()) + off, scratch.data(), n);
-          continue;
-        }
-        const at::Tensor& t = p.state[j ? j + v0 - 1 : 0];
-        char* x = static_cast<char*>(t.data_ptr()) + off * t.element_size();
+      for (size_t j = 0; j < nt; ++j) {
+        const int64_t es = p.state[j].element_size();
+        char* x = static_cast<char*>(p.state[j].data_ptr()) + off * es;
         where[j] = staged ? static_cast<void*>(scratch.data() + j * sub) : static_cast<void*>(x);
-        if (staged) std::memcpy(where[j], x, size_t(n * t.element_size()));
+        if (staged) std::memcpy(where[j], x, size_t(n * es));
       }
       Block b;
       b.value = static_cast<float*>(where[0]);
+      b.remainder = p.split ? static_cast<int16_t*>(where[1]) : nullptr;
       b.grad = static_cast<const char*>(p.grad.data_ptr()) + off * gsize;
-      for (int j = 0; j < kMaxMoments; ++j) b.moments[j] = size_t(j) < k ? where[j + 1] : nullptr;
-      b.out = p.out.defined() && !p.split ? static_cast<char*>(p.out.data_ptr()) + off * gsize : nullptr;
+      for (size_t j = 0; j < size_t(kMaxMoments); ++j) b.moments[j] = j + v0 < nt ? where[j + v0] : nullptr;
+      b.out = p.out.defined() ? static_cast<char*>(p.out.data_ptr()) + off * p.out.element_size() : nullptr;
       b.n = n;
       b.scalars = p.scalars.data();
       p.fn(b);
       if (p.ema.defined()) {
         const float* e = p.ema.data_ptr<float>() + off;
         float* d = (p.ema_target.defined() ? p.ema_target : p.ema).data_ptr<float>() + off;
-        const float* __restrict v = b.value;
+        if (p.split) join(static_cast<const uint16_t*>(where[0]), static_cast<const int16_t*>(where[1]), joined, n);
+        const float* __restrict v = p.split ? joined : b.value;
         const float w = p.ema_weight;
 #pragma omp simd
         for (int64_t t = 0; t < n; ++t) d[t] = lerp(e[t], v[t], w);
       }
-      if (p.split) {
-        const std::vector<at::Tensor>& dst = staged ? p.targets : p.state;
-        split(b.value, static_cast<uint16_t*>(dst[0].data_ptr()) + off,
-              static_cast<int16_t*>(dst[1].data_ptr()) + off,
-              p.out.defined() ? static_cast<uint16_t*>(p.out.data_ptr()) + off : nullptr, n);
-      }
       if (staged) {
-        for (size_t j = p.split ? 1 : 0; j <= k; ++j) {
-          const at::Tensor& t = p.targets[j ? j + v0 - 1 : 0];
-          const int64_t es = t.element_size();
-          stream_copy(static_cast<char*>(t.data_ptr()) + off * es, where[j], size_t(n * es));
+        for (size_t j = 0; j < nt; ++j) {
+          const int64_t es = p.targets[j].element_size();
+          stream_copy(static_cast<char*>(p.targets[j].data_ptr()) + off * es, where[j], size_t(n * es));
         }
       }
     }
@@ -286,7 +255,7 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
     }
     p.state = std::move(states[i]);
     p.targets = std::move(targets[i]);
-    p.fn = op.fn[gi][mi][has_out && !p.split ? 1 : 0];  // a split master's out: its high half
+    p.fn = op.fn[gi][mi][p.split ? 2 : has_out ? 1 : 0];  // a split master's out: its high half
     p.scalars.assign(s + i * (op.scalars + 1), s + i * (op.scalars + 1) + op.scalars);
     p.ema_weight = float(1.0 - s[i * (op.scalars + 1) + op.scalars]);
     c->first.push_back(c->first.back() + (n + block - 1) / block);
