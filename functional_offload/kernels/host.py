@@ -27,21 +27,18 @@ def torch_kernel(reference: Callable[..., None]) -> Callable[[Work], None]:
     def kernel(work: Work) -> None:
         for p, a, b in work.claims():
             state = [x[a:b] for x in p.state]
-            dst = [x[a:b] for x in p.targets] if p.targets else state
-            split = is_split(state[0])  # (high half, remainder, moments...)
-            if split:
-                value = join_halves(state[0], state[1])
-                moments = dst[2:]
-            else:
-                value, moments = dst[0], dst[1:]
             if p.targets:
-                for d, s in zip(dst[2:] if split else dst, state[2:] if split else state):
+                dst = [x[a:b] for x in p.targets]
+                for d, s in zip(dst, state):
                     d.copy_(s)
-            reference([value], [p.grad[a:b]], [[m] for m in moments], p.hyper)
+                state = dst
+            split = is_split(state[0])  # (high half, remainder, moments...)
+            value = join_halves(state[0], state[1]) if split else state[0]
+            reference([value], [p.grad[a:b]], [[m] for m in state[2 if split else 1:]], p.hyper)
             if split:
-                split_halves(value, dst[0], dst[1])
+                split_halves(value, state[0], state[1])
             if p.out is not None:
-                p.out[a:b].copy_(dst[0].view(torch.bfloat16) if split else value)
+                p.out[a:b].copy_(state[0].view(torch.bfloat16) if split else value)
             if p.ema is not None:
                 if p.ema_target is None:
                     p.ema[a:b].lerp_(value, 1 - p.ema_decay)

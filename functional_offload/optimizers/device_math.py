@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
-from functional_offload.kernels.remainder import high, join, split_
+from functional_offload.kernels.remainder import high, is_split, join, split_
 
 if TYPE_CHECKING:
     from functional_offload.executor.timeline import Timeline
@@ -64,6 +64,11 @@ class Group(NamedTuple):
     #                      their fp32 values, joined per batch, and ``news`` are their high halves
 
 
+def _math_dtype(value: torch.Tensor) -> torch.dtype:
+    """The dtype the math runs in for a leaf's value: fp32 for a split master, else its own."""
+    return torch.float32 if is_split(value) else value.dtype
+
+
 def device_groups(leaves: list["Leaf"]) -> list[Group]:
     """The groups of the device-resident ``leaves``, in the order their first leaf comes."""
     keyed: dict[tuple, list[int]] = {}
@@ -74,8 +79,8 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             keyed.setdefault(key, []).append(i)
     groups = []
     for (device, dtype, *_, decay), idx in keyed.items():
-        split = dtype == torch.int16
-        dtype = torch.float32 if split else dtype  # the math's
+        split = is_split(leaves[idx[0]].value)
+        dtype = _math_dtype(leaves[idx[0]].value)
         written = [k for k, i in enumerate(idx) if leaves[i].has_master]
         cast_at = [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype]
         groups.append(Group(
@@ -92,8 +97,7 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
 def _with_grads(grp: Group, grads: list) -> Optional[tuple]:
     """The group's lists cut to the leaves with a grad this step (their grads cast one by one),
     or None if no leaf has one."""
-    dtype = torch.float32 if grp.split else None  # else each value's
-    grads = [g if g is None or g.dtype == (dtype or v.dtype) else g.to(dtype or v.dtype)
+    grads = [g if g is None or g.dtype == _math_dtype(v) else g.to(_math_dtype(v))
              for g, v in zip(grads, grp.values)]
     keep = [k for k, g in enumerate(grads) if g is not None]
     if not keep:

@@ -110,4 +110,4 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[ScalarOrSchedule, ScalarOrSch
                     moment_dtypes={"mu": mu_dtype}, placement=placement, master_dtype=master_dtype,
                     weight_decay_mask=weight_decay_mask, ema_decay=ema_decay, executor=executor,
                     cpu_kernel=cpu_kernel, delayed=delayed,
-                 store_param_remainders=store_param_remainders)
+                    store_param_remainders=store_param_remainders)

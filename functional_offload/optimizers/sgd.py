@@ -138,4 +138,4 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = Fal
                     moment_dtypes={"momentum": momentum_dtype}, placement=placement,
                     master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
                     ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed,
-                 store_param_remainders=store_param_remainders)
+                    store_param_remainders=store_param_remainders)
