@@ -61,14 +61,14 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     delayed = mode == "delayed"
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
-    low = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
-    low["store_param_remainders"] = remainders
+    formats = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
+    formats["store_param_remainders"] = remainders
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's
         opt = fo.lion(HYPER["lr"] / 10, betas=(0.9, 0.99), weight_decay=HYPER["weight_decay"] * 10,
-                      placement=where, executor=ex, delayed=delayed, **low)
+                      placement=where, executor=ex, delayed=delayed, **formats)
     else:
-        opt = fo.adamw(placement=where, executor=ex, delayed=delayed, **low, **HYPER)
+        opt = fo.adamw(placement=where, executor=ex, delayed=delayed, **formats, **HYPER)
     if clip:
         opt = fo.chain(fo.clip_by_global_norm(clip), opt)
     holder = [opt.init(params)]
