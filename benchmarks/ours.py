@@ -6,7 +6,8 @@ it); when the streaming or step API changes, this is the function to adapt. Impo
 
 Modes: ``plain`` (``loss.backward()``, then ``opt.update({path: p.grad}, state)``), ``stream``
 (``with fo.stream(opt, state) as s: loss.backward()``, then ``s.finish()``), ``delayed``
-(``fo.adamw(..., delayed=True)``; :attr:`Ours.flush` lands the last step). With ``clip`` the
+(``fo.adamw(..., delayed=fo.Delay(warmup=0, exact_when_clipped=False))``: every step in
+flight, the mode's steady state; :attr:`Ours.flush` lands the last step). With ``clip`` the
 optimizer is ``fo.chain(fo.clip_by_global_norm(1.0), adamw)``.
 """
 
@@ -59,6 +60,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
+    stale = fo.Delay(warmup=0, exact_when_clipped=False)
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
     formats = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
@@ -66,9 +68,10 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's
         opt = fo.lion(HYPER["lr"] / 10, betas=(0.9, 0.99), weight_decay=HYPER["weight_decay"] * 10,
-                      placement=where, executor=ex, delayed=delayed, **formats)
+                      placement=where, executor=ex, delayed=stale if delayed else False, **formats)
     else:
-        opt = fo.adamw(placement=where, executor=ex, delayed=delayed, **formats, **HYPER)
+        opt = fo.adamw(placement=where, executor=ex, delayed=stale if delayed else False, **formats,
+                       **HYPER)
     if clip:
         opt = fo.chain(fo.clip_by_global_norm(clip), opt)
     holder = [opt.init(params)]

@@ -16,6 +16,7 @@ from functional_offload.combine import chain
 from functional_offload.executor import HostExecutor, HostStepError
 from functional_offload.compat import TorchOptimizer
 from functional_offload.optimizers import AdamState, SGDState, adam, adamw, sgd
+from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.adafactor import AdafactorState, adafactor
 from functional_offload.optimizers.lion import LionState, lion
 from functional_offload.placement import plan
@@ -44,7 +45,7 @@ __all__ = [
     "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
     "chain", "params_of", "ema_params", "flush", "plan", "HostStepError",
     "adam", "adamw", "sgd", "lion", "adafactor", "AdamState", "SGDState", "LionState",
-    "AdafactorState", "stream", "GradStream",
+    "AdafactorState", "Delay", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",
     "ApplyIfFiniteState", "schedules",
     "MultiSteps", "MultiStepsState", "inject_hyperparams", "InjectHyperparamsState", "partition",

@@ -162,9 +162,13 @@ class StepCache:
     #                                                          buffers, by leaf index
     grads_of: Any = None  # the grads check of the params tree (tree.GradsOf)
     scale_was_one: bool = True  # a chain's factors were 1 in the last step: run ahead
+    wants_scale: bool = False  # set by init: a chain tells each step whether its factors are 1
+    #                            (scale_was_one; delayed steps with Delay.exact_when_clipped)
     lost_params: list = dataclasses.field(default_factory=list)  # a failed step changed these
     #                                                                in place with no master
     restore_params: bool = False  # loaded into a failed state: set the params from the masters
+    adopt_masters: list = dataclasses.field(default_factory=list)  # leaves whose masters a
+    #     checkpoint lacked (saved in a mode keeping none): set from their params at next use
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all

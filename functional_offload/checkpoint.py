@@ -8,28 +8,66 @@ dtype must match ``like`` — a fp32 master is never silently cast — and the v
 into ``like``'s tensors, so they keep ``like``'s placement (re-placement on load). A split
 master (``store_param_remainders``) is saved as its fp32 value, so either format of the master
 loads into the other, exactly.
+
+Any mode loads into any other of the same optimizer (plain, streamed, delayed, any placement).
+The one difference between their states is the master of an fp32 (or fp64) param, which some
+keep (delayed host leaves, host state of a GPU param, strided params) and others do not: such a
+master equals its param after every landed step, so a checkpoint's is dropped where ``like``
+keeps none, and where ``like`` keeps one the checkpoint lacks, it is set from the param at the
+state's next use (a step, a flush, a save: the model's checkpoint may be loaded after the
+optimizer's).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
 from functional_offload.base import GradientTransformation, Optimizer, ParamRefs
-from functional_offload.state import (BUSY, CONSUMED, check_recoverable, check_states,
-                                      check_usable, claim, flush, mark_tensors, release,
-                                      restore_params, terminal_states)
+from functional_offload.state import (BUSY, CONSUMED, FAILED, check_recoverable,
+                                      check_states, check_usable, claim, flush, mark_tensors,
+                                      release, restore_params, terminal_states)
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.remainder import is_split, join, split_
-from functional_offload.tree import leaves_with_paths
+from functional_offload.tree import flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
 
 __all__ = ["state_dict", "load_state_dict", "save", "load", "CheckpointError"]
 
 _is_refs = lambda x: isinstance(x, ParamRefs)  # noqa: E731
+_is_terminal = lambda x: isinstance(getattr(x, "params", None), ParamRefs)  # noqa: E731
+
+
+class _Mirror(NamedTuple):
+    """The master of an fp32 (or fp64) param, kept by ``like`` or not (``master`` is None)."""
+
+    state: Any  # the terminal state
+    index: int  # the leaf's index in its params tree
+    param: torch.Tensor
+    master: Optional[torch.Tensor]
+
+
+def _key(*parts: str) -> str:
+    return ".".join(p for p in parts if p != "<root>")
+
+
+def _mirrors(like: OptState) -> dict[str, _Mirror]:
+    """By key, the masters of ``like``'s full-precision params, kept or not: those that one
+    mode keeps and another does not."""
+    out = {}
+    prefixes, nodes, _ = leaves_with_paths(like, is_leaf=_is_terminal)
+    for prefix, s in zip(prefixes, nodes):
+        if not _is_terminal(s) or "master" not in s._fields:
+            continue
+        names, params, _ = leaves_with_paths(s.params.tree)
+        masters = flatten_like(s.master, s.params.tree, "state.master")
+        for i, (name, p, m) in enumerate(zip(names, params, masters)):
+            if local(p).dtype in (torch.float32, torch.float64):
+                out[_key(prefix, "master", name)] = _Mirror(s, i, local(p), m)
+    return out
 
 
 def check_state(x: Any, what: str) -> None:
@@ -114,13 +152,17 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
 
     Strict: missing or unexpected keys, or a shape or dtype that differs from ``like``'s, raise
     :class:`CheckpointError` naming the leaf; nothing is copied then. Values land on ``like``'s
-    devices, bit for bit.
+    devices, bit for bit. A state of any mode of the same optimizer loads (see the module: the
+    masters of fp32 params).
     """
     check_state(like, "like")
     paths, leaves = _state_leaves(like)
-    missing = [p for p in paths if p not in sd]
     known = set(paths)
-    unexpected = [k for k in sd if k not in known]
+    mirrors = _mirrors(like)
+    missing = [p for p in paths if p not in sd and p not in mirrors]
+    unexpected = [k for k in sd if k not in known and k not in mirrors]
+    adopt = {p: mirrors[p] for p in paths if p not in sd and p in mirrors}
+    dropped = {k: mirrors[k] for k in sd if k not in known and k in mirrors}
     if missing or unexpected:
         found = ([f"missing {some_keys(missing)}"] if missing else []) + (
             [f"unexpected {some_keys(unexpected)}"] if unexpected else [])
@@ -128,15 +170,30 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
                               f"{key_count(len(paths))}, the checkpoint {len(sd)}): "
                               f"{'; '.join(found)}; build `like` with the same optimizer chain "
                               "and params as the saved state")
-    for p, x in zip(paths, leaves):
+    loaded = [(p, x) for p, x in zip(paths, leaves) if p not in adopt]
+    for p, x in loaded:
         y = sd[p]
         shape, dtype = (x.shape[1:], torch.float32) if is_split(x) else (x.shape, x.dtype)
         if not isinstance(y, torch.Tensor) or y.shape != shape or y.dtype != dtype:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
                                   f"{(tuple(shape), dtype)}; values are never cast on load")
+    for k, m in dropped.items():  # checked like a kept master, though its value is the param's
+        y = sd[k]
+        if not isinstance(y, torch.Tensor) or y.shape != m.param.shape or y.dtype != m.param.dtype:
+            got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise CheckpointError(f"leaf {k!r}: checkpoint has {got}, the param it mirrors is "
+                                  f"{(tuple(m.param.shape), m.param.dtype)}")
+    failed = [k for k, m in adopt.items() if int(m.state.count) == FAILED]
+    if failed:
+        raise CheckpointError(
+            f"cannot load into this failed state: the checkpoint holds no master for "
+            f"{some_keys(failed)} (saved in a mode that "
+            "keeps none), and the failed step may have left those params half stepped; restore "
+            "the params from your model checkpoint, then load into a fresh state: "
+            "state = fo.load(path, like=opt.init(params))")
     counts = {id(t) for t in mark_tensors(like)}
-    for p, x in zip(paths, leaves):
+    for p, x in loaded:
         if id(x) in counts and int(sd[p]) < 0:
             raise CheckpointError(f"leaf {p!r} is {int(sd[p])} in the checkpoint; counts are >= 0 "
                                   "(the state was taken while consumed, failed or in a step)")
@@ -144,12 +201,18 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
 
     @torch.no_grad()
     def copy_all() -> None:
-        for p, x in zip(paths, leaves):
+        for p, x in loaded:
             if is_split(x):
                 split_(x, sd[p])
             else:
                 x.copy_(sd[p])
         restore_params(like)
+        for s in terminal_states(like):
+            if s.params.cache is not None:
+                s.params.cache.adopt_masters = [m.index for m in adopt.values() if m.state is s]
+        for m in adopt.values():
+            if m.state.params.cache is None:  # nowhere to note it: the param now
+                m.master.copy_(m.param)
 
     _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn
     if interrupt is not None:

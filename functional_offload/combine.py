@@ -10,13 +10,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import optree
 import torch
 
 from functional_offload.base import (GradientTransformation, Optimizer, OptimizerUpdateFn, Step,
-                                     StepBase)
+                                     StepBase, StepCache)
 from functional_offload.state import (check_usable, claim, grads_for, mark_tensors, params_of,
                                       release, stepped, terminal_counts, terminal_states)
 from functional_offload.tree import flatten_like
@@ -73,6 +73,10 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         counts = terminal_counts(state[-1])
         marks = [(x, int(x)) for x in mark_tensors(state[:-1])]
         try:
+            if any(c.wants_scale for c in _caches(state[-1])):
+                updates, front_state = _through(front, updates, state[:-1], _tell_scale(state[-1]))
+                params, last_state = last.update(updates, state[-1])
+                return params, (*front_state, last_state)
             return _through(transforms, updates, state)
         except BaseException:
             # the front's transforms are pure: their states are as they were but for their
@@ -98,12 +102,32 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
     return Optimizer(init, update, begin)
 
 
-def _through(transforms: tuple, updates: Updates, state: tuple) -> tuple[Any, tuple]:
-    new = []
+def _through(transforms: Sequence[AnyTransformation], updates: Updates, state: Sequence[Any],
+             seen: Optional[Callable[[bool], None]] = None) -> tuple[Any, tuple]:
+    """Feed ``updates`` through ``transforms``; ``seen(ones)``: told, once every transform ran,
+    whether every global factor (clipping's) was 1 (a device synchronisation)."""
+    new, factors = [], []
     for t, s in zip(transforms, state):
+        if seen is not None and getattr(t, "global_scale", None) is not None:
+            factors.append(t.global_scale(updates, s))
         updates, s = t.update(updates, s)
         new.append(s)
+    if seen is not None:
+        seen(not factors or bool(torch.stack([f.detach().float().to(factors[0].device)
+                                              for f in factors]).eq(1).all()))
     return updates, tuple(new)
+
+
+def _caches(state: OptState) -> list[StepCache]:
+    return [s.params.cache for s in terminal_states(state) if s.params.cache is not None]
+
+
+def _tell_scale(state: OptState) -> Callable[[bool], None]:
+    """What sets ``scale_was_one`` in the caches of the terminal states in ``state``."""
+    def seen(ones: bool) -> None:
+        for c in _caches(state):
+            c.scale_was_one = ones
+    return seen
 
 
 class HeldStep(StepBase):

@@ -26,6 +26,7 @@ __all__ = [
     "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush",
     "check_usable", "claim", "release", "mark_tensors", "terminal_states", "terminal_counts",
     "stepped", "mark_failed", "check_recoverable", "check_states", "restore_params",
+    "after_load",
 ]
 
 CONSUMED, FAILED, BUSY = -1, -2, -3
@@ -184,6 +185,30 @@ def restore_params(state: OptState) -> None:
                 local(p).copy_(high(m) if is_split(m) else m)
 
 
+@torch.no_grad()
+def adopt_masters(state: OptState) -> None:
+    """Set the masters a checkpoint lacked from their params (noted by the load: masters of
+    fp32 params, which equal their params after every landed step, are kept in some modes and
+    not in others). Done at first use, not at the load, so that the model's own checkpoint may
+    be loaded after the optimizer's."""
+    for s in terminal_states(state):
+        cache = s.params.cache
+        if cache is None or not cache.adopt_masters:
+            continue
+        params = flatten_like(s.params.tree, s.params.tree, "params")
+        masters = flatten_like(s.master, s.params.tree, "state.master")
+        for i in cache.adopt_masters:
+            masters[i].copy_(local(params[i]))
+        cache.adopt_masters = []
+
+
+def after_load(state: OptState) -> None:
+    """What a load left for the first use of ``state``: :func:`restore_params`, then
+    :func:`adopt_masters`."""
+    restore_params(state)
+    adopt_masters(state)
+
+
 _claiming = threading.Lock()
 
 
@@ -218,7 +243,7 @@ def flush(state: OptState) -> OptState:
     Returns ``state``.
     """
     check_usable(state, "flush")
-    restore_params(state)  # loaded into a failed state in place (DCP): its params now
+    after_load(state)  # loaded into a failed state in place (DCP): its params now
     for s in terminal_states(state):
         if s.params.pending is not None:
             s.params.pending.land()

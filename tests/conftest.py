@@ -6,6 +6,11 @@ import torch
 from functional_offload.kernels import native
 
 HAS_NATIVE = native.module() is not None
+import functional_offload as fo  # noqa: E402
+
+STALE = fo.Delay(warmup=0, exact_when_clipped=False)  # every delayed step in flight: the
+#   machinery under test (``delayed=True`` makes the first 100 steps exact)
+
 KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
 
 

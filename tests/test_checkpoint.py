@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 import functional_offload as fo
-from conftest import clone, grad_seq, make_params
+from conftest import STALE, clone, grad_seq, make_params
 
 
 def make_opt():
@@ -473,3 +473,63 @@ def test_saving_a_failed_state_says_it_is_failed_and_how_to_recover(tmp_path):
     assert not (tmp_path / "next").exists()
     with pytest.raises(fo.StateError, match="^cannot take a state_dict: this AdamState is failed"):
         fo.state_dict(state)
+
+
+MODES = {  # the same optimizer in each mode; on the CPU only the delayed one keeps fp32 masters
+    "plain": dict(),
+    "delayed": dict(delayed=STALE),
+    "remainders": dict(store_param_remainders=True),
+    "delayed_remainders": dict(delayed=STALE, store_param_remainders=True),
+}
+
+
+def _mode_opt(mode):
+    return fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, weight_decay=0.1, **MODES[mode]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("before, after", [(a, b) for a in MODES for b in MODES if a != b])
+def test_a_checkpoint_of_one_mode_continues_in_any_other_exactly(tmp_path, before, after, dtype):
+    """Switching modes through a checkpoint (exact warm-up, then delayed; delayed, then exact)
+    continues the trajectory bit for bit: grads that do not depend on the params make every
+    mode apply the same updates, so the switched run equals one mode's run throughout."""
+    params0 = make_params(dtype=dtype)
+    grads = grad_seq(params0, 6)
+    straight = clone(params0)
+    opt = _mode_opt("plain")
+    s = opt.init(straight)
+    for g in grads:
+        straight, s = opt.update(g, s)
+    switched = clone(params0)
+    first = _mode_opt(before)
+    s1 = first.init(switched)
+    for g in grads[:3]:
+        switched, s1 = first.update(g, s1)
+    fo.save(s1, tmp_path / "a.safetensors")
+    switched = clone(fo.params_of(s1))  # the model's checkpoint, loaded after the optimizer's
+    second = _mode_opt(after)
+    fresh = {k: torch.zeros_like(v) if torch.is_tensor(v) else optree.tree_map(torch.zeros_like, v)
+             for k, v in switched.items()}
+    s2 = fo.load(tmp_path / "a.safetensors", like=second.init(fresh))
+    with torch.no_grad():
+        optree.tree_map(lambda dst, src: dst.copy_(src), fresh, switched)
+    for g in grads[3:]:
+        fresh, s2 = second.update(g, s2)
+    fo.flush(s2)
+    for a, b in zip(optree.tree_leaves(fresh), optree.tree_leaves(straight)):
+        assert torch.equal(a, b)
+    want, got = fo.state_dict(s), fo.state_dict(s2)
+    for k in want.keys() & got.keys():
+        assert torch.equal(want[k], got[k]), k
+    assert int(s2[1].count) == 6
+
+
+def test_a_mirror_master_of_another_shape_is_refused_naming_it(tmp_path):
+    opt = _mode_opt("delayed")
+    params = make_params()
+    s = opt.init(params)
+    params, s = opt.update(grad_seq(params, 1)[0], s)
+    sd = dict(fo.state_dict(s))
+    sd["1.master.scale"] = torch.zeros(2)
+    with pytest.raises(fo.CheckpointError, match=r"1\.master\.scale"):
+        fo.load_state_dict(sd, _mode_opt("plain").init(make_params()))

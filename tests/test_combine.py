@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import functional_offload as fo
+from conftest import STALE
 from functional_offload.combine import Wrapped, run_inner
 from functional_offload.state import CONSUMED, terminal_counts
 from test_stream import assert_same, make_model, train
@@ -57,13 +58,13 @@ def test_a_wrapped_step_streams_as_its_inner_optimizer_bit_for_bit():
 
 def test_a_wrapped_delayed_step_is_not_streamed_unless_run_ahead():
     params = dict(make_model().named_parameters())
-    opt = counted(fo.adamw(1e-2, delayed=True))
+    opt = counted(fo.adamw(1e-2, delayed=STALE))
     state = opt.init(params)
     with pytest.raises(ValueError, match="one of them"):
         with fo.stream(opt, state):
             pass
     opt.update({k: torch.zeros_like(v) for k, v in params.items()}, state)  # still usable
-    guarded = fo.apply_if_finite(fo.adamw(1e-2, delayed=True))  # begun speculatively
+    guarded = fo.apply_if_finite(fo.adamw(1e-2, delayed=STALE))  # begun speculatively
     pa, sa, _ = train(make_model(), guarded, streamed=False)
     pb, sb, _ = train(make_model(), guarded, streamed=True)
     fo.flush(sa), fo.flush(sb)

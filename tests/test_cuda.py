@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import functional_offload as fo
+from conftest import STALE
 from functional_offload.executor import HostExecutor
 
 pytestmark = pytest.mark.cuda
@@ -185,7 +186,7 @@ def test_delayed_update_matches_hand_written_delayed_loop(case):
     torch.manual_seed(0)
     model = ConvNet().to(DEV)
     params = dict(model.named_parameters())
-    opt = mk(**kw, placement=fo.placement.on_host(), delayed=True,
+    opt = mk(**kw, placement=fo.placement.on_host(), delayed=STALE,
              executor=HostExecutor(chunk_bytes=64 << 10, threads=4))
     state = opt.init(params)
     for x, y in data:  # no synchronization between steps
@@ -371,7 +372,7 @@ def test_delayed_faults_on_the_gpu(tmp_path):
     from functional_offload.testing import fail_host_kernel, slow_host_kernel
     model = _gpu_model()
     params = dict(model.named_parameters())
-    opt = fo.adamw(1e-2, delayed=True, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
+    opt = fo.adamw(1e-2, delayed=STALE, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
     state = opt.init(params)
     grads = lambda: {k: torch.randn_like(v) for k, v in params.items()}  # noqa: E731
     params, state = opt.update(grads(), state)

@@ -6,7 +6,7 @@ import torch
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
-from conftest import KERNELS, clone, grad_seq, make_params, small_executor
+from conftest import STALE, KERNELS, clone, grad_seq, make_params, small_executor
 
 A = torch.randn(12, 6, generator=torch.Generator().manual_seed(0))
 B = torch.randn(12, generator=torch.Generator().manual_seed(1))
@@ -27,7 +27,7 @@ def test_delayed_sgd_follows_the_recursion_exactly(kernel):
     final = hand[steps].add(grad_at(hand[steps - 1]), alpha=-lr)
 
     params = {"p": p0.clone()}
-    opt = fo.sgd(lr, delayed=True, cpu_kernel=kernel, executor=HostExecutor(chunk_bytes=4096, threads=2))
+    opt = fo.sgd(lr, delayed=STALE, cpu_kernel=kernel, executor=HostExecutor(chunk_bytes=4096, threads=2))
     state = opt.init(params)
     seen = []
     for t in range(steps):
@@ -44,7 +44,7 @@ def test_delayed_sgd_follows_the_recursion_exactly(kernel):
 def test_first_step_leaves_params_and_flush_is_idempotent():
     params = make_params(dtype=torch.bfloat16)
     before = clone(params)
-    opt = fo.adamw(1e-2, delayed=True)
+    opt = fo.adamw(1e-2, delayed=STALE)
     state = opt.init(params)
     params, state = opt.update(grad_seq(params, 1)[0], state)
     for a, b in zip(optree.tree_leaves(params), optree.tree_leaves(before)):
@@ -85,7 +85,7 @@ def test_grads_are_free_once_update_returns(device):
     outs = []
     for reuse in (False, True):
         p = clone(params)
-        opt = fo.adamw(1e-2, delayed=True, executor=small_executor())
+        opt = fo.adamw(1e-2, delayed=STALE, executor=small_executor())
         s = opt.init(p)
         with slow_host_kernel(0.002):
             for g in clone(grads):
@@ -110,7 +110,7 @@ def test_param_groups_sharing_an_executor(kernel):
         ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2) if shared else None
         groups = [{"params": list(model[0].named_parameters())},
                   {"params": list(model[1].named_parameters()), "weight_decay": 0.0}]
-        opt = fo.TorchOptimizer(groups, fo.adamw, lr=1e-2, delayed=True, cpu_kernel=kernel,
+        opt = fo.TorchOptimizer(groups, fo.adamw, lr=1e-2, delayed=STALE, cpu_kernel=kernel,
                                 **({"executor": ex} if shared else {}))
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         for _ in range(4):
@@ -127,7 +127,7 @@ def test_param_groups_sharing_an_executor(kernel):
 def test_checkpoint_flushes_in_flight_work(tmp_path):
     params = make_params(dtype=torch.bfloat16)
     grads = grad_seq(params, 4)
-    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, delayed=True))
+    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, delayed=STALE))
     s = opt.init(params)
     for g in grads:
         params, s = opt.update(g, s)
@@ -147,7 +147,7 @@ def test_checkpoint_flushes_in_flight_work(tmp_path):
 def test_background_error_surfaces_at_next_call():
     from functional_offload.testing import fail_host_kernel
     params = make_params()
-    opt = fo.sgd(0.1, delayed=True, cpu_kernel="torch")
+    opt = fo.sgd(0.1, delayed=STALE, cpu_kernel="torch")
     state = opt.init(params)
     with fail_host_kernel(exc=FloatingPointError("kernel exploded")):
         params, state = opt.update(grad_seq(params, 1)[0], state)  # returns at once
@@ -166,3 +166,52 @@ def test_delayed_steps_leave_a_core_for_the_training_loop():
                         executor=HostExecutor(threads=4), cpu_kernel="auto", delayed=delayed).threads
 
     assert threads(True) == 3 and threads(False) == 4
+
+
+def _run_modes(delayed, grads_fn, steps, clip=None):
+    params = {"p": torch.randn(6, generator=torch.Generator().manual_seed(2))}
+    inner = fo.adamw(1e-2, weight_decay=0.1, delayed=delayed, cpu_kernel="torch")
+    opt = inner if clip is None else fo.chain(fo.clip_by_global_norm(clip), inner)
+    state = opt.init(params)
+    seen = []
+    for t in range(steps):
+        seen.append(params["p"].clone())
+        params, state = opt.update({"p": grads_fn(t, params["p"])}, state)
+    fo.flush(state)
+    return seen, params["p"].clone()
+
+
+def test_warmup_steps_are_exact_then_delayed():
+    """``Delay(warmup=k)``: the first k updates land before ``update`` returns (the next
+    gradient sees them, bit for bit the non-delayed run); later ones are one step stale."""
+    f = lambda t, p: grad_at(p)  # noqa: E731
+    exact, _ = _run_modes(False, f, 8)
+    warm, _ = _run_modes(fo.Delay(warmup=3, exact_when_clipped=False), f, 8)
+    stale, _ = _run_modes(STALE, f, 8)
+    for t in range(4):
+        assert torch.equal(warm[t], exact[t]), t
+    assert not torch.equal(warm[5], exact[5])
+    assert not torch.equal(stale[1], exact[1])
+
+
+def test_a_clipped_step_is_exact_and_an_unclipped_one_delayed():
+    """``exact_when_clipped``: a step whose clip scales lands at once; the next gradient is
+    taken at its params. Grads of norm 10 (clipped) for 3 steps, then of norm 1e-3."""
+    g = torch.randn(6, generator=torch.Generator().manual_seed(3))
+    big, small = g * (10 / g.norm()), g * (1e-3 / g.norm())
+    f = lambda t, p: big if t < 3 else small  # noqa: E731
+    exact, end_exact = _run_modes(False, f, 6, clip=1.0)
+    clip, end_clip = _run_modes(fo.Delay(warmup=0), f, 6, clip=1.0)
+    for t in range(4):  # steps 0-2 clipped: exact; step 3's params are those after step 2
+        assert torch.equal(clip[t], exact[t]), t
+    assert not torch.equal(clip[4], exact[4])  # step 3 was not clipped: in flight
+    assert torch.equal(end_clip, end_exact)  # the same updates in the end (grads fixed)
+
+
+@pytest.mark.parametrize("bad, match", [(fo.Delay(warmup=-1), "warmup"),
+                                        (fo.Delay(warmup=1.5), "warmup"),
+                                        (fo.Delay(exact_when_clipped=1), "exact_when_clipped"),
+                                        ("yes", "delayed")])
+def test_a_bad_delay_is_refused_naming_it(bad, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        fo.adamw(1e-2, delayed=bad)

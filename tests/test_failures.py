@@ -15,7 +15,7 @@ import torch
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
-from conftest import KERNELS, clone, grad_seq, make_params
+from conftest import STALE, KERNELS, clone, grad_seq, make_params
 
 
 def small_chunks(**kw):
@@ -233,7 +233,7 @@ def test_faults_of_a_run_in_the_steps_own_thread(exc):
 def test_ctrl_c_during_flush_lands_the_step_and_a_second_flush_is_done(tmp_path):
     params = make_params(dtype=torch.bfloat16, big=True)
     grads = grad_seq(params, 3)
-    mk = lambda: fo.adamw(1e-2, delayed=True, executor=small_chunks())  # noqa: E731
+    mk = lambda: fo.adamw(1e-2, delayed=STALE, executor=small_chunks())  # noqa: E731
     opt = mk()
     state = opt.init(params)
     with slow_host_kernel(0.03):
@@ -252,7 +252,7 @@ def test_ctrl_c_during_flush_lands_the_step_and_a_second_flush_is_done(tmp_path)
 
 def test_background_failure_is_raised_once_and_then_refused(tmp_path):
     params = make_params(big=True)
-    opt = fo.sgd(0.1, momentum=0.9, delayed=True, executor=small_chunks())
+    opt = fo.sgd(0.1, momentum=0.9, delayed=STALE, executor=small_chunks())
     state = opt.init(params)
     params, state = opt.update(grad_seq(params, 1)[0], state)
     fo.save(state, tmp_path / "good")
@@ -270,7 +270,7 @@ def test_background_failure_is_raised_once_and_then_refused(tmp_path):
 
 def test_load_waits_for_the_step_in_flight(tmp_path):
     params = make_params(big=True)
-    opt = fo.adamw(1e-2, delayed=True, executor=small_chunks())
+    opt = fo.adamw(1e-2, delayed=STALE, executor=small_chunks())
     state = opt.init(params)
     params, state = opt.update(grad_seq(params, 1)[0], state)
     fo.save(state, tmp_path / "ck")
@@ -453,7 +453,7 @@ def test_strided_params_are_stepped_as_torch_steps_them(kernel):
     for k in ref:
         torch.testing.assert_close(params[k], ref[k].detach(), **tol)
     with pytest.raises(ValueError, match="'t' is not contiguous.*delayed"):
-        fo.adamw(1e-2, delayed=True).init({"w": torch.randn(4), "t": w.t()})
+        fo.adamw(1e-2, delayed=STALE).init({"w": torch.randn(4), "t": w.t()})
 
 
 def test_tied_params_are_refused_at_init():
@@ -661,7 +661,7 @@ def test_none_in_the_params_tree_is_no_leaf():
 
 def test_flush_refuses_failed_and_consumed_states_and_a_load_clears_a_failed_step(tmp_path):
     params = make_params(big=True)
-    opt = fo.sgd(0.1, momentum=0.9, delayed=True, executor=small_chunks())
+    opt = fo.sgd(0.1, momentum=0.9, delayed=STALE, executor=small_chunks())
     s0 = opt.init(params)
     params, state = opt.update(grad_seq(params, 1)[0], s0)
     with pytest.raises(fo.StateError, match="consumed"):
@@ -734,7 +734,7 @@ def test_torch_optimizer_delayed_recovers_by_load_state_dict():
     failed step instead of trying to land it); training then goes on as from the checkpoint."""
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    opt = fo.TorchOptimizer(model.parameters(), fo.adamw, lr=1e-2, delayed=True,
+    opt = fo.TorchOptimizer(model.parameters(), fo.adamw, lr=1e-2, delayed=STALE,
                             executor=small_chunks())
     x = torch.randn(8, 64)
 

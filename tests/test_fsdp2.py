@@ -148,7 +148,7 @@ def test_stream_equals_plain_and_streams_every_leaf(ranks, mode, committed):
 
 
 def test_delayed_update_is_torch_adamw_one_step_late(ranks):
-    """``delayed=True`` (clipped): before ``fo.flush`` the params are torch's delayed recursion
+    """``delayed`` (every step in flight; clipped): before ``fo.flush`` the params are torch's delayed recursion
     one step behind; after it, the recursion's last params."""
     for r, (ours, ref) in enumerate(zip(results(ranks, "delayed clip"),
                                         results(ranks, "torch delayed clip"))):

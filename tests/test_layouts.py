@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import KERNELS
+from conftest import STALE, KERNELS
 
 LR = 1e-2
 MODES = ["update", "host", "delayed", "stream", "clipped stream"]
@@ -25,7 +25,7 @@ def make_opt(mode: str, kernel: str) -> fo.Optimizer:
     elif mode == "host":
         kw["placement"] = fo.placement.offload_fraction(1.0)
     elif mode == "delayed":
-        kw["delayed"] = True
+        kw["delayed"] = STALE
     opt = fo.adamw(LR, weight_decay=0.1, **kw)
     return fo.chain(fo.clip_by_global_norm(1e6), opt) if mode == "clipped stream" else opt
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import KERNELS, clone, grad_seq, make_params, run, small_executor
+from conftest import STALE, KERNELS, clone, grad_seq, make_params, run, small_executor
 from registry import OPTIMIZERS
 
 STEPS = 12
@@ -126,13 +126,13 @@ def test_delayed_applies_the_same_updates_in_the_end(name):
     e = ENTRIES[name]
     if not e.delayed:
         with pytest.raises(ValueError, match="delayed"):
-            e.make(**e.hypers, delayed=True)
+            e.make(**e.hypers, delayed=STALE)
         return
     params = make_params(dtype=torch.bfloat16, big=True)
     grads = grad_seq(params, 6)
     now, s_now = run(e.make(**e.hypers, executor=small_executor()), params, grads)
     p = clone(params)
-    opt = e.make(**e.hypers, delayed=True, executor=small_executor())
+    opt = e.make(**e.hypers, delayed=STALE, executor=small_executor())
     s = opt.init(p)
     p, s = opt.update(grads[0], s)
     assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(p), optree.tree_leaves(params)))
@@ -203,7 +203,7 @@ def test_ema_follows_its_recursion(name, mode):
     d = 0.9
     model = _model()
     params = dict(model.named_parameters())
-    opt = e.make(**e.hypers, ema_decay=d, executor=small_executor(), delayed=mode == "delayed")
+    opt = e.make(**e.hypers, ema_decay=d, executor=small_executor(), delayed=STALE if mode == "delayed" else False)
     state = opt.init(params)
     want = {k: v.detach().float().clone() for k, v in params.items()}
     g = torch.Generator().manual_seed(1)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import functional_offload as fo
+from conftest import STALE
 from functional_offload.kernels import native, remainder
 from functional_offload.testing import fail_host_kernel
 from registry import OPTIMIZERS
@@ -52,7 +53,7 @@ def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int
     params = {"w": torch.randn(N).bfloat16().requires_grad_(),
               "b": torch.randn(5, 7).bfloat16().requires_grad_()}  # small: packed, fp32 master
     opt = fo.chain(fo.clip_by_global_norm(max_norm),
-                   entry.make(**entry.hypers, cpu_kernel=kernel, delayed=mode == "delayed",
+                   entry.make(**entry.hypers, cpu_kernel=kernel, delayed=STALE if mode == "delayed" else False,
                               store_param_remainders=rem))
     state = opt.init(params)
     g = torch.Generator().manual_seed(1)

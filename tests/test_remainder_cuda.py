@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import functional_offload as fo
+from conftest import STALE
 from functional_offload.executor import HostExecutor
 from functional_offload.kernels import remainder
 
@@ -27,7 +28,7 @@ def _train(rem: bool, placement, mode: str, max_norm: float, steps: int = 8):
     ex = HostExecutor(chunk_bytes=1 << 17, slots=3)  # many chunks: slots reused within a step
     opt = fo.chain(fo.clip_by_global_norm(max_norm),
                    fo.adamw(lr=1e-2, weight_decay=0.1, placement=placement, executor=ex,
-                            delayed=mode == "delayed", store_param_remainders=rem, ema_decay=0.9))
+                            delayed=STALE if mode == "delayed" else False, store_param_remainders=rem, ema_decay=0.9))
     state = opt.init(params)
     g = torch.Generator(device=DEV).manual_seed(1)
     highs_match = True

@@ -15,7 +15,7 @@ import functional_offload as fo
 from functional_offload.state import CONSUMED, terminal_counts
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
-from conftest import clone, grad_seq, make_params
+from conftest import STALE, clone, grad_seq, make_params
 from registry import OPTIMIZERS
 
 
@@ -122,7 +122,7 @@ def test_ctrl_c_anywhere_in_an_update_leaves_the_state_usable_or_holding_the_ste
 
     def make():
         opt = fo.adamw(1e-2, placement=fo.placement.on_host(), executor=small_chunks(),
-                       delayed=form == "delayed")
+                       delayed=STALE if form == "delayed" else False)
         return fo.chain(fo.clip_by_global_norm(1.0), opt) if form == "chain" else opt
 
     ref = make()
@@ -204,7 +204,7 @@ def test_a_param_whose_dtype_no_longer_fits_its_master_is_refused_before_the_ste
     (it used to fail in the host kernel, mid-step), and the state stays usable."""
     model = torch.nn.Linear(16, 16)
     params = dict(model.named_parameters())
-    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=True)
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=STALE)
     state = opt.init(params)
     model(torch.randn(4, 16)).sum().backward()
     _, state = opt.update({k: v.grad for k, v in params.items()}, state)

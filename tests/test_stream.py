@@ -9,7 +9,7 @@ import torch
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import slow_host_kernel
-from conftest import KERNELS
+from conftest import STALE, KERNELS
 
 
 def make_model(dtype=torch.float32):
@@ -125,7 +125,7 @@ def test_stream_rejects_transforms_delayed_and_second_gradients():
     clip = fo.clip_by_global_norm(1.0)
     with pytest.raises(TypeError, match="takes an Optimizer"):
         fo.stream(clip, clip.init(params))
-    delayed = fo.adamw(1e-2, delayed=True)
+    delayed = fo.adamw(1e-2, delayed=STALE)
     dstate = delayed.init(params)
     with pytest.raises(ValueError, match="one of them"):
         with fo.stream(delayed, dstate):
@@ -143,7 +143,7 @@ def test_stream_rejects_transforms_delayed_and_second_gradients():
 def test_streaming_a_chain_around_a_delayed_optimizer_runs_its_update():
     """A clipped chain ending in a delayed optimizer: finish is the chain's update, which
     starts the delayed step; flushing lands it as the unstreamed loop does."""
-    mk = lambda: fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, delayed=True))  # noqa: E731
+    mk = lambda: fo.chain(fo.clip_by_global_norm(0.05), fo.adamw(1e-2, delayed=STALE))  # noqa: E731
     a, b = make_model(), make_model()
     pa, sa, _ = train(a, mk(), streamed=False)
     pb, sb, _ = train(b, mk(), streamed=True)

@@ -14,6 +14,7 @@ from torch.nn import Parameter
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import functional_offload as fo
+from conftest import STALE
 
 
 class Info(NamedTuple):
@@ -660,7 +661,7 @@ def test_params_cast_after_steps_get_their_state_laid_out_again():
 
 def test_delayed_steps_land_before_state_dict():
     p, q = make_params(), make_params()
-    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=True, cpu_kernel="torch")
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=STALE, cpu_kernel="torch")
     ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, cpu_kernel="torch")
     for s in range(3):  # grads that do not depend on the params: the delay changes nothing
         set_grads(p, s)
@@ -1031,13 +1032,13 @@ def test_an_optimizer_in_a_step_refuses_reads_copies_loads_and_syncs():
 
 @pytest.mark.parametrize("fails", [True, False], ids=["failed", "completed"])
 def test_a_load_drops_a_delayed_step_in_flight_instead_of_landing_it(fails):
-    """``delayed=True``: the step in flight is dropped by a load, whether it failed in the
+    """``delayed=STALE``: the step in flight is dropped by a load, whether it failed in the
     background (the load recovers at once) or not (the params restored from the model's
     checkpoint stay as restored); training then goes on as from the checkpoint."""
     from functional_offload.testing import fail_host_kernel
 
     p, q = bf16_params(), bf16_params()
-    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=True, executor=small_chunks())
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=STALE, executor=small_chunks())
     ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, executor=small_chunks())
     bf16_step(opt, p, 0)
     bf16_step(ref, q, 0)

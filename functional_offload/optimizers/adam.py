@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
+from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.spec import (Moment, OptimizerSpec, check_beta, check_nonneg,
                                                 check_schedule)
 from functional_offload.optimizers.terminal import terminal
@@ -131,7 +132,7 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSc
           mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
           weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
           executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-          delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
+          delayed: Union[bool, Delay] = False, store_param_remainders: bool = False) -> Optimizer:
     r"""AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as ``torch.optim.AdamW``.
 
     With :math:`t` the step (1 for the first update), :math:`\eta_t` the learning rate
@@ -169,8 +170,12 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSc
         ``update`` starts their host step in the background and returns at once; the new
         params land at the *next* ``update`` (or :func:`~functional_offload.flush`), so the
         gradient applied was computed at the params of one step earlier:
-        :math:`\theta_{t+1} = \theta_t - \eta\,\Delta(\nabla L(\theta_{t-1}))`. The first
-        update leaves these params unchanged. Device-resident leaves update at once.
+        :math:`\theta_{t+1} = \theta_t - \eta\,\Delta(\nabla L(\theta_{t-1}))`. Device-resident
+        leaves update at once. Which updates are exact instead (landed before ``update``
+        returns) is a :class:`~functional_offload.Delay`: with ``True``, the first 100 and
+        those a ``clip_by_global_norm`` of the same chain scales; ``fo.Delay(warmup=0,
+        exact_when_clipped=False)`` delays every one (the first then leaves these params
+        unchanged).
       store_param_remainders: keep the fp32 master of each bf16 param as the param's bits (the
         master's high 16 bits, rounded) plus an ``int16`` remainder (its low 16 bits), as
         Megatron's and TransformerEngine's option of that name
@@ -208,7 +213,7 @@ def adam(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSch
          mu_dtype: Optional[torch.dtype] = None, nu_dtype: Optional[torch.dtype] = None,
          weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
          executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-         delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
+         delayed: Union[bool, Delay] = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Adam (Kingma & Ba) with weight decay coupled as L2, as ``torch.optim.Adam``.
 
     The same as :func:`adamw` except for the weight decay, which is added to the gradient:

@@ -17,6 +17,7 @@ from functional_offload.kernels.remainder import flat_halves, is_split
 from functional_offload.optimizers.device_math import Group, device_groups
 from functional_offload.optimizers.packing import Pack
 from functional_offload.optimizers.packing import runs as runs_of
+from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.spec import OptimizerSpec
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 
@@ -30,6 +31,7 @@ class TerminalLike(Protocol):
     spec: OptimizerSpec
     cpu_kernel: str
     delayed: bool
+    delay: Optional["Delay"]  # the delayed update's policy (None: not delayed)
     ema_decay: Optional[float]
 
     @property

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
+from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.spec import (Moment, OptimizerSpec, check_beta, check_nonneg,
                                                 check_schedule)
 from functional_offload.optimizers.terminal import terminal
@@ -68,7 +69,7 @@ def lion(lr: ScalarOrSchedule = 1e-4, betas: tuple[ScalarOrSchedule, ScalarOrSch
          master_dtype: torch.dtype = torch.float32, mu_dtype: Optional[torch.dtype] = None,
          weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
          executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-         delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
+         delayed: Union[bool, Delay] = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms").
 
     .. math::

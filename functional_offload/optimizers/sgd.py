@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
+from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.spec import Moment, OptimizerSpec, check_nonneg
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
@@ -89,7 +90,7 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = Fal
         master_dtype: torch.dtype = torch.float32, momentum_dtype: Optional[torch.dtype] = None,
         weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
         executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-        delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
+        delayed: Union[bool, Delay] = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Stochastic gradient descent, as ``torch.optim.SGD`` (no dampening).
 
     With :math:`\mu` the momentum, :math:`\lambda` the weight decay and :math:`b_0 = 0`:

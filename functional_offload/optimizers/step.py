@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 from functional_offload.base import StepBase, StepCache
-from functional_offload.state import BUSY, CONSUMED, claim, mark_failed, restore_params
+from functional_offload.state import BUSY, CONSUMED, after_load, claim, mark_failed
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.device_math import run_groups
 from functional_offload.optimizers.forms import Case, HostForm, HostWork, Pending, form_for
@@ -50,8 +50,9 @@ class TerminalStep(StepBase):
         self.t, self.state, self.speculative = t, state, bool(speculative)
         ((_, self.n),) = claim(state, "update")  # busy from here: nobody else begins on it
         try:
-            if state.params.cache is not None and state.params.cache.restore_params:
-                restore_params(state)  # loaded into a failed state in place (DCP) since
+            cache = state.params.cache
+            if cache is not None and (cache.restore_params or cache.adopt_masters):
+                after_load(state)  # what a load since the last step left (masters, params)
             self.hyper, self.hyper_no_decay = t.hyper_at(self.n)
             self.leaves: list[Leaf] = t.layout(state)
         except BaseException:
@@ -161,6 +162,13 @@ class TerminalStep(StepBase):
         self.form.release()
 
     # ---- helpers --------------------------------------------------------------------------
+    def _exact(self) -> bool:
+        """Whether this delayed step is to be exact (:class:`~functional_offload.optimizers.
+        delay.Delay`): in the warm-up, or its chain's clip scaled the grads."""
+        delay = self.t.delay
+        return delay is not None and (self.n < delay.warmup or (
+            delay.exact_when_clipped and not self.cache.scale_was_one))
+
     def _lost(self, written: Any) -> list[str]:
         """The paths of the leaves in ``written`` (indices) whose param is the value updated in
         place: no master keeps what a failed step would have to undo."""
@@ -233,7 +241,11 @@ class TerminalStep(StepBase):
             refs = state.params
             if landing is not None:
                 lost = self._lost(i for i, g in enumerate(gs) if g is not None)
-                refs = refs._replace(pending=Pending(landing, new_count, state.params.cache, lost))
+                pending = Pending(landing, new_count, state.params.cache, lost)
+                if self._exact():
+                    pending.land()  # before update returns: the next forward reads these params
+                else:
+                    refs = refs._replace(pending=pending)
             return state._replace(count=new_count, params=refs)
         except BaseException:
             form.cancel()

@@ -12,7 +12,7 @@ param itself.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import optree
 import torch
@@ -23,6 +23,7 @@ from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels import native
 from functional_offload.kernels.remainder import is_split, new_split
+from functional_offload.optimizers.delay import Delay, as_delay
 from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
 from functional_offload.optimizers.layout import Leaf, decay_flags, layout
@@ -52,7 +53,7 @@ class Terminal:
     def __init__(self, spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
                  moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement],
                  master_dtype: torch.dtype, weight_decay_mask: Any, ema_decay: Optional[float],
-                 executor: Optional[HostExecutor], cpu_kernel: str, delayed: bool,
+                 executor: Optional[HostExecutor], cpu_kernel: str, delayed: Union[bool, Delay],
                  store_param_remainders: bool = False):
         if placement is not None and not isinstance(placement, Placement):
             raise TypeError(f"placement must be a functional_offload.placement.Placement, got "
@@ -70,8 +71,7 @@ class Terminal:
             raise ValueError(f"ema_decay must be a number in [0, 1) or None, got {ema_decay!r}")
         if weight_decay_mask is not None and spec.decay is None:
             raise TypeError(f"{spec.name} has no weight decay to mask")
-        if not isinstance(delayed, bool):
-            raise TypeError(f"delayed must be True or False, got {delayed!r}")
+        delay = as_delay(delayed)
         if not isinstance(store_param_remainders, bool):
             raise TypeError(f"store_param_remainders must be True or False, got "
                             f"{store_param_remainders!r}")
@@ -82,7 +82,7 @@ class Terminal:
         if store_param_remainders and not spec.elementwise:
             raise ValueError(f"{spec.name} does not support store_param_remainders=True: its host "
                              "step runs leaf by leaf on fp32 masters")
-        if delayed and not spec.elementwise:
+        if delay is not None and not spec.elementwise:
             raise ValueError(f"{spec.name} does not support delayed=True: its host step runs leaf "
                              "by leaf; hide it with fo.stream, or keep its state on the device")
         missing = set(spec.hyperparameters) - set(hypers)
@@ -103,7 +103,8 @@ class Terminal:
         self.ema_decay = None if ema_decay is None else float(ema_decay)
         self._executor = executor
         self.cpu_kernel = cpu_kernel
-        self.delayed = delayed
+        self.delay = delay  # which delayed updates are exact (None: not delayed)
+        self.delayed = delay is not None
         self.store_param_remainders = store_param_remainders
 
     @property
@@ -258,7 +259,8 @@ class Terminal:
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, cache=StepCache(packs=packs)),
+            params=ParamRefs(params, cache=StepCache(
+                packs=packs, wants_scale=self.delay is not None and self.delay.exact_when_clipped)),
         )
 
     # ---- steps ----------------------------------------------------------------------------
@@ -302,7 +304,7 @@ def terminal(spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
              moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement] = None,
              master_dtype: torch.dtype = torch.float32, weight_decay_mask: Any = None,
              ema_decay: Optional[float] = None, executor: Optional[HostExecutor] = None,
-             cpu_kernel: str = "auto", delayed: bool = False,
+             cpu_kernel: str = "auto", delayed: Union[bool, Delay] = False,
              store_param_remainders: bool = False) -> Optimizer:
     """The :class:`~functional_offload.Optimizer` of ``spec`` with these hyperparameters and
     options (see :func:`~functional_offload.adamw` for what each option does). Everything is
