@@ -60,7 +60,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
-    stale = fo.Delay(warmup=0, exact_when_clipped=False)
+    delay = fo.Delay(warmup=0, exact_when_clipped=False) if delayed else False
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
     formats = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
@@ -68,10 +68,9 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's
         opt = fo.lion(HYPER["lr"] / 10, betas=(0.9, 0.99), weight_decay=HYPER["weight_decay"] * 10,
-                      placement=where, executor=ex, delayed=stale if delayed else False, **formats)
+                      placement=where, executor=ex, delayed=delay, **formats)
     else:
-        opt = fo.adamw(placement=where, executor=ex, delayed=stale if delayed else False, **formats,
-                       **HYPER)
+        opt = fo.adamw(placement=where, executor=ex, delayed=delay, **formats, **HYPER)
     if clip:
         opt = fo.chain(fo.clip_by_global_norm(clip), opt)
     holder = [opt.init(params)]

@@ -171,19 +171,15 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
                               f"{'; '.join(found)}; build `like` with the same optimizer chain "
                               "and params as the saved state")
     loaded = [(p, x) for p, x in zip(paths, leaves) if p not in adopt]
-    for p, x in loaded:
+    expect = {p: (x.shape[1:], torch.float32) if is_split(x) else (x.shape, x.dtype)
+              for p, x in loaded}
+    expect.update({k: (m.param.shape, m.param.dtype) for k, m in dropped.items()})  # as kept
+    for p, (shape, dtype) in expect.items():
         y = sd[p]
-        shape, dtype = (x.shape[1:], torch.float32) if is_split(x) else (x.shape, x.dtype)
         if not isinstance(y, torch.Tensor) or y.shape != shape or y.dtype != dtype:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
                                   f"{(tuple(shape), dtype)}; values are never cast on load")
-    for k, m in dropped.items():  # checked like a kept master, though its value is the param's
-        y = sd[k]
-        if not isinstance(y, torch.Tensor) or y.shape != m.param.shape or y.dtype != m.param.dtype:
-            got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
-            raise CheckpointError(f"leaf {k!r}: checkpoint has {got}, the param it mirrors is "
-                                  f"{(tuple(m.param.shape), m.param.dtype)}")
     failed = [k for k, m in adopt.items() if int(m.state.count) == FAILED]
     if failed:
         raise CheckpointError(

@@ -73,8 +73,10 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         counts = terminal_counts(state[-1])
         marks = [(x, int(x)) for x in mark_tensors(state[:-1])]
         try:
-            if any(c.wants_scale for c in _caches(state[-1])):
-                updates, front_state = _through(front, updates, state[:-1], _tell_scale(state[-1]))
+            caches = [s.params.cache for s in terminal_states(state[-1])
+                      if s.params.cache is not None]
+            if any(c.wants_scale for c in caches):
+                updates, front_state = _through(front, updates, state[:-1], caches)
                 params, last_state = last.update(updates, state[-1])
                 return params, (*front_state, last_state)
             return _through(transforms, updates, state)
@@ -103,31 +105,26 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
 
 
 def _through(transforms: Sequence[AnyTransformation], updates: Updates, state: Sequence[Any],
-             seen: Optional[Callable[[bool], None]] = None) -> tuple[Any, tuple]:
-    """Feed ``updates`` through ``transforms``; ``seen(ones)``: told, once every transform ran,
+             tell: Optional[list[StepCache]] = None) -> tuple[Any, tuple]:
+    """Feed ``updates`` through ``transforms``; with ``tell``, set their ``scale_was_one`` to
     whether every global factor (clipping's) was 1 (a device synchronisation)."""
     new, factors = [], []
     for t, s in zip(transforms, state):
-        if seen is not None and getattr(t, "global_scale", None) is not None:
+        if tell is not None and getattr(t, "global_scale", None) is not None:
             factors.append(t.global_scale(updates, s))
         updates, s = t.update(updates, s)
         new.append(s)
-    if seen is not None:
-        seen(not factors or bool(torch.stack([f.detach().float().to(factors[0].device)
-                                              for f in factors]).eq(1).all()))
+    if tell is not None:
+        ones = _all_one(factors)
+        for c in tell:
+            c.scale_was_one = ones
     return updates, tuple(new)
 
 
-def _caches(state: OptState) -> list[StepCache]:
-    return [s.params.cache for s in terminal_states(state) if s.params.cache is not None]
-
-
-def _tell_scale(state: OptState) -> Callable[[bool], None]:
-    """What sets ``scale_was_one`` in the caches of the terminal states in ``state``."""
-    def seen(ones: bool) -> None:
-        for c in _caches(state):
-            c.scale_was_one = ones
-    return seen
+def _all_one(factors: list[torch.Tensor]) -> bool:
+    """Whether every factor is 1 (True for none); reads them on the host."""
+    return not factors or bool(torch.stack([f.detach().float().to(factors[0].device)
+                                            for f in factors]).eq(1).all())
 
 
 class HeldStep(StepBase):
@@ -210,9 +207,7 @@ class _Chained(StepBase):
         try:
             full = merge_grads(self.spec, self.fed, grads)
             self.fed.clear()
-            factors = [t.global_scale(full, s) for t, s in zip(self.front, self.state)]
-            dev = factors[0].device
-            ones = bool(torch.stack([f.detach().float().to(dev) for f in factors]).eq(1).all())
+            ones = _all_one([t.global_scale(full, s) for t, s in zip(self.front, self.state)])
         except BaseException:
             self.inner.abort()
             raise

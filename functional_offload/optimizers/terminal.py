@@ -104,8 +104,11 @@ class Terminal:
         self._executor = executor
         self.cpu_kernel = cpu_kernel
         self.delay = delay  # which delayed updates are exact (None: not delayed)
-        self.delayed = delay is not None
         self.store_param_remainders = store_param_remainders
+
+    @property
+    def delayed(self) -> bool:
+        return self.delay is not None
 
     @property
     def executor(self) -> HostExecutor:
