@@ -48,7 +48,7 @@ def main() -> None:
     h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 10, True)
     pool = cf.ThreadPoolExecutor(threads)
 
-    kernel = native.NativeKernel(mod, "adam", scalars)
+    kernel = native.NativeKernel(mod, "adam", scalars, (True, False))
 
     def run_chunks(outs, targets=()):  # as the executor runs: `threads` workers in one queue's loop
         q = kernel.queue(threads)

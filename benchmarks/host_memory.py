@@ -15,6 +15,8 @@ of ``--reps`` after one warm-up. GB/s = DRAM bytes per param the kernel moves x 
     bf16m             fp32 master, bf16 mu, nu      20 B
     remainder         bf16 param + int16 remainder  26 B (param r+w 4, remainder r+w 4, moments 16, grad 2)
     remainder_bf16m   both                          18 B
+    q8m               fp32 master, 8-bit mu, nu     16 B (moments 1 B r+w each, +1.6% absmax)
+    remainder_q8m     split master, 8-bit moments   14 B
 
 The remainder formats (``fo.adamw(store_param_remainders=True)``) are skipped, with a note,
 where ``fo.adamw`` does not accept that option.
@@ -61,6 +63,9 @@ FORMATS: dict[str, Format] = {
     "remainder": Format(26, dict(store_param_remainders=True)),
     "remainder_bf16m": Format(18, dict(store_param_remainders=True, mu_dtype=torch.bfloat16,
                                        nu_dtype=torch.bfloat16)),
+    "q8m": Format(16, dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8)),  # (+0.06: the absmax)
+    "remainder_q8m": Format(14, dict(store_param_remainders=True, mu_dtype=torch.uint8,
+                                     nu_dtype=torch.uint8)),
 }
 
 

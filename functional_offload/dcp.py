@@ -39,6 +39,7 @@ from functional_offload import checkpoint
 from functional_offload.base import ParamRefs
 from functional_offload.state import terminal_states
 from functional_offload.checkpoint import CheckpointError
+from functional_offload.kernels.blockwise import is_blockwise
 from functional_offload.kernels.remainder import is_split
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
@@ -232,7 +233,7 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
                  planner=fo.dcp.StrictLoadPlanner())
         assert int(like.count) == 1  # loaded in place
     """
-    _refuse_split(state)
+    _refuse_formats(state)
     if loading:
         checkpoint.ready_for_load(state)
     else:
@@ -243,19 +244,30 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
     return sd
 
 
-def _refuse_split(state: OptState) -> None:
-    """Raise ``ValueError`` for split masters, which DCP cannot load into in place."""
+def _refuse_formats(state: OptState) -> None:
+    """Raise ``ValueError`` for split masters and block-wise 8-bit moments, whose tensors do not
+    mirror their params' shards (DCP saves and loads each as a shard of its param's shape)."""
     for s in terminal_states(state):
-        if "master" not in s._fields:
-            continue
-        paths, masters, _ = leaves_with_paths(s.master)
-        split = [p for p, m in zip(paths, masters) if isinstance(m, torch.Tensor) and is_split(m)]
-        if split:
-            raise ValueError(f"functional_offload.dcp does not checkpoint split masters "
-                             f"(store_param_remainders=True), as of leaf {split[0]!r}: DCP loads "
-                             "into the state's tensors in place, and a split master is two "
-                             "halves of its fp32 value; use fo.save/fo.load per rank, or "
-                             "store_param_remainders=False")
+        if "master" in s._fields:
+            paths, masters, _ = leaves_with_paths(s.master)
+            split = [p for p, m in zip(paths, masters) if isinstance(m, torch.Tensor) and is_split(m)]
+            if split:
+                raise ValueError(f"functional_offload.dcp does not checkpoint split masters "
+                                 f"(store_param_remainders=True), as of leaf {split[0]!r}: DCP "
+                                 "loads into the state's tensors in place, and a split master is "
+                                 "two halves of its fp32 value; use fo.save/fo.load per rank, or "
+                                 "store_param_remainders=False")
+        for field in s._fields:
+            if field in ("count", "master", "params"):
+                continue
+            paths, xs, _ = leaves_with_paths(getattr(s, field))
+            eight = [p for p, x in zip(paths, xs) if isinstance(x, torch.Tensor) and is_blockwise(x)]
+            if eight:
+                raise ValueError(f"functional_offload.dcp does not checkpoint block-wise 8-bit "
+                                 f"moments (torch.uint8), as of {field} leaf {eight[0]!r}: each "
+                                 "rank's bytes quantize its own shard, not a shard of a tensor of "
+                                 "the param's shape; use fo.save/fo.load per rank, or fp32/bf16 "
+                                 "moments")
 
 
 class StrictLoadPlanner(DefaultLoadPlanner):

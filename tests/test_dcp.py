@@ -506,3 +506,10 @@ def test_a_rank_local_leaf_that_mirrors_no_params_is_refused(wrapped):
     """A plain leaf that differs across ranks is saved from one rank only: refused, named."""
     message = two_rank(wrapped, "rank-local")["message"]
     assert message is not None and "'0.flat.0' differs across ranks" in message
+
+
+def test_block_wise_8bit_moments_are_refused_naming_the_leaf():
+    params = {"w": torch.zeros(100_000)}
+    state = fo.adamw(1e-2, nu_dtype=torch.uint8).init(params)
+    with pytest.raises(ValueError, match="8-bit moments .*nu leaf 'w'.*fo.save/fo.load per rank"):
+        fo.dcp.state_dict(state)

@@ -43,7 +43,7 @@ def chunks_of(leaves, chunk_bytes):
 
 
 def adam_kernel():
-    return native.NativeKernel(native.module(), "adam", adam_scalars)
+    return native.NativeKernel(native.module(), "adam", adam_scalars, (True, False))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -124,7 +124,7 @@ def test_native_queue_claims_blocks_like_one_pass():
     kernel = adam_kernel()
     sizes = [1000, 37, 5000, 64]
     whole = [_work(sizes, block=1 << 20, seed=s) for s in range(3)]
-    blocked = [_work(sizes, block=64, seed=s) for s in range(3)]
+    blocked = [_work(sizes, block=256, seed=s) for s in range(3)]
     assert _run_queue(kernel.queue(1), whole, 1) == [None] * 3  # one thread, one block per piece
     assert _run_queue(kernel.queue(4), blocked, 4) == [None] * 3  # 4 threads, 64-element blocks
     for w1, w2 in zip(whole, blocked):
@@ -147,7 +147,7 @@ def test_queue_runs_chunks_in_order_once_ready(use_native):
             for p, a, b in w.claims():
                 seen.append(id(p))
         q = PyQueue(kernel, 3, record=True)
-    works = [_work([100, 200], block=64, seed=s) for s in range(3)]
+    works = [_work([100, 200], block=256, seed=s) for s in range(3)]
     before = [p.state[0].clone() for w in works for p in w.pieces]
     with cf.ThreadPoolExecutor(3) as pool:
         loops = [pool.submit(q.work, i) for i in range(3)]

@@ -2,7 +2,8 @@
 
 A chunk takes what has arrived (all leaves at once for a plain update; leaf by leaf with grad
 streaming) up to ``chunk_bytes`` of grads, segment offsets aligned to 64 bytes; it waits for an
-arrival only while it holds nothing, so a chunk never waits for leaves to fill it.
+arrival only while it holds nothing, so a chunk never waits for leaves to fill it. A leaf with
+block-wise 8-bit moments is cut on their blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import queue as queue_mod
 from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import torch
+
+from functional_offload.kernels.blockwise import BLOCK as QBLOCK
+from functional_offload.kernels.blockwise import is_blockwise
 
 __all__ = ["HostLeaf", "Segment", "cut", "arrived", "block_size", "ALIGN"]
 
@@ -79,9 +83,10 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
             i, start = pos
             n, size = leaves[i].grad.numel(), leaves[i].grad.element_size()
             room = (chunk_bytes - used) // size
-            if start < n and room < min(n - start, ALIGN):  # slot full
+            unit = QBLOCK if any(is_blockwise(x) for x in leaves[i].state) else ALIGN  # cut on
+            if start < n and room < min(n - start, unit):  # slot full       # 8-bit blocks
                 break
-            stop = min(n, start + room)
+            stop = n if start + room >= n else start + room // unit * unit
             if stop > start:
                 cur.append(Segment(i, start, stop, used))
                 used += -(-(stop - start) * size // ALIGN) * ALIGN
@@ -100,6 +105,7 @@ def arrived(leaves: Sequence[HostLeaf], ready: Any) -> "queue_mod.Queue":
 
 
 def block_size(chunk: Sequence[Segment], threads: int) -> int:
-    """Elements per claimed block: about ``1 / (4·threads)`` of the chunk."""
+    """Elements per claimed block: about ``1 / (4·threads)`` of the chunk, a multiple of the
+    8-bit moments' blocks (so that a claimed block starts on one)."""
     size = max(_MIN_BLOCK, math.ceil(sum(s.stop - s.start for s in chunk) / (threads * _BLOCKS_PER_THREAD)))
-    return -(-size // ALIGN) * ALIGN
+    return -(-size // QBLOCK) * QBLOCK

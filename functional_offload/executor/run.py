@@ -35,6 +35,7 @@ import torch
 
 import functional_offload.executor.faults as faults
 from functional_offload.executor.chunking import HostLeaf, Segment, block_size, cut
+from functional_offload.kernels import blockwise
 from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
 
 __all__ = ["Run", "HostStepError"]
@@ -261,10 +262,12 @@ class _Pipeline:
                 out = part(leaf.out)  # in place
             elif leaf.out is not None and leaf.high is None:
                 out = self.view(k, 1, seg, leaf.out.dtype)
-            pieces.append(Piece(grads.get(id(seg), part(leaf.grad)),
-                                leaf.state if whole else tuple(x[cut_] for x in leaf.state), out,
-                                leaf.hyper, leaf.targets if whole else tuple(x[cut_] for x in leaf.targets),
-                                part(leaf.ema), leaf.ema_decay, part(leaf.ema_target)))
+            def state(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+                return xs if whole else tuple(blockwise.part(x, seg.start, seg.stop) for x in xs)
+
+            pieces.append(Piece(grads.get(id(seg), part(leaf.grad)), state(leaf.state), out,
+                                leaf.hyper, state(leaf.targets), part(leaf.ema), leaf.ema_decay,
+                                part(leaf.ema_target)))
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)

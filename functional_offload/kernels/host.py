@@ -11,30 +11,37 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from functional_offload.kernels import native
+from functional_offload.kernels import blockwise, native
 from functional_offload.kernels.remainder import is_split, join_halves, split_halves
 from functional_offload.kernels.work import Kernel, Work
 
 __all__ = ["host_kernel", "torch_kernel"]
 
-_NATIVE_STATE = (torch.float32, torch.bfloat16)
+_NATIVE_STATE = (torch.float32, torch.bfloat16, torch.uint8)
 
 
-def torch_kernel(reference: Callable[..., None]) -> Callable[[Work], None]:
-    """A Python kernel running ``reference(values, grads, [moment lists], hyper)`` per block."""
+def torch_kernel(reference: Callable[..., None], signed: Sequence[bool]) -> Callable[[Work], None]:
+    """A Python kernel running ``reference(values, grads, [moment lists], hyper)`` per block;
+    ``signed``: per moment, its block-wise map (:mod:`~functional_offload.kernels.blockwise`)."""
 
     @torch.no_grad()
     def kernel(work: Work) -> None:
         for p, a, b in work.claims():
-            state = [x[a:b] for x in p.state]
+            state = [blockwise.part(x, a, b) for x in p.state]
             if p.targets:
-                dst = [x[a:b] for x in p.targets]
+                dst = [blockwise.part(x, a, b) for x in p.targets]
                 for d, s in zip(dst, state):
                     d.copy_(s)
                 state = dst
             split = is_split(state[0])  # (high half, remainder, moments...)
             value = join_halves(state[0], state[1]) if split else state[0]
-            reference([value], [p.grad[a:b]], [[m] for m in state[2 if split else 1:]], p.hyper)
+            stored = state[2 if split else 1:]
+            moments = [blockwise.dequantize(m, b - a, sg) if blockwise.is_blockwise(m) else m
+                       for m, sg in zip(stored, signed)]
+            reference([value], [p.grad[a:b]], [[m] for m in moments], p.hyper)
+            for q, m, sg in zip(stored, moments, signed):
+                if blockwise.is_blockwise(q):
+                    blockwise.quantize_into(m, q, sg)
             if split:
                 split_halves(value, state[0], state[1])
             if p.out is not None:
@@ -49,33 +56,35 @@ def torch_kernel(reference: Callable[..., None]) -> Callable[[Work], None]:
 
 
 def _native_fits(state: Sequence[torch.Tensor]) -> bool:
-    """Whether the native op takes this state: an fp32 or split value, moments of one dtype
-    among fp32 and bf16."""
+    """Whether the native op takes this state: an fp32 or split value, moments of one format
+    among fp32, bf16 and block-wise 8-bit."""
     moments = state[2:] if is_split(state[0]) else state[1:]
     return ((is_split(state[0]) or state[0].dtype == torch.float32)
             and all(m.dtype in _NATIVE_STATE for m in moments) and len({m.dtype for m in moments}) <= 1)
 
 
 def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[float]]],
-                reference: Callable[..., None], states: Sequence[Sequence[torch.Tensor]],
-                mode: str) -> Kernel:
-    """The kernel for host leaves whose state tensors are ``states`` (value, moments...).
+                reference: Callable[..., None], signed: Sequence[bool],
+                states: Sequence[Sequence[torch.Tensor]], mode: str) -> Kernel:
+    """The kernel for host leaves whose state tensors are ``states`` (value, moments...);
+    ``signed``: per moment, whether it may be negative (its block-wise 8-bit map).
 
     ``mode``: ``"native"`` (raise if it cannot run), ``"torch"``, or ``"auto"`` (native when
     the op is registered, the build exists and every leaf has an fp32 or split value
-    (:mod:`~functional_offload.kernels.remainder`) and fp32 or bf16 moments of one dtype; torch
-    otherwise). A split value's state is (high half, remainder, moments...).
+    (:mod:`~functional_offload.kernels.remainder`) and fp32, bf16 or block-wise 8-bit
+    (:mod:`~functional_offload.kernels.blockwise`) moments of one format; torch otherwise). A
+    split value's state is (high half, remainder, moments...).
     """
     if mode == "torch" or op is None:
         if mode == "native":
             raise RuntimeError("cpu_kernel='native' but this optimizer has no native op; use 'auto'")
-        return torch_kernel(reference)
+        return torch_kernel(reference, signed)
     mod = native.module()
     fits = all(_native_fits(st) for st in states)
     if mod is not None and fits:
-        return native.NativeKernel(mod, op, scalars)
+        return native.NativeKernel(mod, op, scalars, signed)
     if mode == "native":
         raise RuntimeError("cpu_kernel='native' but the native CPU kernel " +
                            ("could not be built here (needs a C++ compiler and ninja)" if mod is None
-                            else "takes fp32 values and fp32/bf16 moments only") + "; use 'auto'")
-    return torch_kernel(reference)
+                            else "takes fp32 values and moments of one format") + "; use 'auto'")
+    return torch_kernel(reference, signed)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from functional_offload.kernels import blockwise
 from functional_offload.kernels.work import Work
 
 __all__ = ["module", "build_key", "NativeKernel", "NativeQueue", "ops"]
@@ -134,6 +135,7 @@ def ops() -> dict[str, tuple[int, int]]:
     return {} if mod is None else {name: (m, s) for name, m, s in mod.ops()}
 
 
+_MAX_MOMENTS = 2  # kMaxMoments (ops.h)
 _EMPTY = torch.empty(0)  # "no tensor" in the native lists (no param out, no EMA)
 
 
@@ -158,7 +160,7 @@ class NativeQueue:
                                [_EMPTY if p.out is None else p.out for p in pieces],
                                [_EMPTY if p.ema is None else p.ema for p in pieces],
                                [_EMPTY if p.ema_target is None else p.ema_target for p in pieces],
-                               scalars, work.block)
+                               scalars, self._kernel.maps, work.block)
 
     def wait(self, k: int) -> Optional[BaseException]:
         error = self._queue.wait(k)
@@ -167,10 +169,15 @@ class NativeQueue:
 
 class NativeKernel:
     """A native element-wise op for the executor: ``op`` names it, ``scalars(hyper)`` gives the
-    doubles it reads for a piece's hyperparameters. Each run gets its own queue."""
+    doubles it reads for a piece's hyperparameters, ``signed`` per moment whether it may be
+    negative (the map of its block-wise 8-bit format). Each run gets its own queue."""
 
-    def __init__(self, mod: ModuleType, op: str, scalars: Callable[[Any], Sequence[float]]):
+    def __init__(self, mod: ModuleType, op: str, scalars: Callable[[Any], Sequence[float]],
+                 signed: Sequence[bool]):
         self.mod, self.op, self.scalars = mod, op, scalars
+        tables = [blockwise.table(sg) for sg in signed]
+        tables += [blockwise.table(True)] * (_MAX_MOMENTS - len(tables))  # (unused)
+        self.maps = torch.stack(tables)
 
     def queue(self, threads: int, record: bool = False) -> NativeQueue:
         return NativeQueue(self.mod.Queue(record), self)

@@ -105,7 +105,7 @@ def _spec(decoupled: bool) -> OptimizerSpec:
 
     return OptimizerSpec(
         name="adamw" if decoupled else "adam", state=AdamState,
-        moments=(Moment("mu", "exp_avg", "mu_dtype"), Moment("nu", "exp_avg_sq", "nu_dtype")),
+        moments=(Moment("mu", "exp_avg", "mu_dtype"), Moment("nu", "exp_avg_sq", "nu_dtype", signed=False)),
         hyperparameters={"lr": check_nonneg, "beta1": check_beta, "beta2": check_beta,
                          "eps": check_nonneg, "weight_decay": check_nonneg},
         hyper=hyper, reference=reference, device=fused, native="adam", scalars=scalars,

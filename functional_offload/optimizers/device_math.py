@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 
+from functional_offload.kernels import blockwise
 from functional_offload.kernels.remainder import high, is_split, join, split_
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ class Group(NamedTuple):
     cast: Optional[Cast]  # their grads in the math's dtype
     split: bool = False  # the values are split masters (kernels/remainder.py): the math runs on
     #                      their fp32 values, joined per batch, and ``news`` are their high halves
+    eight: tuple[bool, ...] = ()  # per moment, block-wise 8-bit (kernels/blockwise.py): the math
+    #                               runs on its fp32 values, dequantized per batch
+
+    @property
+    def decoded(self) -> bool:
+        """Whether the math runs on fp32 copies of stored formats (split masters, 8-bit moments)."""
+        return self.split or any(self.eight)
 
 
 def _math_dtype(value: torch.Tensor) -> torch.dtype:
@@ -90,7 +98,7 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             [high(leaves[idx[k]].value) if split else leaves[idx[k]].value for k in written],
             [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
             Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None,
-            split))
+            split, tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments)))
     return groups
 
 
@@ -120,33 +128,44 @@ def _cast(grp: Group, grads: list) -> list:
     return grads
 
 
-_SPLIT_BATCH = 1 << 26  # elements joined at once: the fp32 values a batch of split masters needs
+_BATCH = 1 << 26  # elements decoded at once: the fp32 copies a batch needs
 
 
-def _split_math(math: Callable[..., None], values: list, grads: list, moments: list, hyper: Any,
-                emas: list, ema_decay: Optional[float]) -> None:
-    """``math`` on split masters: in batches of about ``_SPLIT_BATCH`` elements, their fp32
-    values joined, stepped (and the EMAs moved), split back."""
+def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], values: list,
+                  grads: list, moments: list, hyper: Any, emas: list,
+                  ema_decay: Optional[float]) -> None:
+    """``math`` on stored formats: in batches of about ``_BATCH`` elements, the fp32 values of
+    split masters joined and of 8-bit moments dequantized, stepped (a split master's EMA moved),
+    written back (split, quantized)."""
     start = 0
     while start < len(values):
         stop, n = start, 0
-        while stop < len(values) and (stop == start or n + values[stop][0].numel() <= _SPLIT_BATCH):
-            n += values[stop][0].numel()
+        while stop < len(values) and (stop == start or n + grads[stop].numel() <= _BATCH):
+            n += grads[stop].numel()
             stop += 1
-        temps = [join(v) for v in values[start:stop]]
-        math(temps, grads[start:stop], [m[start:stop] for m in moments], hyper)
-        for v, t in zip(values[start:stop], temps):
-            split_(v, t)
-        if emas:
-            torch._foreach_lerp_(emas[start:stop], temps, 1 - (ema_decay or 0.0))
+        vs = [join(v) for v in values[start:stop]] if grp.split else values[start:stop]
+        ms = [[blockwise.dequantize(q, g.numel(), sg).view(g.shape)
+               for q, g in zip(m[start:stop], grads[start:stop])] if eight else m[start:stop]
+              for m, eight, sg in zip(moments, grp.eight, signed)]
+        math(vs, grads[start:stop], ms, hyper)
+        for m, temps, eight, sg in zip(moments, ms, grp.eight, signed):
+            if eight:
+                for q, x in zip(m[start:stop], temps):
+                    blockwise.quantize_into(x, q, sg)
+        if grp.split:
+            for v, x in zip(values[start:stop], vs):
+                split_(v, x)
+            if emas:
+                torch._foreach_lerp_(emas[start:stop], vs, 1 - (ema_decay or 0.0))
         start = stop
 
 
 def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],
-               hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
+               signed: list[bool], hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
                timeline: Optional["Timeline"]) -> bool:
     """Update each group's leaves that have a grad in ``gs`` (per leaf; ``every_grad``: the
-    grads check found every leaf with one); whether any leaf was updated."""
+    grads check found every leaf with one); whether any leaf was updated. ``signed``: per
+    moment, whether it may be negative (its block-wise 8-bit map)."""
     touched = False
     for grp in groups:
         grads = [gs[i] for i in grp.idx]
@@ -164,8 +183,8 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
         try:
             if cast is not None:
                 grads = _cast(grp, grads)
-            if grp.split:
-                _split_math(math, values, grads, moments, h, emas, ema_decay)
+            if grp.decoded:
+                _decoded_math(math, grp, signed, values, grads, moments, h, emas, ema_decay)
             else:
                 math(values, grads, moments, h)
         finally:

@@ -38,6 +38,7 @@ class Moment(NamedTuple):
     # its shape for a param's shape, or None where the leaf has none (factored state); None:
     # the param's shape (element-wise state)
     shape: Optional[Callable[[torch.Size], Optional[tuple[int, ...]]]] = None
+    signed: bool = True  # it may be negative (block-wise 8-bit: the signed or unsigned map)
 
 
 # The math's per-step values (a NamedTuple of floats) from the hyperparameters' values at this

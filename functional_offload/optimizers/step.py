@@ -233,7 +233,8 @@ class TerminalStep(StepBase):
             form.settle()  # a speculative step's leaves fed ahead must have succeeded first
             spec = t.spec
             touched = run_groups(self.static.groups, gs, self.every_grad, spec.device or spec.reference,
-                                 self.hyper, self.hyper_no_decay, t.ema_decay, t.executor.timeline)
+                                 [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
+                                 t.ema_decay, t.executor.timeline)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             landing = form.finish(gs, rest, ready)

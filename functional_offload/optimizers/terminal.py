@@ -21,7 +21,7 @@ from functional_offload.base import Optimizer, ParamRefs, Step, StepCache
 from functional_offload.checks import real
 from functional_offload.executor import HostExecutor, default_executor
 from functional_offload.executor.shield import shielded
-from functional_offload.kernels import native
+from functional_offload.kernels import blockwise, native
 from functional_offload.kernels.remainder import is_split, new_split
 from functional_offload.optimizers.delay import Delay, as_delay
 from functional_offload.optimizers.packing import PACK_MAX, arrange
@@ -39,11 +39,13 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+MOMENT_DTYPES = (*SUPPORTED, torch.uint8)  # uint8: block-wise 8-bit (kernels/blockwise.py)
 
 
 def _check_dtype(name: str, dt: Optional[torch.dtype]) -> Optional[torch.dtype]:
-    if dt is not None and dt not in SUPPORTED:
-        raise TypeError(f"{name} must be one of {[str(d) for d in SUPPORTED]} or None, got {dt!r}")
+    if dt is not None and dt not in MOMENT_DTYPES:
+        raise TypeError(f"{name} must be one of {[str(d) for d in MOMENT_DTYPES]} or None "
+                        f"(torch.uint8: block-wise 8-bit), got {dt!r}")
     return dt
 
 
@@ -142,14 +144,25 @@ class Terminal:
 
     # ---- init -----------------------------------------------------------------------------
     def _moment_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
-        return self.moment_dtypes[name] or (torch.float32 if p.dtype in LOW_PRECISION else p.dtype)
+        """The moment's dtype for ``p``: the option's (block-wise 8-bit only for leaves of more
+        than ``PACK_MAX`` elements, as bitsandbytes keeps small tensors in 32 bits: their bytes
+        are few), else fp32 for low-precision params and the param's dtype for others."""
+        dt = self.moment_dtypes[name]
+        if dt is None or (dt == torch.uint8 and p.numel() <= PACK_MAX):
+            return torch.float32 if p.dtype in LOW_PRECISION else p.dtype
+        return dt
 
     def _value_dtype(self, p: torch.Tensor) -> torch.dtype:
         return self.master_dtype if p.dtype in LOW_PRECISION else p.dtype
 
-    @staticmethod
-    def _moment_shape(m: Any, p: torch.Tensor) -> Optional[tuple[int, ...]]:
-        return tuple(p.shape) if m.shape is None else m.shape(p.shape)
+    def _moment_shape(self, m: Any, p: torch.Tensor) -> Optional[tuple[int, ...]]:
+        """The moment's shape for ``p``: its own (factored state), the param's, or a block-wise
+        moment's bytes (1-D)."""
+        if m.shape is not None:
+            return m.shape(p.shape)
+        if self._moment_dtype(m.name, p) == torch.uint8:
+            return (blockwise.nbytes(p.numel()),)
+        return tuple(p.shape)
 
     def _needs_master(self, p: torch.Tensor, host: bool) -> bool:
         """Whether the leaf's value is a master apart from the param: low-precision params;
@@ -187,6 +200,12 @@ class Terminal:
             if p.dtype not in SUPPORTED:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; params must be fp32, bf16, "
                                 "fp16 or fp64 (keep fp8 weights as casts of such a param)")
+            eight = [m.option for m in self.spec.moments if self._moment_dtype(m.name, p) == torch.uint8]
+            if eight and self._value_dtype(p) != torch.float32:
+                raise TypeError(f"param {path!r} would have a {self._value_dtype(p)} value; "
+                                f"{eight[0]}=torch.uint8 (block-wise 8-bit) runs the math in fp32 "
+                                "(use an fp32 master_dtype, or keep this param out of the 8-bit "
+                                "optimizer with fo.partition)")
         check_no_aliasing(paths, locals_)
 
     def _check_host(self, paths: list[str], locals_: list[torch.Tensor], on_host: list[bool]) -> None:
@@ -195,11 +214,11 @@ class Terminal:
             moment_dtypes = {self._moment_dtype(m.name, p) for m in self.spec.moments}
             if host and self.cpu_kernel == "native" and (
                     self._value_dtype(p) != torch.float32 or len(moment_dtypes) > 1
-                    or not moment_dtypes <= {torch.float32, torch.bfloat16}):
+                    or not moment_dtypes <= {torch.float32, torch.bfloat16, torch.uint8}):
                 raise ValueError(f"cpu_kernel='native': param {path!r} would have a "
                                  f"{self._value_dtype(p)} value and {sorted(map(str, moment_dtypes))} "
-                                 "moments; the native kernel takes fp32 values and fp32 or bf16 "
-                                 "moments (use cpu_kernel='auto')")
+                                 "moments; the native kernel takes fp32 values and fp32, bf16 or "
+                                 "block-wise 8-bit moments of one format (use cpu_kernel='auto')")
             if host and self.delayed and not p.is_contiguous():
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "

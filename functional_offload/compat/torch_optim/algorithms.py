@@ -82,6 +82,12 @@ def check_options(options: Mapping[str, Any]) -> None:
                       "torch.optim's state holds a master as one tensor, a split master is two "
                       "halves", "use the functional optimizer (fo.adamw(store_param_remainders="
                       "True)) or leave it False")
+    for key, dt in options.items():
+        if key.endswith("_dtype") and dt == torch.uint8:
+            raise _refuse(key, dt, "torch.optim's state holds each moment as a tensor of the "
+                          "param's shape, a block-wise 8-bit moment is codes and scales",
+                          f"use the functional optimizer (fo.adamw({key}=torch.uint8)) or fp32/bf16 "
+                          "moments")
 
 
 def _check_flags(v: Mapping[str, Any]) -> None:

@@ -11,10 +11,21 @@
 // `step` returns the new value. `p` is the fp32 value being optimized, `g` the grad as fp32,
 // `m0`, `m1` the moments as fp32 (read and written in place; those past kMoments are unused),
 // `s` the scalars the Python side computed (in double, handed over as fp32).
+//
+// Moments are fp32, bf16 or block-wise 8-bit (kernels/blockwise.py: per block of kQBlock
+// elements its codes, then its fp32 absmax): an 8-bit block is dequantized, stepped in fp32 (the
+// value from the new fp32 moments) and quantized with its new absmax, in one pass over memory.
 #pragma once
 #include <ATen/ATen.h>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <string>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include "elements.h"
 
@@ -22,6 +33,12 @@ namespace fo {
 
 constexpr int kMaxMoments = 2;
 constexpr int kMaxScalars = 16;
+constexpr int64_t kQBlock = 256;  // elements per block of an 8-bit moment
+constexpr int64_t kQRow = kQBlock + 4;  // its bytes: the codes, then the absmax
+constexpr int kMapFloats = 2 * 256 + 1;  // a map (QMap below), in 4-byte words
+
+// Bytes of an 8-bit moment of `n` elements.
+inline int64_t q_bytes(int64_t n) { return (n + kQBlock - 1) / kQBlock * kQRow; }
 
 // One block of one piece, pointers at its first element.
 struct Block {
@@ -32,16 +49,17 @@ struct Block {
   void* out;  // the param in the grad's dtype, or nullptr
   int64_t n;
   const float* scalars;
+  const float* maps[kMaxMoments];  // 8-bit moments: each one's map (kMapFloats)
 };
 
 using BlockFn = void (*)(const Block&);
 
-// Per op: [grad dtype: f32, bf16, f16][moment dtype: f32, bf16][value: fp32 without out, fp32
+// Per op: [grad dtype: f32, bf16, f16][moments: f32, bf16, 8-bit][value: fp32 without out, fp32
 // writing out, split master].
 struct Op {
   int moments = 0;
   int scalars = 0;
-  BlockFn fn[3][2][3] = {};
+  BlockFn fn[3][3][3] = {};
 };
 
 // A split master's fp32 value from its high half and remainder, and back (ties away from zero):
@@ -100,6 +118,154 @@ __attribute__((noinline)) void run_block(const Block& b) {
   }
 }
 
+// An 8-bit moment's map as the Python side hands it (kernels/blockwise.py, `table`): the values
+// by stored byte, the sorted values' 255 midpoints and +inf, the sorted index of 0 (int32). A
+// block is dequantized before the step and quantized after it, both without gathers (a gather
+// costs tens of cycles on CPUs with the gather-data-sampling fix): with AVX-512 by register
+// permutes, else one element at a time.
+struct QMap {
+  const float* values;  // by stored byte: code = sorted index - zero (mod 256)
+  const float* mids;
+  uint32_t zero;
+#if defined(__AVX512F__)
+  // the midpoints per step of the binary search: step k compares with one of 2^k candidates
+  alignas(64) float search[8][128];
+#endif
+  explicit QMap(const float* m) : values(m), mids(m + 256) {
+    std::memcpy(&zero, m + 512, 4);
+#if defined(__AVX512F__)
+    for (int k = 0; k < 8; ++k)
+      for (int slot = 0; slot < (1 << k); ++slot)
+        search[k][slot] = mids[slot * (256 >> k) + (128 >> k) - 1];
+#endif
+  }
+};
+
+// The sorted index of the value nearest `y` (a value over its block's absmax): the number of
+// midpoints below it (a tie goes to the lower value; no comparison holds for a NaN: 0).
+inline uint32_t q_index(const float* __restrict mids, float y) {
+  uint32_t i = 0;
+  for (uint32_t step = 128; step > 0; step >>= 1) i += mids[i + step - 1] < y ? step : 0;
+  return i;
+}
+
+#if defined(__AVX512F__)
+// 16 floats of a table of 32 << K floats (K = 0..2) by the low bits of `idx`.
+template <int K>
+inline __m512 lookup(const float* t, __m512i idx) {
+  const __m512 a = _mm512_permutex2var_ps(_mm512_load_ps(t), idx, _mm512_load_ps(t + 16));
+  if constexpr (K == 0) {
+    return a;
+  } else {
+    const __m512 b = lookup<K - 1>(t + (16 << K), idx);
+    return _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(16 << K)),
+                                lookup<K - 1>(t, idx), b);
+  }
+}
+#endif
+
+// Block `c` (codes, then absmax) of `n` <= kQBlock elements into fp32 `f`.
+inline void q_dequantize(const QMap& q, const uint8_t* __restrict c, int64_t n, float* __restrict f) {
+  float a;
+  std::memcpy(&a, c + kQBlock, 4);
+#if defined(__AVX512F__)
+  alignas(64) float values[256];
+  std::memcpy(values, q.values, sizeof(values));
+  const __m512 scale = _mm512_set1_ps(a);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, c + j));
+    const __m512 lo = lookup<2>(values, idx), hi = lookup<2>(values + 128, idx);
+    const __m512 v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(128)), lo, hi);
+    _mm512_mask_storeu_ps(f + j, m, _mm512_mul_ps(v, scale));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) f[j] = q.values[c[j]] * a;
+#endif
+}
+
+// The absmax of `n` fp32 `f` (NaN if one is NaN, as torch's amax), then their codes, into block
+// `c`.
+inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint8_t* __restrict c) {
+  float a = 0.f;
+  int nan = 0;
+#pragma omp simd reduction(max : a) reduction(| : nan)
+  for (int64_t j = 0; j < n; ++j) {
+    a = std::max(a, std::fabs(f[j]));
+    nan |= f[j] != f[j];
+  }
+  if (nan) a = std::numeric_limits<float>::quiet_NaN();
+  std::memcpy(c + kQBlock, &a, 4);
+  const float inv = a != 0.f ? 1.f / a : 0.f;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(inv);
+  const __m512i zero = _mm512_set1_epi32(int(q.zero));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, f + j), scale);
+    __m512i i = _mm512_setzero_si512();
+    // step k: i has its top k bits; the candidate is search[k][i >> (8 - k)], the step 128 >> k
+    auto step = [&](int k, __m512 cand) {
+      const __mmask16 below = _mm512_cmp_ps_mask(cand, y, _CMP_LT_OQ);
+      i = _mm512_mask_add_epi32(i, below, i, _mm512_set1_epi32(128 >> k));
+    };
+    step(0, _mm512_set1_ps(q.search[0][0]));
+    for (int k = 1; k <= 4; ++k)
+      step(k, _mm512_permutexvar_ps(_mm512_srli_epi32(i, 8 - k), _mm512_load_ps(q.search[k])));
+    step(5, lookup<0>(q.search[5], _mm512_srli_epi32(i, 3)));
+    step(6, lookup<1>(q.search[6], _mm512_srli_epi32(i, 2)));
+    step(7, lookup<2>(q.search[7], _mm512_srli_epi32(i, 1)));
+    _mm_mask_storeu_epi8(c + j, m, _mm512_cvtepi32_epi8(_mm512_sub_epi32(i, zero)));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) c[j] = uint8_t(q_index(q.mids, f[j] * inv) - q.zero);
+#endif
+}
+
+// `run_block` for 8-bit moments: per block of kQBlock elements (a Block starts on one), the
+// moments dequantized to fp32, the step as for fp32 moments, the new moments quantized.
+template <class O, class G, int OUT>
+__attribute__((noinline)) void run_block_q8(const Block& b) {
+  float s[O::kScalars > 0 ? O::kScalars : 1];
+  for (int k = 0; k < O::kScalars; ++k) s[k] = b.scalars[k];
+  float* __restrict p = b.value;
+  uint16_t* __restrict hi = reinterpret_cast<uint16_t*>(b.value);
+  int16_t* __restrict lo = b.remainder;
+  const typename G::T* __restrict g = static_cast<const typename G::T*>(b.grad);
+  typename G::T* __restrict o = static_cast<typename G::T*>(b.out);
+  const QMap q0(b.maps[0]), q1(b.maps[1]);
+  alignas(64) float f0[kQBlock], f1[kQBlock];
+  for (int64_t k0 = 0; k0 < b.n; k0 += kQBlock) {
+    const int64_t len = std::min(kQBlock, b.n - k0);
+    uint8_t* c0 = O::kMoments > 0 ? static_cast<uint8_t*>(b.moments[0]) + k0 / kQBlock * kQRow : nullptr;
+    uint8_t* c1 = O::kMoments > 1 ? static_cast<uint8_t*>(b.moments[1]) + k0 / kQBlock * kQRow : nullptr;
+    if (O::kMoments > 0) q_dequantize(q0, c0, len, f0);
+    if (O::kMoments > 1) q_dequantize(q1, c1, len, f1);
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t i = k0 + j;
+      float m = O::kMoments > 0 ? f0[j] : 0.f;
+      float v = O::kMoments > 1 ? f1[j] : 0.f;
+      const float pi = O::step(OUT == 2 ? join_value(hi[i], lo[i]) : p[i], G::ld(g[i]), m, v, s);
+      if (O::kMoments > 0) f0[j] = m;
+      if (O::kMoments > 1) f1[j] = v;
+      if (OUT == 2) {
+        uint16_t h;
+        int16_t l;
+        split_value(pi, h, l);
+        hi[i] = h;
+        lo[i] = l;
+        if (o != nullptr) reinterpret_cast<uint16_t*>(o)[i] = h;
+      } else {
+        p[i] = pi;
+      }
+      if (OUT == 1) o[i] = G::st(pi);
+    }
+    if (O::kMoments > 0) q_quantize(q0, f0, len, c0);
+    if (O::kMoments > 1) q_quantize(q1, f1, len, c1);
+  }
+}
+
 template <class O, class G, class M>
 void fill_out(Op& op, int gi, int mi) {
   op.fn[gi][mi][0] = &run_block<O, G, M, 0>;
@@ -111,6 +277,9 @@ template <class O, class G>
 void fill_moments(Op& op, int gi) {
   fill_out<O, G, F32>(op, gi, 0);
   fill_out<O, G, BF16>(op, gi, 1);
+  op.fn[gi][2][0] = &run_block_q8<O, G, 0>;
+  op.fn[gi][2][1] = &run_block_q8<O, G, 1>;
+  op.fn[gi][2][2] = &run_block_q8<O, G, 2>;
 }
 
 template <class O>

@@ -13,7 +13,9 @@
 // pass, and `out` (the param in the grad's dtype). A split master (kernels/remainder.py) comes
 // as two int16 state tensors, its high half and its remainder, before the moments: the op's
 // loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
-// then gets the new high half. Blocks are processed in sub-blocks small
+// then gets the new high half. A block-wise 8-bit moment (uint8: per 256 elements their codes,
+// then their absmax) is addressed by its blocks; a piece's blocks start on them. Blocks are
+// processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
 // computed in a per-thread scratch and streamed to them with non-temporal stores: a plain store
 // reads each line of the target before writing it, a third more memory traffic than in place.
@@ -72,13 +74,25 @@ int moment_index(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return 0;
     case at::kBFloat16: return 1;
+    case at::kByte: return 2;  // block-wise 8-bit
     default: TORCH_CHECK(false, "unsupported moment dtype ", t); return -1;
   }
 }
 
+// Byte offset of element `i` (a block's first, for 8-bit moments) in a state tensor, and the
+// bytes of `n` elements from there.
+int64_t offset_of(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kByte ? i / kQBlock * kQRow : i * t.element_size();
+}
+
+int64_t bytes_of(const at::Tensor& t, int64_t n) {
+  return t.scalar_type() == at::kByte ? q_bytes(n) : n * t.element_size();
+}
+
 void check(const at::Tensor& t, const char* name, int64_t n) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
-  TORCH_CHECK(t.numel() == n, name, " has ", t.numel(), " elements, expected ", n);
+  const int64_t want = t.scalar_type() == at::kByte ? q_bytes(n) : n;  // 8-bit: its bytes
+  TORCH_CHECK(t.numel() == want, name, " has ", t.numel(), " elements, expected ", want);
 }
 
 // `bytes` from `src` to `dst` with non-temporal stores where the CPU has them (the caller fences
@@ -125,6 +139,7 @@ struct Piece {
 
 struct Chunk {
   std::vector<Piece> pieces;
+  at::Tensor maps;  // float32 [kMaxMoments, kMapFloats]: the op's 8-bit maps, per moment
   int64_t block;
   std::vector<int64_t> first;        // first block of each piece, then the total
   std::atomic<int64_t> next{0};      // the next unclaimed block
@@ -156,10 +171,9 @@ struct Chunk {
     for (int64_t off = a; off < a + len; off += sub) {
       const int64_t n = std::min(sub, a + len - off);
       for (size_t j = 0; j < nt; ++j) {
-        const int64_t es = p.state[j].element_size();
-        char* x = static_cast<char*>(p.state[j].data_ptr()) + off * es;
+        char* x = static_cast<char*>(p.state[j].data_ptr()) + offset_of(p.state[j], off);
         where[j] = staged ? static_cast<void*>(scratch.data() + j * sub) : static_cast<void*>(x);
-        if (staged) std::memcpy(where[j], x, size_t(n * es));
+        if (staged) std::memcpy(where[j], x, size_t(bytes_of(p.state[j], n)));
       }
       Block b;
       b.value = static_cast<float*>(where[0]);
@@ -169,6 +183,7 @@ struct Chunk {
       b.out = p.out.defined() ? static_cast<char*>(p.out.data_ptr()) + off * p.out.element_size() : nullptr;
       b.n = n;
       b.scalars = p.scalars.data();
+      for (int j = 0; j < kMaxMoments; ++j) b.maps[j] = maps.data_ptr<float>() + j * kMapFloats;
       p.fn(b);
       if (p.ema.defined()) {
         const float* e = p.ema.data_ptr<float>() + off;
@@ -180,10 +195,9 @@ struct Chunk {
         for (int64_t t = 0; t < n; ++t) d[t] = lerp(e[t], v[t], w);
       }
       if (staged) {
-        for (size_t j = 0; j < nt; ++j) {
-          const int64_t es = p.targets[j].element_size();
-          stream_copy(static_cast<char*>(p.targets[j].data_ptr()) + off * es, where[j], size_t(n * es));
-        }
+        for (size_t j = 0; j < nt; ++j)
+          stream_copy(static_cast<char*>(p.targets[j].data_ptr()) + offset_of(p.targets[j], off), where[j],
+                      size_t(bytes_of(p.targets[j], n)));
       }
     }
     if (staged) fence_streams();
@@ -196,10 +210,13 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
                                   std::vector<std::vector<at::Tensor>> targets,
                                   std::vector<at::Tensor> outs, std::vector<at::Tensor> emas,
                                   std::vector<at::Tensor> ema_targets, const at::Tensor& scalars,
-                                  int64_t block) {
+                                  const at::Tensor& maps, int64_t block) {
   const Op& op = find_op(name);
   const size_t np = grads.size();
   TORCH_CHECK(block > 0, "block must be > 0");
+  TORCH_CHECK(maps.device().is_cpu() && maps.scalar_type() == at::kFloat && maps.is_contiguous() &&
+              maps.dim() == 2 && maps.size(0) == kMaxMoments && maps.size(1) == kMapFloats,
+              "maps must be a contiguous float32 [", kMaxMoments, ", ", kMapFloats, "] tensor");
   TORCH_CHECK(states.size() == np && targets.size() == np && outs.size() == np && emas.size() == np &&
               ema_targets.size() == np, "grad, state, target, out and ema lists differ in length");
   TORCH_CHECK(scalars.device().is_cpu() && scalars.scalar_type() == at::kDouble && scalars.is_contiguous() &&
@@ -207,6 +224,7 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
               "scalars must be a contiguous float64 [pieces, ", op.scalars + 1, "] tensor for op '", name, "'");
   auto c = std::make_unique<Chunk>();
   c->block = block;
+  c->maps = maps;
   c->first.push_back(0);
   const double* s = scalars.data_ptr<double>();
   for (size_t i = 0; i < np; ++i) {
@@ -229,6 +247,7 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
         mi = moment_index(states[i][j].scalar_type());
       }
     }
+    TORCH_CHECK(mi != 2 || block % kQBlock == 0, "with 8-bit moments block must be a multiple of ", kQBlock);
     if (!targets[i].empty()) {
       TORCH_CHECK(targets[i].size() == states[i].size(), "targets must mirror the state tensors");
       for (size_t j = 0; j < targets[i].size(); ++j) {
@@ -369,10 +388,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("add", [](Queue& q, const std::string& op, std::vector<at::Tensor> grads,
                      std::vector<std::vector<at::Tensor>> states, std::vector<std::vector<at::Tensor>> targets,
                      std::vector<at::Tensor> outs, std::vector<at::Tensor> emas,
-                     std::vector<at::Tensor> ema_targets, at::Tensor scalars, int64_t block) {
+                     std::vector<at::Tensor> ema_targets, at::Tensor scalars, at::Tensor maps,
+                     int64_t block) {
         return q.add(fo::make_chunk(op, std::move(grads), std::move(states), std::move(targets),
                                     std::move(outs), std::move(emas), std::move(ema_targets),
-                                    scalars, block));
+                                    scalars, maps, block));
       })
       .def("ready", &Queue::ready)
       .def("wait", &Queue::wait, py::call_guard<py::gil_scoped_release>())

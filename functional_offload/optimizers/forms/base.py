@@ -150,7 +150,7 @@ class HostWork:
             if cache.kernel is None or cache.kernel[0] != self.t.cpu_kernel:
                 spec = self.t.spec
                 cache.kernel = (self.t.cpu_kernel, host_kernel(
-                    spec.native, spec.scalars, spec.reference,
+                    spec.native, spec.scalars, spec.reference, [m.signed for m in spec.moments],
                     [lf.flat for lf in self.leaves if lf.on_host], self.t.cpu_kernel))
             self._kernel = cache.kernel[1]
         return self._kernel

@@ -1,0 +1,315 @@
+"""Block-wise 8-bit moments (``mu_dtype=torch.uint8`` ...): the format against a by-hand
+implementation of the published algorithm (Dettmers et al., arXiv 2110.02861), every registry
+optimizer with element-wise moments in every host form and on the device path, checkpoints, and
+the errors for what the format does not support."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import optree
+import pytest
+import torch
+
+import functional_offload as fo
+from conftest import KERNELS, STALE
+from functional_offload.kernels import blockwise
+from registry import OPTIMIZERS
+
+ENTRIES = [e for e in OPTIMIZERS if e.name not in ("sgd", "adafactor")]  # those with moments
+N = 70_001  # above the size that keeps fp32 moments; a last block of 113 elements
+
+
+# ---- the published algorithm, by hand ------------------------------------------------------
+def paper_map(signed: bool) -> torch.Tensor:
+    """The dynamic tree map as the paper builds it: per decade 10^-6..10^0 (signed: one bit for
+    the sign) a linear fraction whose resolution doubles per decade, the midpoints of its bins in
+    [0.1, 1]; with 0 and 1. Sorted, fp32."""
+    values = [0.0, 1.0]
+    for i in range(7):
+        bins = 2 ** i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1, bins + 1, dtype=torch.float64)
+        means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)
+        values += means.tolist() + ((-means).tolist() if signed else [])
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def by_hand_quantize(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of 256: absmax, each element's nearest map value (the midpoint rule: the number
+    of midpoints below x / absmax; x / absmax as x times the absmax's reciprocal). Returns
+    (sorted-map indices, absmax per block)."""
+    q = paper_map(signed)
+    mids = (q[:-1] + q[1:]) * 0.5
+    blocks = torch.nn.functional.pad(x.float(), (0, -x.numel() % 256)).view(-1, 256)
+    idx = torch.empty(blocks.shape, dtype=torch.int64)
+    absmax = torch.empty(blocks.shape[0])
+    for k, b in enumerate(blocks):
+        a = b.abs().max() if not b.isnan().any() else torch.tensor(float("nan"))
+        inv = 1 / a if a != 0 else torch.tensor(0.0)
+        y = b * inv
+        idx[k] = (mids[None, :] < y[:, None]).sum(1)
+        absmax[k] = a
+    return idx.view(-1)[:x.numel()], absmax
+
+
+def by_hand_dequantize(idx: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    return paper_map(signed)[idx] * absmax.repeat_interleave(256)[:idx.numel()]
+
+
+def codes_of(q: torch.Tensor, n: int, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted-map indices and absmax held in the block-wise tensor ``q``."""
+    rows = q.view(-1, 260)
+    zero = int((paper_map(signed) == 0).nonzero()[0])
+    idx = (rows[:, :256].long() + zero) % 256
+    return idx.reshape(-1)[:n], rows[:, 256:].contiguous().view(torch.float32).view(-1)
+
+
+def test_the_dynamic_maps_are_the_papers():
+    for signed in (True, False):
+        q = torch.tensor(blockwise.dynamic_map(signed), dtype=torch.float32)
+        assert torch.equal(q, paper_map(signed))
+        assert q.numel() == 256 and (q[1:] > q[:-1]).all() and 0 in q and q[-1] == 1
+        assert (q >= 0).all() != signed
+    assert (paper_map(True)[:127] == -paper_map(True)[128:255].flip(0)).all()  # sign-symmetric
+    assert blockwise.quantize(torch.zeros(300), True).eq(0).all()  # zeros are zero bytes
+
+
+def _awkward(n: int = 3000) -> torch.Tensor:
+    """Values over many decades, a zero block, a NaN block, an inf, a short last block."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * torch.logspace(-8, 2, n)[torch.randperm(n, generator=g)]
+    x[256:512] = 0
+    x[700] = float("nan")
+    x[1100] = float("inf")
+    x[1300:1556] = x[1300:1556].abs()
+    return x
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_quantize_is_the_published_algorithm(signed):
+    x = _awkward()
+    if not signed:
+        x = x.abs()
+    q = blockwise.quantize(x, signed)
+    assert q.numel() == blockwise.nbytes(x.numel()) == 12 * 260
+    idx, absmax = by_hand_quantize(x, signed)
+    got_idx, got_absmax = codes_of(q, x.numel(), signed)
+    assert torch.equal(got_absmax.isnan(), absmax.isnan())
+    fin = ~absmax.isnan()
+    assert torch.equal(got_absmax[fin], absmax[fin])
+    rows = fin.repeat_interleave(256)[:x.numel()]
+    assert torch.equal(got_idx[rows], idx[rows])
+    back = blockwise.dequantize(q, x.numel(), signed)
+    torch.testing.assert_close(back[rows], by_hand_dequantize(idx, absmax, signed)[rows],
+                               rtol=0, atol=0, equal_nan=True)  # (the inf's block is non-finite)
+    assert back[~rows].isnan().all()  # a NaN poisons its block, as it would an fp32 moment
+    ok = rows & x.isfinite() & (absmax.repeat_interleave(256)[:x.numel()].isfinite())
+    gap = paper_map(signed).diff().max()  # the coarsest step of the map, times absmax
+    err = (back - x).abs()[ok] / absmax.repeat_interleave(256)[:x.numel()][ok].clamp_min(1e-30)
+    assert err.max() <= gap / 2 + 1e-6
+    assert torch.equal(back[256:512], torch.zeros(256))  # an all-zero block is exact
+
+
+def test_cutting_a_moment_on_blocks_is_a_byte_range():
+    x = _awkward()
+    q = blockwise.quantize(x.nan_to_num(0, 0, 0), True)
+    a, b = 512, 2900
+    part = blockwise.part(q, a, b)
+    assert part.data_ptr() == q.data_ptr() + 2 * 260 and part.numel() == blockwise.nbytes(b - a)
+    with pytest.raises(ValueError, match="cut on blocks of 256"):
+        blockwise.part(q, 100, 600)
+
+
+def adamw_8bit_by_hand(params: dict, grads: list, lr: float, betas: tuple, eps: float,
+                       weight_decay: float) -> tuple[dict, dict, dict]:
+    """8-bit AdamW as the paper writes it, on one leaf after another: dequantize the state,
+    torch.optim.AdamW's single-tensor step in fp32, quantize the new moments (signed map for
+    the first, unsigned for the second). Leaves of at most 65,536 elements keep fp32 moments."""
+    b1, b2 = betas
+    ps = {k: v.clone() for k, v in params.items()}
+    st = {k: (torch.zeros(v.numel()), torch.zeros(v.numel())) for k, v in ps.items()}
+    codes = {}
+    for t, g in enumerate(grads, 1):
+        for k, p in ps.items():
+            m, v = st[k]
+            gk = g[k].reshape(-1)
+            flat = p.view(-1)
+            flat.mul_(1 - lr * weight_decay)
+            m.lerp_(gk, 1 - b1)
+            v.mul_(b2).addcmul_(gk, gk, value=1 - b2)
+            denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+            flat.addcdiv_(m, denom, value=-lr / (1 - b1 ** t))
+            if p.numel() > 65_536:
+                (im, am), (iv, av) = by_hand_quantize(m, True), by_hand_quantize(v, False)
+                m.copy_(by_hand_dequantize(im, am, True))
+                v.copy_(by_hand_dequantize(iv, av, False))
+                codes[k] = (im, am, iv, av)
+    return ps, st, codes
+
+
+def test_8bit_adamw_is_the_published_algorithm_bit_for_bit():
+    torch.manual_seed(0)
+    params = {"w": torch.randn(N), "b": torch.randn(300)}
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(6)]
+    want, _, codes = adamw_8bit_by_hand(params, grads, **hyper)
+    opt = fo.adamw(**hyper, mu_dtype=torch.uint8, nu_dtype=torch.uint8, cpu_kernel="torch",
+                   executor=fo.executor.HostExecutor(chunk_bytes=1 << 16))  # cut inside the leaf
+    ps, state = dict(params), opt.init(params)
+    for gr in grads:
+        ps, state = opt.update(gr, state)
+    assert state.mu["w"].dtype == torch.uint8 and state.mu["b"].dtype == torch.float32
+    for k in params:
+        assert torch.equal(ps[k], want[k]), k
+    im, am, iv, av = codes["w"]
+    assert torch.equal(codes_of(state.mu["w"], N, True)[0], im)
+    assert torch.equal(codes_of(state.mu["w"], N, True)[1], am)
+    assert torch.equal(codes_of(state.nu["w"], N, False)[0], iv)
+    assert torch.equal(codes_of(state.nu["w"], N, False)[1], av)
+
+
+def _train(entry, kernel: str, mode: str, max_norm: float, dtype=torch.float32, steps: int = 5,
+           eight: bool = True, **options):
+    """``steps`` updates of a leaf with 8-bit moments (and a small one with fp32 moments) by
+    fixed grads in ``mode``: "plain", "stream" (fo.stream around a backward), "delayed"; chunks
+    of 64 KiB cut the big leaf."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(N).to(dtype).requires_grad_(),
+              "b": torch.randn(5, 7).to(dtype).requires_grad_()}
+    dt = torch.uint8 if eight else None
+    dtypes = {f"{m}_dtype": dt for m in {"adamw": ("mu", "nu"), "adam": ("mu", "nu"),
+                                          "lion": ("mu",)}.get(entry.name.split("-")[0], ("momentum",))}
+    opt = fo.chain(fo.clip_by_global_norm(max_norm), entry.make(
+        **entry.hypers, **dtypes, cpu_kernel=kernel, delayed=STALE if mode == "delayed" else False,
+        executor=fo.executor.HostExecutor(chunk_bytes=1 << 16), **options))
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape, generator=g).to(dtype) for k, v in params.items()}
+        if mode == "stream":
+            with fo.stream(opt, state) as s:
+                sum((p.float() * grads[k].float()).sum() for k, p in params.items()).backward()
+            _, state = s.finish()
+            for p in params.values():
+                p.grad = None
+        else:
+            _, state = opt.update(grads, state)
+    fo.flush(state)
+    return {k: v.detach() for k, v in params.items()}, state[-1]
+
+
+def _moments(state) -> dict:
+    return {f: getattr(state, f) for f in ("mu", "nu", "momentum")
+            if f in state._fields and getattr(state, f) != ()}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode", ["stream", "delayed"])
+@pytest.mark.parametrize("max_norm", [1e9, 1e-2], ids=["clip-never", "clip-scales"])
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_every_form_steps_8bit_moments_as_the_plain_update(entry, kernel, mode, max_norm):
+    if mode == "delayed" and not entry.delayed:
+        pytest.skip("no delayed mode")
+    p0, s0 = _train(entry, kernel, "plain", max_norm)
+    p1, s1 = _train(entry, kernel, mode, max_norm)
+    for k in p0:
+        assert torch.equal(p0[k], p1[k]), k
+    for field, tree in _moments(s0).items():
+        assert tree["w"].dtype == torch.uint8 and tree["b"].dtype == torch.float32
+        for k in tree:
+            assert torch.equal(tree[k], _moments(s1)[field][k]), (field, k)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_the_native_kernel_quantizes_as_the_torch_kernel(entry):
+    if "native" not in KERNELS:
+        pytest.skip("no native kernel here")
+    pt, st = _train(entry, "torch", "plain", 1e9)
+    pn, sn = _train(entry, "native", "plain", 1e9)
+    for k in pt:  # the fp32 math differs by rounding (torch's vector kernels), as with fp32 state
+        torch.testing.assert_close(pn[k], pt[k], rtol=0, atol=1e-4)
+    for field, tree in _moments(st).items():
+        a = tree["w"].view(-1, 260)
+        b = _moments(sn)[field]["w"].view(-1, 260)
+        differ = (a[:, :256] != b[:, :256])
+        assert differ.float().mean() < 1e-3, field  # a code flips only at a near-tie
+        assert ((a[:, :256].int() - b[:, :256].int()).abs()[differ] == 1).all()
+        torch.testing.assert_close(a[:, 256:].contiguous().view(torch.float32),
+                                   b[:, 256:].contiguous().view(torch.float32), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_8bit_moments_track_fp32_moments(entry):
+    p8, _ = _train(entry, KERNELS[-1], "plain", 1e9, steps=20)
+    p32, _ = _train(entry, KERNELS[-1], "plain", 1e9, steps=20, eight=False)
+    start = {k: v.float() for k, v in _train(entry, "torch", "plain", 1e9, steps=0)[0].items()}
+    moved = (p32["w"].float() - start["w"]).abs().mean()
+    off = (p8["w"].float() - p32["w"].float()).abs().mean()
+    assert off < 0.05 * moved, (float(off), float(moved))  # within 5% of the distance travelled
+    assert torch.equal(p8["b"], p32["b"])  # small leaves keep fp32 moments
+
+
+def test_8bit_moments_on_the_device_path_follow_the_host():
+    entry = ENTRIES[0]
+    ph, sh = _train(entry, "torch", "plain", 1e-2)
+    pd, sd = _train(entry, "torch", "plain", 1e-2, placement=fo.placement.on_device())
+    assert sd.mu["w"].dtype == torch.uint8 and sd.mu["w"].device.type == "cpu"
+    for k in ph:  # the device math is torch's multi-tensor one: rounding apart
+        torch.testing.assert_close(pd[k], ph[k], rtol=0, atol=1e-4)
+    differ = sd.mu["w"].view(-1, 260)[:, :256] != sh.mu["w"].view(-1, 260)[:, :256]
+    assert differ.float().mean() < 1e-3
+
+
+def test_bf16_params_split_masters_and_ema_combine_with_8bit_moments():
+    entry = ENTRIES[0]
+    for kernel in KERNELS:
+        a, sa = _train(entry, kernel, "plain", 1e-2, dtype=torch.bfloat16,
+                       store_param_remainders=True, ema_decay=0.9)
+        b, sb = _train(entry, kernel, "delayed", 1e-2, dtype=torch.bfloat16,
+                       store_param_remainders=True, ema_decay=0.9)
+        for k in a:
+            assert torch.equal(a[k], b[k]), (kernel, k)
+        assert torch.equal(sa.mu["w"], sb.mu["w"]) and torch.equal(sa.ema["w"], sb.ema["w"])
+
+
+def test_a_checkpoint_holds_the_bytes_and_scales_exactly(tmp_path):
+    entry = ENTRIES[0]
+    params, state = _train(entry, KERNELS[-1], "plain", 1e9)
+    path = os.fspath(tmp_path / "opt.safetensors")
+    fo.save(state, path)
+    like = fo.adamw(**entry.hypers, mu_dtype=torch.uint8, nu_dtype=torch.uint8).init(params)
+    loaded = fo.load(path, like)
+    for field in ("mu", "nu"):
+        for k in params:
+            assert torch.equal(getattr(loaded, field)[k], getattr(state, field)[k])
+    again = fo.load_state_dict(fo.state_dict(loaded), like)
+    assert torch.equal(again.nu["w"], state.nu["w"])
+    fp32 = fo.adamw(**entry.hypers).init(params)
+    with pytest.raises(fo.CheckpointError, match="mu.w"):
+        fo.load(path, fp32)
+
+
+def test_what_8bit_moments_do_not_support_is_refused_naming_it():
+    with pytest.raises(TypeError, match="torch.uint8: block-wise 8-bit"):
+        fo.adamw(mu_dtype=torch.int8)
+    with pytest.raises(TypeError, match="param 'w' would have a torch.float64 value"):
+        fo.adamw(mu_dtype=torch.uint8).init({"w": torch.zeros(100_000, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="mu_dtype"):
+        fo.TorchOptimizer([torch.zeros(10, requires_grad=True)], fo.adamw, mu_dtype=torch.uint8).step()
+
+
+def test_the_plan_counts_8bit_bytes():
+    params = {"w": torch.zeros(1 << 20), "b": torch.zeros(100)}
+    plan32 = fo.plan(fo.adamw(), params)
+    plan8 = fo.plan(fo.adamw(mu_dtype=torch.uint8, nu_dtype=torch.uint8), params)
+    ratio = (plan8.host_bytes - 100 * 8) / (plan32.host_bytes - 100 * 8)
+    assert ratio == pytest.approx(2 * 260 / 256 / 8)
+
+
+def test_state_trees_stay_trees_of_tensors():
+    params = {"w": torch.zeros(N)}
+    state = fo.adamw(mu_dtype=torch.uint8).init(params)
+    assert optree.tree_structure(state.mu) == optree.tree_structure(params)
+    assert state.mu["w"].shape == (blockwise.nbytes(N),)
