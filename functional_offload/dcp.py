@@ -248,23 +248,21 @@ def _refuse_formats(state: OptState) -> None:
     """Raise ``ValueError`` for split masters and block-wise 8-bit moments, whose tensors do not
     mirror their params' shards (DCP saves and loads each as a shard of its param's shape)."""
     for s in terminal_states(state):
-        if "master" in s._fields:
-            paths, masters, _ = leaves_with_paths(s.master)
-            split = [p for p, m in zip(paths, masters) if isinstance(m, torch.Tensor) and is_split(m)]
-            if split:
+        for field in s._fields:
+            if field in ("count", "params"):
+                continue
+            stored = is_split if field == "master" else is_blockwise
+            paths, xs, _ = leaves_with_paths(getattr(s, field))
+            bad = [p for p, x in zip(paths, xs) if isinstance(x, torch.Tensor) and stored(x)]
+            if bad and field == "master":
                 raise ValueError(f"functional_offload.dcp does not checkpoint split masters "
-                                 f"(store_param_remainders=True), as of leaf {split[0]!r}: DCP "
+                                 f"(store_param_remainders=True), as of leaf {bad[0]!r}: DCP "
                                  "loads into the state's tensors in place, and a split master is "
                                  "two halves of its fp32 value; use fo.save/fo.load per rank, or "
                                  "store_param_remainders=False")
-        for field in s._fields:
-            if field in ("count", "master", "params"):
-                continue
-            paths, xs, _ = leaves_with_paths(getattr(s, field))
-            eight = [p for p, x in zip(paths, xs) if isinstance(x, torch.Tensor) and is_blockwise(x)]
-            if eight:
+            if bad:
                 raise ValueError(f"functional_offload.dcp does not checkpoint block-wise 8-bit "
-                                 f"moments (torch.uint8), as of {field} leaf {eight[0]!r}: each "
+                                 f"moments (torch.uint8), as of {field} leaf {bad[0]!r}: each "
                                  "rank's bytes quantize its own shard, not a shard of a tensor of "
                                  "the param's shape; use fo.save/fo.load per rank, or fp32/bf16 "
                                  "moments")

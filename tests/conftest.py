@@ -76,6 +76,20 @@ def run(opt, params, grads):
     return params, state
 
 
+def step_by(opt, state, params, grads, mode: str):
+    """One step of ``opt`` by ``grads`` in ``mode``: "stream" (``fo.stream`` around a backward
+    that gives ``params`` those grads, which are then cleared), else ``update``; the new state."""
+    import functional_offload as fo
+    if mode != "stream":
+        return opt.update(grads, state)[1]
+    with fo.stream(opt, state) as s:
+        sum((p.float() * grads[k].float()).sum() for k, p in params.items()).backward()
+    _, state = s.finish()
+    for p in params.values():
+        p.grad = None
+    return state
+
+
 def per_block(fn):
     """A host kernel from ``fn(grad, state, out, hyper)`` on each block the task claims."""
     def kernel(work):

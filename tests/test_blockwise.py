@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import KERNELS, STALE
+from conftest import KERNELS, STALE, step_by
 from functional_offload.kernels import blockwise
 from registry import OPTIMIZERS
 
@@ -188,21 +188,14 @@ def _train(entry, kernel: str, mode: str, max_norm: float, dtype=torch.float32, 
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         grads = {k: torch.randn(v.shape, generator=g).to(dtype) for k, v in params.items()}
-        if mode == "stream":
-            with fo.stream(opt, state) as s:
-                sum((p.float() * grads[k].float()).sum() for k, p in params.items()).backward()
-            _, state = s.finish()
-            for p in params.values():
-                p.grad = None
-        else:
-            _, state = opt.update(grads, state)
+        state = step_by(opt, state, params, grads, mode)
     fo.flush(state)
     return {k: v.detach() for k, v in params.items()}, state[-1]
 
 
 def _moments(state) -> dict:
-    return {f: getattr(state, f) for f in ("mu", "nu", "momentum")
-            if f in state._fields and getattr(state, f) != ()}
+    return {f: getattr(state, f, ()) for f in ("mu", "nu", "momentum")
+            if getattr(state, f, ()) != ()}
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

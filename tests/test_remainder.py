@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import STALE
+from conftest import STALE, step_by
 from functional_offload.kernels import native, remainder
 from functional_offload.testing import fail_host_kernel
 from registry import OPTIMIZERS
@@ -59,14 +59,7 @@ def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         grads = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in params.items()}
-        if mode == "stream":
-            with fo.stream(opt, state) as s:
-                sum((p.float() * grads[k].float()).sum() for k, p in params.items()).backward()
-            _, state = s.finish()
-            for p in params.values():
-                p.grad = None
-        else:
-            _, state = opt.update(grads, state)
+        state = step_by(opt, state, params, grads, mode)
     fo.flush(state)
     return params, state[-1]
 

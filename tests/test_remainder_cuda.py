@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import STALE
+from conftest import STALE, step_by
 from functional_offload.executor import HostExecutor
 from functional_offload.kernels import remainder
 
@@ -34,14 +34,7 @@ def _train(rem: bool, placement, mode: str, max_norm: float, steps: int = 8):
     highs_match = True
     for _ in range(steps):
         grads = {k: torch.randn(v.shape, generator=g, device=DEV).bfloat16() for k, v in params.items()}
-        if mode == "stream":
-            with fo.stream(opt, state) as s:
-                sum((p.float() * grads[k].float()).sum() for k, p in params.items()).backward()
-            _, state = s.finish()
-            for p in params.values():
-                p.grad = None
-        else:
-            _, state = opt.update(grads, state)
+        state = step_by(opt, state, params, grads, mode)
         if rem and mode != "delayed":
             m = state[-1].master["w"]
             highs_match &= torch.equal(params["w"].detach(), remainder.high(m).to(DEV))

@@ -81,8 +81,26 @@ inline void split_value(float v, uint16_t& hi, int16_t& lo) {
 void register_op(const std::string& name, const Op& op);
 const Op& find_op(const std::string& name);
 
-// OUT: 0 the value in place, 1 also the param in the grad's dtype to `out`, 2 a split master
-// (high half and remainder in place; `out`, if given, gets the high half).
+// The new value `pi` of element `i` stored by OUT: 0 the value in place, 1 also the param in the
+// grad's dtype to `o`, 2 a split master (high half and remainder in place; `o`, if given, gets the
+// high half).
+template <class G, int OUT>
+inline void store_value(float pi, int64_t i, float* __restrict p, uint16_t* __restrict hi,
+                        int16_t* __restrict lo, typename G::T* __restrict o) {
+  if (OUT == 2) {
+    uint16_t h;
+    int16_t l;
+    split_value(pi, h, l);
+    hi[i] = h;
+    lo[i] = l;
+    if (o != nullptr) reinterpret_cast<uint16_t*>(o)[i] = h;
+  } else {
+    p[i] = pi;
+  }
+  if (OUT == 1) o[i] = G::st(pi);
+}
+
+// OUT: as store_value's.
 template <class O, class G, class M, int OUT>
 __attribute__((noinline)) void run_block(const Block& b) {
   // noinline: compiled on its own the loop vectorizes (inlined into a caller GCC once kept the
@@ -104,17 +122,7 @@ __attribute__((noinline)) void run_block(const Block& b) {
     const float pi = O::step(OUT == 2 ? join_value(hi[i], lo[i]) : p[i], G::ld(g[i]), a, b, s);
     if (O::kMoments > 0) m0[i] = M::st(a);
     if (O::kMoments > 1) m1[i] = M::st(b);
-    if (OUT == 2) {
-      uint16_t h;
-      int16_t l;
-      split_value(pi, h, l);
-      hi[i] = h;
-      lo[i] = l;
-      if (o != nullptr) reinterpret_cast<uint16_t*>(o)[i] = h;
-    } else {
-      p[i] = pi;
-    }
-    if (OUT == 1) o[i] = G::st(pi);
+    store_value<G, OUT>(pi, i, p, hi, lo, o);
   }
 }
 
@@ -128,12 +136,14 @@ struct QMap {
   const float* mids;
   uint32_t zero;
 #if defined(__AVX512F__)
+  alignas(64) float table[256];  // the values, aligned for the permutes' loads
   // the midpoints per step of the binary search: step k compares with one of 2^k candidates
   alignas(64) float search[8][128];
 #endif
   explicit QMap(const float* m) : values(m), mids(m + 256) {
     std::memcpy(&zero, m + 512, 4);
 #if defined(__AVX512F__)
+    std::memcpy(table, values, sizeof(table));
     for (int k = 0; k < 8; ++k)
       for (int slot = 0; slot < (1 << k); ++slot)
         search[k][slot] = mids[slot * (256 >> k) + (128 >> k) - 1];
@@ -169,13 +179,11 @@ inline void q_dequantize(const QMap& q, const uint8_t* __restrict c, int64_t n, 
   float a;
   std::memcpy(&a, c + kQBlock, 4);
 #if defined(__AVX512F__)
-  alignas(64) float values[256];
-  std::memcpy(values, q.values, sizeof(values));
   const __m512 scale = _mm512_set1_ps(a);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
     const __m512i idx = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, c + j));
-    const __m512 lo = lookup<2>(values, idx), hi = lookup<2>(values + 128, idx);
+    const __m512 lo = lookup<2>(q.table, idx), hi = lookup<2>(q.table + 128, idx);
     const __m512 v = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(128)), lo, hi);
     _mm512_mask_storeu_ps(f + j, m, _mm512_mul_ps(v, scale));
   }
@@ -249,17 +257,7 @@ __attribute__((noinline)) void run_block_q8(const Block& b) {
       const float pi = O::step(OUT == 2 ? join_value(hi[i], lo[i]) : p[i], G::ld(g[i]), m, v, s);
       if (O::kMoments > 0) f0[j] = m;
       if (O::kMoments > 1) f1[j] = v;
-      if (OUT == 2) {
-        uint16_t h;
-        int16_t l;
-        split_value(pi, h, l);
-        hi[i] = h;
-        lo[i] = l;
-        if (o != nullptr) reinterpret_cast<uint16_t*>(o)[i] = h;
-      } else {
-        p[i] = pi;
-      }
-      if (OUT == 1) o[i] = G::st(pi);
+      store_value<G, OUT>(pi, i, p, hi, lo, o);
     }
     if (O::kMoments > 0) q_quantize(q0, f0, len, c0);
     if (O::kMoments > 1) q_quantize(q1, f1, len, c1);
