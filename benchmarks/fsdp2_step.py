@@ -137,7 +137,8 @@ def system(name: str, frac: float, args: argparse.Namespace, device: torch.devic
         return model, step, lambda: None
     if name in OURS:
         ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac, clip=1.0 if clip else None,
-                          bf16_moments=name.endswith("16"), threads=args.threads)
+                          moments=torch.bfloat16 if name.endswith("16") else torch.float32,
+                          threads=args.threads)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30)
         return model, ours.step, ours.flush
     raise SystemExit(f"unknown system {name!r}")

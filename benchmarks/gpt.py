@@ -46,6 +46,7 @@ SIZES: dict[str, GPTConfig] = {
     "1.3b": GPTConfig(d=2048, layers=24, heads=16),
     "2.7b": GPTConfig(d=2560, layers=32, heads=32),
     "6.7b": GPTConfig(d=4096, layers=32, heads=32),
+    "13b": GPTConfig(d=5120, layers=41, heads=40),  # 13.17 B (GPT-3 13B's width, a 41st layer)
 }
 
 

@@ -58,6 +58,8 @@ OPTIMIZERS: dict[str, Callable[..., fo.Optimizer]] = {
     "adamw": lambda **kw: fo.adamw(cpu_kernel="native", **HYPER, **kw),
     "adamw16": lambda **kw: fo.adamw(cpu_kernel="native", mu_dtype=torch.bfloat16,
                                      nu_dtype=torch.bfloat16, **HYPER, **kw),
+    "adamw8": lambda **kw: fo.adamw(cpu_kernel="native", mu_dtype=torch.uint8,
+                                    nu_dtype=torch.uint8, **HYPER, **kw),
     "adamw_ema": lambda **kw: fo.adamw(cpu_kernel="native", ema_decay=0.999, **HYPER, **kw),
     "lion": lambda **kw: fo.lion(1e-5, betas=(0.9, 0.99), weight_decay=0.1, cpu_kernel="native", **kw),
     "sgd": lambda **kw: fo.sgd(1e-3, momentum=0.9, cpu_kernel="native", **kw),
@@ -65,13 +67,13 @@ OPTIMIZERS: dict[str, Callable[..., fo.Optimizer]] = {
 }
 
 
-def kernel_rate(shapes: list[tuple[int, ...]], threads: int, reps: int, bf16_moments: bool = False,
+def kernel_rate(shapes: list[tuple[int, ...]], threads: int, reps: int,
                 optimizer: str = "adamw") -> float:
-    """G elements/s of one host update of bf16 CPU params of ``shapes`` by ``optimizer``."""
+    """G elements/s of one host update of bf16 CPU params of ``shapes`` by ``optimizer`` (a key of
+    :data:`OPTIMIZERS`)."""
     params = {str(i): torch.empty(s, dtype=torch.bfloat16).uniform_(-1, 1) for i, s in enumerate(shapes)}
     grads = {k: torch.empty_like(p).uniform_(-1e-3, 1e-3) for k, p in params.items()}
-    name = "adamw16" if bf16_moments and optimizer == "adamw" else optimizer
-    opt = OPTIMIZERS[name](placement=fo.placement.on_host(), executor=HostExecutor(threads=threads))
+    opt = OPTIMIZERS[optimizer](placement=fo.placement.on_host(), executor=HostExecutor(threads=threads))
     holder = [opt.init(params)]
 
     def update() -> None:
@@ -91,14 +93,15 @@ def dram_bandwidth(numel: int, reps: int) -> dict[str, float]:
 
 def measure(shapes: list[tuple[int, ...]], threads: int = 0, reps: int = 3,
             dram_numel: int = 1 << 27) -> dict:
-    """The floor's inputs: kernel rates (fp32 and bf16 moments) and DRAM bandwidth."""
+    """The floor's inputs: kernel rates (fp32, bf16 and 8-bit moments) and DRAM bandwidth."""
     threads = threads or physical_cores()
     torch.set_num_threads(threads)
     out = {"numel": sum(torch.Size(s).numel() for s in shapes), "leaves": len(shapes),
            "threads": threads}
     out.update(dram_bandwidth(dram_numel, reps))
-    out["kernel_gelems"] = kernel_rate(shapes, threads, reps, bf16_moments=False)
-    out["kernel16_gelems"] = kernel_rate(shapes, threads, reps, bf16_moments=True)
+    out["kernel_gelems"] = kernel_rate(shapes, threads, reps)
+    out["kernel16_gelems"] = kernel_rate(shapes, threads, reps, optimizer="adamw16")
+    out["kernel8_gelems"] = kernel_rate(shapes, threads, reps, optimizer="adamw8")
     return out
 
 
@@ -123,6 +126,7 @@ def main() -> None:
     print(f"{'what':<34} {'rate':>10}")
     print(f"{'kernel, fp32 moments (G elem/s)':<34} {r['kernel_gelems']:>10.2f}")
     print(f"{'kernel, bf16 moments (G elem/s)':<34} {r['kernel16_gelems']:>10.2f}")
+    print(f"{'kernel, 8-bit moments (G elem/s)':<34} {r['kernel8_gelems']:>10.2f}")
     print(f"{'DRAM copy (GB/s)':<34} {r['copy_gbs']:>10.1f}")
     print(f"{'DRAM triad (GB/s)':<34} {r['triad_gbs']:>10.1f}")
     if args.out:

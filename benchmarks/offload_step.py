@@ -15,10 +15,11 @@ Systems (``F``: offload fraction, Megatron's semantics):
   ``plain:F``      ours: ``loss.backward()``, then ``opt.update({path: p.grad}, state)``.
   ``stream:F``     ours with ``fo.stream`` around backward.
   ``delayed:F``    ours with ``delayed=True`` (ZeRO-Offload's delayed parameter update).
-  ``stream16:F`` / ``delayed16:F``   the same with bf16 moments (fp32 masters kept).
-  ``plainr:F``, ``streamr:F``, ``delayedr:F`` (and ``...r16:F``)   the same with
+  ``stream16:F`` / ``delayed16:F``   the same with bf16 moments (fp32 masters kept); ``...8:F``
+                   (``plain8``, ``stream8``, ``delayed8``) with block-wise 8-bit moments.
+  ``plainr:F``, ``streamr:F``, ``delayedr:F`` (and ``...r16:F``, ``...r8:F``)   the same with
                    ``store_param_remainders=True`` (the exact master as the bf16 param plus an
-                   int16 remainder), with fp32 (bf16) moments.
+                   int16 remainder), with fp32 (bf16, 8-bit) moments.
   ``lion:F`` / ``streamlion:F``   ``fo.lion`` (lr / 10, weight decay x 10), plain / streamed.
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
@@ -33,8 +34,8 @@ step over all timed steps including the final flush (``fo.flush(state)``) and a 
 peak GPU memory and its part above the bf16 model, pinned host memory (the CUDA caching host
 allocator's bytes; it rounds blocks up to powers of two), host state. The floor process (first,
 fresh) times our CPU kernel through the public API on the model's leaf shapes and the host DRAM
-bandwidth (``host_floor.py``); a system's floor = its offloaded params / the kernel rate (bf16
-moments: that kernel's rate; torchao, whose CPU step is torch's AdamW on bf16 params and states,
+bandwidth (``host_floor.py``); a system's floor = its offloaded params / the kernel rate of its
+moments' format (fp32, bf16 or 8-bit moments, fp32 masters; torchao, whose CPU step is torch's AdamW on bf16 params and states,
 gets the bf16-moment rate as a stand-in). Bounds: ``fwd + bwd + floor`` for plain and Megatron (host step
 after backward), ``fwd + 1.1·max(bwd, floor)`` for streamed and torchao, ``1.1·max(fwd + bwd,
 floor)`` for delayed, ``fwd + bwd`` for the all-on-GPU systems. Ratios use the mean wall time.
@@ -60,8 +61,14 @@ from ours import HYPER, Timeline, build_ours, fo
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-OURS = ("plain", "stream", "delayed", "stream16", "delayed16", "lion", "streamlion",
-        "plainr", "streamr", "delayedr", "plainr16", "streamr16", "delayedr16")
+MOMENTS = {"16": torch.bfloat16, "8": torch.uint8}  # a system name's suffix: its moments' dtype
+OURS = ("lion", "streamlion", *(mode + r + m for mode in ("plain", "stream", "delayed")
+                                for r in ("", "r") for m in ("", *MOMENTS)))
+
+
+def moments_of(name: str) -> str:
+    """The moments suffix of a system's name (``""``: fp32)."""
+    return next((m for m in MOMENTS if name.endswith(m)), "")
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
 SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,delayed16:1,hdo:1,torchao"
 
@@ -136,12 +143,13 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
             zero()
         return step, lambda: None
     if name in OURS:
-        base = name.removesuffix("16")
+        m = moments_of(name)
+        base = name.removesuffix(m) if m else name
         ours = build_ours(base.removesuffix("r") if base.endswith("r") else
                           base.removesuffix("lion") or "plain",
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
-                          bf16_moments=name.endswith("16"), remainders=base.endswith("r"),
+                          moments=MOMENTS.get(m, torch.float32), remainders=base.endswith("r"),
                           threads=args.threads,
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
@@ -271,7 +279,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
            f"{args.steps} steps after {args.warmup}; ratios use the mean wall time (incl. flush)"]
     if fl:
         out.append(f"host: kernel {fl['kernel_gelems']:.2f} G elem/s (bf16 moments "
-                   f"{fl['kernel16_gelems']:.2f}) on {fl['numel']:,} elements, {fl['threads']} "
+                   f"{fl['kernel16_gelems']:.2f}, 8-bit {fl.get('kernel8_gelems', float('nan')):.2f}) on {fl['numel']:,} elements, {fl['threads']} "
                    f"threads; DRAM copy {fl['copy_gbs']:.1f} GB/s, triad {fl['triad_gbs']:.1f} GB/s")
     if fb:
         out.append(f"forward {fb['fwd_s']:.3f} s, backward {fb['bwd_s']:.3f} s, fwd+bwd step "
@@ -286,8 +294,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
             out.append(f"{r['system']:<12} {r.get('error', '')[-150:]}")
             continue
         name = r["system"].partition(":")[0]
-        rate = (fl or {}).get("kernel16_gelems" if name.endswith("16") or name == "torchao"
-                              else "kernel_gelems")
+        rate = (fl or {}).get("kernel16_gelems" if name == "torchao"
+                              else f"kernel{moments_of(name)}_gelems")
         floor = r["offloaded"] / (rate * 1e9) if rate else nan
         fbs = fb["fwd_s"] + fb["bwd_s"] if fb else nan
         ovh = (r["mean_s"] - fbs) / floor if r["offloaded"] and floor == floor else nan
@@ -305,7 +313,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 
 def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="1.3b", help="GPT size (gpt.py): tiny, 125m, ..., 6.7b")
+    ap.add_argument("--size", default="1.3b", help="GPT size (gpt.py): tiny, 125m, ..., 6.7b, 13b")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch x seq)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--checkpoint", action="store_true",

@@ -45,17 +45,25 @@ class Ours(NamedTuple):
     ahead: dict  # streamed steps with clipping: {"kept": n, "redone": n, "held": n}
 
 
+def _elements(row: dict, params: dict) -> int:
+    """The elements of the leaf a report row's state belongs to (an 8-bit moment's shape is its
+    bytes)."""
+    parts = row["path"].split(".")
+    leaf = params.get(".".join(parts[parts.index("mu") + 1:]))
+    return leaf.numel() if leaf is not None else math.prod(row["shape"])
+
+
 def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                clip: Optional[float] = 1.0,
-               bf16_moments: bool = False, remainders: bool = False, optimizer: str = "adamw",
+               moments: torch.dtype = torch.float32, remainders: bool = False, optimizer: str = "adamw",
                threads: Optional[int] = None, chunk_mb: int = 32,
                slots: int = 4, timeline: Optional[Timeline] = None) -> Ours:
     """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
     tensors that require grad), with ``fraction`` of the elements' state in host memory.
 
     ``threads`` defaults to the library's choice (physical cores; one fewer for ``delayed``, whose
-    host step runs beside the training loop). ``bf16_moments``: mu and nu in bf16 (fp32 masters
-    kept); ``remainders``: ``store_param_remainders=True``; ``optimizer``: ``"adamw"`` or
+    host step runs beside the training loop). ``moments``: the moments' dtype (``torch.bfloat16``;
+    ``torch.uint8``: block-wise 8-bit; fp32 masters kept either way); ``remainders``: ``store_param_remainders=True``; ``optimizer``: ``"adamw"`` or
     ``"lion"``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -63,7 +71,9 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     delay = fo.Delay(warmup=0, exact_when_clipped=False) if delayed else False
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
-    formats = dict(mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16) if bf16_moments else {}
+    formats = {} if moments == torch.float32 else dict(mu_dtype=moments)
+    if moments != torch.float32 and optimizer == "adamw":
+        formats["nu_dtype"] = moments
     formats["store_param_remainders"] = remainders
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's
@@ -75,7 +85,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
         opt = fo.chain(fo.clip_by_global_norm(clip), opt)
     holder = [opt.init(params)]
     report = fo.placement_report(holder[0])
-    offloaded = sum(math.prod(r["shape"]) for r in report.rows
+    offloaded = sum(_elements(r, params) for r in report.rows
                     if r["device"] == "cpu" and "mu" in r["path"].split("."))
 
     ahead = {"kept": 0, "redone": 0, "held": 0}

@@ -46,7 +46,9 @@ def plain(params, x):
 
 
 def settle():
-    """Wait for the GPU and free blocks the allocator holds for a side stream's use."""
+    """Collect garbage cycles (an earlier test's may hold device tensors), wait for the GPU and
+    free blocks the allocator holds for a side stream's use."""
+    gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
 
@@ -148,7 +150,6 @@ def test_forward_without_backward_keeps_nothing():
         with off.record():
             loss = forward(params, x, off)
         del loss
-        gc.collect()
         settle()
         assert torch.cuda.memory_allocated() == base, step
         if step == 0:

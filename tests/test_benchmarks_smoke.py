@@ -15,7 +15,8 @@ import host_floor  # noqa: E402
 import offload_step  # noqa: E402
 
 
-@pytest.mark.parametrize("size, leaves, params", [("1.3b", 292, 1_315_819_520), ("2.7b", 388, 2_651_673_600)])
+@pytest.mark.parametrize("size, leaves, params", [("1.3b", 292, 1_315_819_520), ("2.7b", 388, 2_651_673_600),
+                                                  ("13b", 496, 13_168_266_240)])
 def test_gpt_counts(size, leaves, params):
     model = gpt.build(size, "meta")
     assert (gpt.count_leaves(model), gpt.count_params(model)) == (leaves, params)

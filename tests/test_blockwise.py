@@ -233,6 +233,36 @@ def test_the_native_kernel_quantizes_as_the_torch_kernel(entry):
                                    b[:, 256:].contiguous().view(torch.float32), rtol=1e-5, atol=0)
 
 
+def test_the_native_search_finds_the_midpoint_count_at_every_midpoint():
+    """The native quantizer's search (arithmetic, a midpoint search near midpoints) gives the
+    torch kernel's codes exactly: one AdamW step with betas 0 makes mu the grad and nu its square;
+    the grads hold every midpoint of both maps, their fp32 neighbours, map values, zeros and
+    log-uniform values, with a 1 per block (absmax 1: the quantized value is the grad itself)."""
+    if "native" not in KERNELS:
+        pytest.skip("no native kernel here")
+    (sv, smids), (uv, umids) = _values_and_mids(True), _values_and_mids(False)
+    mids = torch.cat([smids, umids.sqrt(), uv.sqrt()])
+    near = torch.cat([mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1), -mids, sv,
+                      torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    g = torch.Generator().manual_seed(0)
+    wide = torch.rand(N, generator=g) * 18 - 17  # log10 |x| in [-17, 1]
+    wide = (10 ** wide * torch.randn(N, generator=g).sign()).clamp(-1, 1)
+    x = torch.cat([near, wide])
+    x = torch.nn.functional.pad(x, (0, -x.numel() % 255)).view(-1, 255)
+    x = torch.cat([torch.ones(x.shape[0], 1), x], 1).view(-1)
+    opt = fo.adamw(lr=1e-3, betas=(0.0, 0.0), mu_dtype=torch.uint8, nu_dtype=torch.uint8,
+                   cpu_kernel="native")
+    state = opt.init({"w": torch.zeros(x.numel())})
+    _, state = opt.update({"w": x}, state)
+    assert torch.equal(state.mu["w"], blockwise.quantize(x, signed=True))
+    assert torch.equal(state.nu["w"], blockwise.quantize(x * x, signed=False))
+
+
+def _values_and_mids(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    v = paper_map(signed)
+    return v, (v[:-1] + v[1:]) * 0.5
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_8bit_moments_track_fp32_moments(entry):
     p8, _ = _train(entry, KERNELS[-1], "plain", 1e9, steps=20)

@@ -3,6 +3,7 @@ nothing leaves every state of a chain usable; a Ctrl-C at any point of an update
 state usable or holding the step, never busy; an exception in a streamed backward has one
 outcome whatever the timing; a param whose dtype no longer fits its master is refused first."""
 
+import gc
 import os
 import signal
 import sys
@@ -216,3 +217,28 @@ def test_a_param_whose_dtype_no_longer_fits_its_master_is_refused_before_the_ste
     with pytest.raises(TypeError, match="param '(bias|weight)' is torch.float64 now.*float32 master"):
         opt.update({k: v.grad for k, v in params.items()}, state)
     assert same(snapshot(state), before)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_an_update_leaves_no_reference_cycle(delayed):
+    """A step's objects go with their last reference: a cycle would keep its buffers (a delayed
+    step's copies of the grads on the GPU) until a full garbage collection."""
+    params = {f"blocks.{i}.w": torch.randn(300, 300) for i in range(3)}
+    opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(lr=1e-3, delayed=delayed))
+    state = opt.init(params)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    params, state = opt.update(grads, state)  # warm: first-use caches
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            params, state = opt.update(grads, state)
+        fo.flush(state)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [type(o).__qualname__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert left == [], sorted(set(left))

@@ -69,8 +69,9 @@ class Landing:
         self._lock = threading.Lock()
         self._landed = False
         ready = executor.ready(self.device)  # the copies above are complete here
+        done = self._done  # (not self: no cycle through the run keeps the buffer past its step)
         self.run = executor.open(self.device, kernel, threads,
-                                 chunk_done=lambda _, segs: self._done.extend(segs or ()))
+                                 chunk_done=lambda _, segs: done.extend(segs or ()))
         self.run.add_all([leaf._replace(grad=g, out=p) for leaf, g, p in zip(leaves, grads, self._up)],
                          ready)
         self.run.close()

@@ -37,11 +37,9 @@ class _Held:
     def __init__(self) -> None:
         self.handlers: dict[int, Any] = {}
         self.arrived: list[tuple[int, Optional[FrameType]]] = []
-        self.record = self._record  # one bound method: compared by identity
+        arrived = self.arrived  # (not self: a bound method kept on self would be a cycle)
+        self.record = lambda signum, frame: arrived.append((signum, frame))  # compared by identity
         self.interrupt: Optional[BaseException] = None
-
-    def _record(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.arrived.append((signum, frame))
 
     def _keep(self, e: BaseException) -> None:
         self.interrupt = self.interrupt or e

@@ -45,6 +45,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import NamedTuple
 
@@ -98,11 +99,54 @@ def _on(signed: bool, device: torch.device) -> Map:
     return Map(m.values.to(device), m.mids.to(device), m.zero)
 
 
+_NEAR = 2.0 ** -12  # the native search's margin: 4x its bound on fp32 rounding (~6e-5), in steps
+
+
+def _search(signed: bool) -> torch.Tensor:
+    r"""The native kernel's arithmetic search for the nearest value (its result is the
+    midpoints' count, exactly). By magnitude :math:`a = |y|` the values fall in 9 classes: 0,
+    the 7 decades and 1. The class is found by one comparison with the fp32 midpoint between
+    two classes that falls in :math:`a`'s binary octave (a 32-entry table by its exponent).
+    Decade :math:`e` holds :math:`k` values :math:`d (0.1 + (i + 1/2) w)`, :math:`d = 10^{e-6}`,
+    :math:`w = 0.9 / k`: the value nearest :math:`a` is :math:`i = \lfloor x \rfloor`,
+    :math:`x = a / (d w) - 0.1 / w`, except near a midpoint (:math:`x` within ``_NEAR`` of an
+    integer: about 1 input in 2,000), where the kernel searches the midpoints instead.
+
+    Returns 129 words (int32 or fp32): per octave the classes below it (int32), then the class
+    midpoint in it (NaN if none: no comparison holds), 32 each; per class, padded to 16, the
+    slope :math:`1/(d w)`, the offset :math:`-0.1/w` plus ``_NEAR``, the magnitude index of its
+    first value (int32) and its last step (int32; the classes of 0 and of 1 hold one value:
+    slope 0, offset 1/2); then ``2 * _NEAR``."""
+    m = _map(signed)
+    ks = [2 ** e if signed else 2 ** (e + 1) for e in range(7)]
+    first = [1 + sum(ks[:e]) for e in range(7)] + [1 + sum(ks)]  # the decades, then the value 1
+    bounds = [float(m.mids[m.zero + f - 1]) for f in first]  # the midpoint below each class
+    below, inside = [], []
+    for octave in range(32):  # a's binary exponent, clamped: [0, 2^-30), ..., [2^-1, 1), [1, inf]
+        lo = 0.0 if octave == 0 else 2.0 ** (octave - 31)
+        hi = 2.0 ** (octave - 30) if octave < 31 else math.inf
+        here = [b for b in bounds if lo <= b < hi]
+        assert len(here) <= 1, "two class midpoints in one octave"
+        below.append(sum(b < lo for b in bounds))
+        inside.append(here[0] if here else math.nan)
+    slope, offset, start, steps = [0.0] * 16, [0.5] * 16, [0] * 16, [0] * 16
+    start[8] = first[7]
+    for e, k in enumerate(ks):
+        dw = 10.0 ** (e - 6) * 0.9 / k
+        slope[1 + e], offset[1 + e] = 1.0 / dw, -0.1 * k / 0.9 + _NEAR
+        start[1 + e], steps[1 + e] = first[e], k - 1
+    ints = torch.tensor(below + start + steps, dtype=torch.int32).view(torch.float32)
+    return torch.cat([ints[:32], torch.tensor(inside + slope + offset), ints[32:],
+                      torch.tensor([2 * _NEAR])])
+
+
 def table(signed: bool) -> torch.Tensor:
     """The native kernel's view of a map, 4-byte words (an fp32 tensor): the values by byte
-    (256), the midpoints (256) and the zero index (int32)."""
+    (256), the midpoints (256), the zero index (int32) and the arithmetic search's tables
+    (129; :func:`_search`)."""
     m = _map(signed)
-    return torch.cat([m.values, m.mids, torch.tensor([m.zero], dtype=torch.int32).view(torch.float32)])
+    return torch.cat([m.values, m.mids, torch.tensor([m.zero], dtype=torch.int32).view(torch.float32),
+                      _search(signed)])
 
 
 def is_blockwise(x: torch.Tensor) -> bool:

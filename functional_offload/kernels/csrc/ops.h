@@ -35,7 +35,7 @@ constexpr int kMaxMoments = 2;
 constexpr int kMaxScalars = 16;
 constexpr int64_t kQBlock = 256;  // elements per block of an 8-bit moment
 constexpr int64_t kQRow = kQBlock + 4;  // its bytes: the codes, then the absmax
-constexpr int kMapFloats = 2 * 256 + 1;  // a map (QMap below), in 4-byte words
+constexpr int kMapFloats = 2 * 256 + 1 + 129;  // a map (QMap below), in 4-byte words
 
 // Bytes of an 8-bit moment of `n` elements.
 inline int64_t q_bytes(int64_t n) { return (n + kQBlock - 1) / kQBlock * kQRow; }
@@ -127,26 +127,39 @@ __attribute__((noinline)) void run_block(const Block& b) {
 }
 
 // An 8-bit moment's map as the Python side hands it (kernels/blockwise.py, `table`): the values
-// by stored byte, the sorted values' 255 midpoints and +inf, the sorted index of 0 (int32). A
-// block is dequantized before the step and quantized after it, both without gathers (a gather
-// costs tens of cycles on CPUs with the gather-data-sampling fix): with AVX-512 by register
-// permutes, else one element at a time.
+// by stored byte, the sorted values' 255 midpoints and +inf, the sorted index of 0 (int32), the
+// arithmetic search's tables (`_search`) and its margin. A block is dequantized before the step
+// and quantized after it, both without gathers (a gather costs tens of cycles on CPUs with the
+// gather-data-sampling fix): with AVX-512 by register permutes, else one element at a time.
 struct QMap {
   const float* values;  // by stored byte: code = sorted index - zero (mod 256)
   const float* mids;
   uint32_t zero;
 #if defined(__AVX512F__)
   alignas(64) float table[256];  // the values, aligned for the permutes' loads
-  // the midpoints per step of the binary search: step k compares with one of 2^k candidates
-  alignas(64) float search[8][128];
+  // the search: per binary octave of |y| the classes below it and the class midpoint in it
+  // (NaN if none); per class its slope and offset, the magnitude index of its first value, its
+  // last step
+  alignas(64) int32_t below[32];
+  alignas(64) float inside[32];
+  alignas(64) float slope[16];
+  alignas(64) float offset[16];
+  alignas(64) int32_t start[16];
+  alignas(64) int32_t steps[16];
+  float near;  // twice the margin: a lane whose fraction (plus the margin) is below it is searched
 #endif
   explicit QMap(const float* m) : values(m), mids(m + 256) {
     std::memcpy(&zero, m + 512, 4);
 #if defined(__AVX512F__)
     std::memcpy(table, values, sizeof(table));
-    for (int k = 0; k < 8; ++k)
-      for (int slot = 0; slot < (1 << k); ++slot)
-        search[k][slot] = mids[slot * (256 >> k) + (128 >> k) - 1];
+    const float* t = m + 513;
+    std::memcpy(below, t, 128);
+    std::memcpy(inside, t + 32, 128);
+    std::memcpy(slope, t + 64, 64);
+    std::memcpy(offset, t + 80, 64);
+    std::memcpy(start, t + 96, 64);
+    std::memcpy(steps, t + 112, 64);
+    near = t[128];
 #endif
   }
 };
@@ -206,24 +219,47 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
   std::memcpy(c + kQBlock, &a, 4);
   const float inv = a != 0.f ? 1.f / a : 0.f;
 #if defined(__AVX512F__)
-  const __m512 scale = _mm512_set1_ps(inv);
-  const __m512i zero = _mm512_set1_epi32(int(q.zero));
+  // By |y|'s class (0, a decade, 1: one compare per binary octave) and, within a decade, a
+  // multiply-add; a lane near a midpoint is searched by the midpoints (kernels/blockwise.py,
+  // `_search`). A tie goes to the lower value: below 0 that is the larger magnitude (>=, not >).
+  const __m512 scale = _mm512_set1_ps(inv), near = _mm512_set1_ps(q.near);
+  const __m512i zero = _mm512_set1_epi32(int(q.zero)), none = _mm512_setzero_si512();
+  const __m512i below_lo = _mm512_load_si512(q.below), below_hi = _mm512_load_si512(q.below + 16);
+  const __m512 inside_lo = _mm512_load_ps(q.inside), inside_hi = _mm512_load_ps(q.inside + 16);
+  const __m512 slope = _mm512_load_ps(q.slope), offset = _mm512_load_ps(q.offset);
+  const __m512i start = _mm512_load_si512(q.start), steps = _mm512_load_si512(q.steps);
+  alignas(64) float ys[16];
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
     const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, f + j), scale);
-    __m512i i = _mm512_setzero_si512();
-    // step k: i has its top k bits; the candidate is search[k][i >> (8 - k)], the step 128 >> k
-    auto step = [&](int k, __m512 cand) {
-      const __mmask16 below = _mm512_cmp_ps_mask(cand, y, _CMP_LT_OQ);
-      i = _mm512_mask_add_epi32(i, below, i, _mm512_set1_epi32(128 >> k));
-    };
-    step(0, _mm512_set1_ps(q.search[0][0]));
-    for (int k = 1; k <= 4; ++k)
-      step(k, _mm512_permutexvar_ps(_mm512_srli_epi32(i, 8 - k), _mm512_load_ps(q.search[k])));
-    step(5, lookup<0>(q.search[5], _mm512_srli_epi32(i, 3)));
-    step(6, lookup<1>(q.search[6], _mm512_srli_epi32(i, 2)));
-    step(7, lookup<2>(q.search[7], _mm512_srli_epi32(i, 1)));
-    _mm_mask_storeu_epi8(c + j, m, _mm512_cvtepi32_epi8(_mm512_sub_epi32(i, zero)));
+    const __m512i bits = _mm512_castps_si512(y);
+    const __mmask16 neg = _mm512_movepi32_mask(bits);
+    const __m512i abits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __m512 a = _mm512_castsi512_ps(abits);
+    const __m512i octave = _mm512_min_epi32(
+        _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(abits, 23), _mm512_set1_epi32(96)), none),
+        _mm512_set1_epi32(31));
+    const __m512 bound = _mm512_permutex2var_ps(inside_lo, octave, inside_hi);
+    const __mmask16 up = _mm512_cmp_ps_mask(a, bound, _CMP_GT_OQ) |
+                         (neg & _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ));
+    const __m512i lower = _mm512_permutex2var_epi32(below_lo, octave, below_hi);
+    const __m512i cls = _mm512_mask_add_epi32(lower, up, lower, _mm512_set1_epi32(1));
+    const __m512 x = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(cls, slope), _mm512_permutexvar_ps(cls, offset));
+    const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __mmask16 close = _mm512_cmp_ps_mask(_mm512_sub_ps(x, fl), near, _CMP_LT_OQ) & m;
+    const __m512i k = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(fl), none),
+                                       _mm512_permutexvar_epi32(cls, steps));
+    const __m512i mag = _mm512_add_epi32(_mm512_permutexvar_epi32(cls, start), k);
+    __m512i code = _mm512_mask_sub_epi32(mag, neg, none, _mm512_min_epi32(mag, zero));
+    code = _mm512_mask_sub_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), none, zero);
+    _mm_mask_storeu_epi8(c + j, m, _mm512_cvtepi32_epi8(code));
+    if (close) {
+      _mm512_store_ps(ys, y);
+      for (uint32_t l = close; l != 0; l &= l - 1) {
+        const int lane = __builtin_ctz(l);
+        c[j + lane] = uint8_t(q_index(q.mids, ys[lane]) - q.zero);
+      }
+    }
   }
 #else
   for (int64_t j = 0; j < n; ++j) c[j] = uint8_t(q_index(q.mids, f[j] * inv) - q.zero);
