@@ -23,7 +23,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -130,13 +130,12 @@ __attribute__((noinline)) void run_block(const Block& b) {
 // by stored byte, the sorted values' 255 midpoints and +inf, the sorted index of 0 (int32), the
 // arithmetic search's tables (`_search`) and its margin. A block is dequantized before the step
 // and quantized after it, both without gathers (a gather costs tens of cycles on CPUs with the
-// gather-data-sampling fix): with AVX-512 by register permutes, else one element at a time.
+// gather-data-sampling fix): with AVX-512 (or AVX2: quantizing) by register permutes, else one
+// element at a time.
 struct QMap {
   const float* values;  // by stored byte: code = sorted index - zero (mod 256)
   const float* mids;
   uint32_t zero;
-#if defined(__AVX512F__)
-  alignas(64) float table[256];  // the values, aligned for the permutes' loads
   // the search: per binary octave of |y| the classes below it and the class midpoint in it
   // (NaN if none); per class its slope and offset, the magnitude index of its first value, its
   // last step
@@ -147,11 +146,11 @@ struct QMap {
   alignas(64) int32_t start[16];
   alignas(64) int32_t steps[16];
   float near;  // twice the margin: a lane whose fraction (plus the margin) is below it is searched
+#if defined(__AVX512F__)
+  alignas(64) float table[256];  // the values, aligned for the permutes' loads
 #endif
   explicit QMap(const float* m) : values(m), mids(m + 256) {
     std::memcpy(&zero, m + 512, 4);
-#if defined(__AVX512F__)
-    std::memcpy(table, values, sizeof(table));
     const float* t = m + 513;
     std::memcpy(below, t, 128);
     std::memcpy(inside, t + 32, 128);
@@ -160,6 +159,8 @@ struct QMap {
     std::memcpy(start, t + 96, 64);
     std::memcpy(steps, t + 112, 64);
     near = t[128];
+#if defined(__AVX512F__)
+    std::memcpy(table, values, sizeof(table));
 #endif
   }
 };
@@ -171,6 +172,45 @@ inline uint32_t q_index(const float* __restrict mids, float y) {
   for (uint32_t step = 128; step > 0; step >>= 1) i += mids[i + step - 1] < y ? step : 0;
   return i;
 }
+
+// The code of `y` by the arithmetic search (as q_quantize's AVX-512 loop, one lane), plus 256 if
+// `y` is near a midpoint (then the code is q_index's, to be looked up).
+inline int32_t q_arith(const QMap& q, float y) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, y);
+  const bool neg = bits >> 31;
+  const uint32_t abits = bits & 0x7fffffffu;
+  const float a = __builtin_bit_cast(float, abits);
+  const int32_t octave = std::min(std::max(int32_t(abits >> 23) - 96, 0), 31);
+  const float bound = q.inside[octave];
+  const int32_t cls = q.below[octave] + int32_t((a > bound) | (neg & (a >= bound)));
+  const float fx = std::fma(a, q.slope[cls], q.offset[cls]);
+  const float x = fx == fx ? fx : 0.5f;  // NaN (y NaN or inf): any step, replaced below
+  const int32_t t = int32_t(x);  // the floor: x > 0 in its class (from 0.2 up in a decade)
+  const int32_t close = x - float(t) < q.near ? 256 : 0;
+  const int32_t k = std::min(std::max(t, 0), q.steps[cls]);
+  const int32_t mag = q.start[cls] + k;
+  const int32_t code = y != y ? -int32_t(q.zero) : neg ? -std::min(mag, int32_t(q.zero)) : mag;
+  return (code & 255) | close;
+}
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// 8 words of a table of 8 << K words (K = 0..2) by the low bits of `idx`, by permutes.
+template <int K>
+inline __m256 lookup8(const float* t, __m256i idx) {
+  if constexpr (K == 0) {
+    return _mm256_permutevar8x32_ps(_mm256_loadu_ps(t), idx);
+  } else {
+    const __m256i hi = _mm256_slli_epi32(idx, 31 - (2 + K));  // bit 2 + K into the sign
+    return _mm256_blendv_ps(lookup8<K - 1>(t, idx), lookup8<K - 1>(t + (4 << K), idx),
+                            _mm256_castsi256_ps(hi));
+  }
+}
+
+template <int K>
+inline __m256i lookup8(const int32_t* t, __m256i idx) {
+  return _mm256_castps_si256(lookup8<K>(reinterpret_cast<const float*>(t), idx));
+}
+#endif
 
 #if defined(__AVX512F__)
 // 16 floats of a table of 32 << K floats (K = 0..2) by the low bits of `idx`.
@@ -261,8 +301,57 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
       }
     }
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // As the AVX-512 loop, 8 lanes, the tables read by permutes.
+  const __m256 scale = _mm256_set1_ps(inv), near = _mm256_set1_ps(q.near);
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256i zero = _mm256_set1_epi32(int(q.zero)), none = _mm256_setzero_si256();
+  alignas(32) float ys[8];
+  for (int64_t j = 0; j < n; j += 8) {
+    const int len = int(std::min<int64_t>(8, n - j));
+    const __m256i lanes =
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(len), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 y = _mm256_mul_ps(_mm256_maskload_ps(f + j, lanes), scale);
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i neg = _mm256_srai_epi32(bits, 31);
+    const __m256i abits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256 a = _mm256_castsi256_ps(abits);
+    const __m256i octave = _mm256_min_epi32(
+        _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(abits, 23), _mm256_set1_epi32(96)), none),
+        _mm256_set1_epi32(31));
+    const __m256 bound = lookup8<2>(q.inside, octave);
+    const __m256 ge = _mm256_and_ps(_mm256_cmp_ps(a, bound, _CMP_GE_OQ), _mm256_castsi256_ps(neg));
+    const __m256 up = _mm256_or_ps(_mm256_cmp_ps(a, bound, _CMP_GT_OQ), ge);
+    const __m256i cls = _mm256_sub_epi32(lookup8<2>(q.below, octave), _mm256_castps_si256(up));
+    const __m256 fx = _mm256_fmadd_ps(a, lookup8<1>(q.slope, cls), lookup8<1>(q.offset, cls));
+    const __m256 x = _mm256_blendv_ps(half, fx, _mm256_cmp_ps(fx, fx, _CMP_ORD_Q));  // x > 0
+    const __m256i t = _mm256_cvttps_epi32(x);
+    const __m256 frac = _mm256_sub_ps(x, _mm256_cvtepi32_ps(t));
+    const int close = _mm256_movemask_ps(_mm256_cmp_ps(frac, near, _CMP_LT_OQ)) & ((1 << len) - 1);
+    const __m256i k = _mm256_min_epi32(_mm256_max_epi32(t, none), lookup8<1>(q.steps, cls));
+    const __m256i mag = _mm256_add_epi32(lookup8<1>(q.start, cls), k);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    __m256i code = _mm256_blendv_epi8(mag, _mm256_sub_epi32(none, _mm256_min_epi32(mag, zero)), neg);
+    code = _mm256_blendv_epi8(code, _mm256_sub_epi32(none, zero), nan);
+    code = _mm256_and_si256(code, _mm256_set1_epi32(255));
+    const __m128i w =
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    const uint64_t packed = uint64_t(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
+    std::memcpy(c + j, &packed, size_t(len));
+    if (close) {
+      _mm256_store_ps(ys, y);
+      for (uint32_t l = uint32_t(close); l != 0; l &= l - 1) {
+        const int lane = __builtin_ctz(l);
+        c[j + lane] = uint8_t(q_index(q.mids, ys[lane]) - q.zero);
+      }
+    }
+  }
 #else
-  for (int64_t j = 0; j < n; ++j) c[j] = uint8_t(q_index(q.mids, f[j] * inv) - q.zero);
+  int32_t r[kQBlock];
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) r[j] = q_arith(q, f[j] * inv);
+  for (int64_t j = 0; j < n; ++j)
+    c[j] = uint8_t(r[j] < 256 ? r[j] : q_index(q.mids, f[j] * inv) - q.zero);
 #endif
 }
 
