@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 import gpt
 import host_floor
-from ours import HYPER, build_ours, fo
+from ours import HYPER, MOMENTS, build_ours, fo, moments_of
 from functional_offload.executor import physical_cores
 
 OURS = ("plain", "stream", "delayed", "stream16", "delayed16")
@@ -136,9 +136,9 @@ def system(name: str, frac: float, args: argparse.Namespace, device: torch.devic
             zero()
         return model, step, lambda: None
     if name in OURS:
-        ours = build_ours(name.removesuffix("16"), dict(model.named_parameters()), frac, clip=1.0 if clip else None,
-                          moments=torch.bfloat16 if name.endswith("16") else torch.float32,
-                          threads=args.threads)
+        m = moments_of(name)
+        ours = build_ours(name.removesuffix(m), dict(model.named_parameters()), frac, clip=1.0 if clip else None,
+                          moments=MOMENTS[m], threads=args.threads)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30)
         return model, ours.step, ours.flush
     raise SystemExit(f"unknown system {name!r}")

@@ -35,8 +35,8 @@ peak GPU memory and its part above the bf16 model, pinned host memory (the CUDA 
 allocator's bytes; it rounds blocks up to powers of two), host state. The floor process (first,
 fresh) times our CPU kernel through the public API on the model's leaf shapes and the host DRAM
 bandwidth (``host_floor.py``); a system's floor = its offloaded params / the kernel rate of its
-moments' format (fp32, bf16 or 8-bit moments, fp32 masters; torchao, whose CPU step is torch's AdamW on bf16 params and states,
-gets the bf16-moment rate as a stand-in). Bounds: ``fwd + bwd + floor`` for plain and Megatron (host step
+moments' format (fp32, bf16 or 8-bit moments, fp32 masters; torchao, whose CPU step is torch's
+AdamW on bf16 params and states, gets the bf16-moment rate as a stand-in). Bounds: ``fwd + bwd + floor`` for plain and Megatron (host step
 after backward), ``fwd + 1.1·max(bwd, floor)`` for streamed and torchao, ``1.1·max(fwd + bwd,
 floor)`` for delayed, ``fwd + bwd`` for the all-on-GPU systems. Ratios use the mean wall time.
 """
@@ -56,19 +56,13 @@ import torch
 
 import gpt
 import host_floor
-from ours import HYPER, Timeline, build_ours, fo
+from ours import HYPER, MOMENTS, Timeline, build_ours, fo, moments_of
 
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-MOMENTS = {"16": torch.bfloat16, "8": torch.uint8}  # a system name's suffix: its moments' dtype
 OURS = ("lion", "streamlion", *(mode + r + m for mode in ("plain", "stream", "delayed")
-                                for r in ("", "r") for m in ("", *MOMENTS)))
-
-
-def moments_of(name: str) -> str:
-    """The moments suffix of a system's name (``""``: fp32)."""
-    return next((m for m in MOMENTS if name.endswith(m)), "")
+                                for r in ("", "r") for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
 SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,delayed16:1,hdo:1,torchao"
 
@@ -144,12 +138,12 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         return step, lambda: None
     if name in OURS:
         m = moments_of(name)
-        base = name.removesuffix(m) if m else name
+        base = name.removesuffix(m)
         ours = build_ours(base.removesuffix("r") if base.endswith("r") else
                           base.removesuffix("lion") or "plain",
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
-                          moments=MOMENTS.get(m, torch.float32), remainders=base.endswith("r"),
+                          moments=MOMENTS[m], remainders=base.endswith("r"),
                           threads=args.threads,
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
@@ -274,19 +268,20 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     """The summary lines: the floor, fwd/bwd, then one row per system."""
     fl = next((r for r in rows if r["system"] == "floor" and "kernel_gelems" in r), None)
     fb = next((r for r in rows if r["system"] == "fwdbwd" and "fwd_s" in r), None)
+    nan = float("nan")
     out = [f"\nE2E GPT {args.size}, {args.tokens} tokens"
            + (", every block checkpointed" if args.checkpoint else "") + f", device {args.device}; median of "
            f"{args.steps} steps after {args.warmup}; ratios use the mean wall time (incl. flush)"]
     if fl:
         out.append(f"host: kernel {fl['kernel_gelems']:.2f} G elem/s (bf16 moments "
-                   f"{fl['kernel16_gelems']:.2f}, 8-bit {fl.get('kernel8_gelems', float('nan')):.2f}) on {fl['numel']:,} elements, {fl['threads']} "
-                   f"threads; DRAM copy {fl['copy_gbs']:.1f} GB/s, triad {fl['triad_gbs']:.1f} GB/s")
+                   f"{fl['kernel16_gelems']:.2f}, 8-bit {fl.get('kernel8_gelems', nan):.2f}) on "
+                   f"{fl['numel']:,} elements, {fl['threads']} threads; DRAM copy "
+                   f"{fl['copy_gbs']:.1f} GB/s, triad {fl['triad_gbs']:.1f} GB/s")
     if fb:
         out.append(f"forward {fb['fwd_s']:.3f} s, backward {fb['bwd_s']:.3f} s, fwd+bwd step "
                    f"{fb['step_s']:.3f} s")
     out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'mean s':>7} {'x fb':>6} {'floor s':>8} "
                f"{'ovh/flr':>7} {'bound s':>8} {'x bound':>7} {'peak GiB':>9} {'extra':>6} {'pin MiB':>8}")
-    nan = float("nan")
     for r in rows:
         if r["system"] == "floor":
             continue

@@ -34,6 +34,12 @@ __all__ = ["HYPER", "MODES", "Ours", "Timeline", "build_ours", "fo"]
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MODES = ("plain", "stream", "delayed")
+MOMENTS = {"": torch.float32, "16": torch.bfloat16, "8": torch.uint8}  # a system name's suffix
+
+
+def moments_of(name: str) -> str:
+    """The suffix of a system's name that picks its moments' dtype (a key of :data:`MOMENTS`)."""
+    return next((m for m in MOMENTS if m and name.endswith(m)), "")
 
 
 class Ours(NamedTuple):
@@ -63,17 +69,16 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
 
     ``threads`` defaults to the library's choice (physical cores; one fewer for ``delayed``, whose
     host step runs beside the training loop). ``moments``: the moments' dtype (``torch.bfloat16``;
-    ``torch.uint8``: block-wise 8-bit; fp32 masters kept either way); ``remainders``: ``store_param_remainders=True``; ``optimizer``: ``"adamw"`` or
-    ``"lion"``."""
+    ``torch.uint8``: block-wise 8-bit; fp32 masters kept either way); ``remainders``:
+    ``store_param_remainders=True``; ``optimizer``: ``"adamw"`` or ``"lion"``."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
     delay = fo.Delay(warmup=0, exact_when_clipped=False) if delayed else False
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
-    formats = {} if moments == torch.float32 else dict(mu_dtype=moments)
-    if moments != torch.float32 and optimizer == "adamw":
-        formats["nu_dtype"] = moments
+    fields = ("mu", "nu") if optimizer == "adamw" else ("mu",)
+    formats = {} if moments == torch.float32 else {f"{f}_dtype": moments for f in fields}
     formats["store_param_remainders"] = remainders
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's

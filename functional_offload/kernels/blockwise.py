@@ -102,6 +102,7 @@ def _on(signed: bool, device: torch.device) -> Map:
 _NEAR = 2.0 ** -12  # the native search's margin: 4x its bound on fp32 rounding (~6e-5), in steps
 
 
+@functools.lru_cache(maxsize=None)
 def _search(signed: bool) -> torch.Tensor:
     r"""The native kernel's arithmetic search for the nearest value (its result is the
     midpoints' count, exactly). By magnitude :math:`a = |y|` the values fall in 9 classes: 0,

@@ -173,6 +173,14 @@ inline uint32_t q_index(const float* __restrict mids, float y) {
   return i;
 }
 
+// The codes of the lanes `close` (bits) of `ys` into `c` by the midpoint search.
+inline void q_search_lanes(const QMap& q, const float* ys, uint32_t close, uint8_t* c) {
+  for (; close != 0; close &= close - 1) {
+    const int lane = __builtin_ctz(close);
+    c[lane] = uint8_t(q_index(q.mids, ys[lane]) - q.zero);
+  }
+}
+
 // The code of `y` by the arithmetic search (as q_quantize's AVX-512 loop, one lane), plus 256 if
 // `y` is near a midpoint (then the code is q_index's, to be looked up).
 inline int32_t q_arith(const QMap& q, float y) {
@@ -295,10 +303,7 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
     _mm_mask_storeu_epi8(c + j, m, _mm512_cvtepi32_epi8(code));
     if (close) {
       _mm512_store_ps(ys, y);
-      for (uint32_t l = close; l != 0; l &= l - 1) {
-        const int lane = __builtin_ctz(l);
-        c[j + lane] = uint8_t(q_index(q.mids, ys[lane]) - q.zero);
-      }
+      q_search_lanes(q, ys, close, c + j);
     }
   }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -340,10 +345,7 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
     std::memcpy(c + j, &packed, size_t(len));
     if (close) {
       _mm256_store_ps(ys, y);
-      for (uint32_t l = uint32_t(close); l != 0; l &= l - 1) {
-        const int lane = __builtin_ctz(l);
-        c[j + lane] = uint8_t(q_index(q.mids, ys[lane]) - q.zero);
-      }
+      q_search_lanes(q, ys, uint32_t(close), c + j);
     }
   }
 #else
