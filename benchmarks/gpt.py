@@ -112,13 +112,13 @@ def config(size: str) -> GPTConfig:
     return SIZES[size]
 
 
-def build(size: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
+def build(size: str | GPTConfig, device: torch.device | str, dtype: torch.dtype = torch.bfloat16,
           seed: int = 0) -> GPT:
-    """The model of ``size`` on ``device`` in ``dtype``, initialized from ``seed`` (GPT-2's
-    scheme: N(0, 0.02), residual projections scaled by 1/sqrt(2·layers), LayerNorm 1/0). The
-    same size, device, dtype and seed give the same values in every process. On ``meta`` the
-    values are left out (for counting)."""
-    cfg = config(size)
+    """The model of ``size`` (a name of :data:`SIZES` or a config) on ``device`` in ``dtype``,
+    initialized from ``seed`` (GPT-2's scheme: N(0, 0.02), residual projections scaled by
+    1/sqrt(2·layers), LayerNorm 1/0). The same size, device, dtype and seed give the same values
+    in every process. On ``meta`` the values are left out (for counting)."""
+    cfg = size if isinstance(size, GPTConfig) else config(size)
     model = GPT(cfg, device="meta", dtype=dtype)
     if torch.device(device).type == "meta":
         return model

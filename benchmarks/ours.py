@@ -30,10 +30,11 @@ if os.path.dirname(os.path.dirname(os.path.abspath(fo.__file__))) != os.path.abs
                       f"imported, not the library in {sys.path[0]}")
 from functional_offload.executor import HostExecutor, Timeline, physical_cores  # noqa: E402
 
-__all__ = ["HYPER", "MODES", "Ours", "Timeline", "build_ours", "fo"]
+__all__ = ["HYPER", "LION_BETAS", "MODES", "Ours", "Timeline", "build_ours", "fo"]
 
 HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 MODES = ("plain", "stream", "delayed")
+LION_BETAS = (0.9, 0.99)
 MOMENTS = {"": torch.float32, "16": torch.bfloat16, "8": torch.uint8}  # a system name's suffix
 
 
@@ -43,7 +44,8 @@ def moments_of(name: str) -> str:
 
 
 class Ours(NamedTuple):
-    step: Callable[[Callable[[], torch.Tensor]], None]  # step(loss_fn): forward, backward, update
+    step: Callable[[Callable[[], torch.Tensor]], torch.Tensor]  # step(loss_fn): forward, backward,
+    # update; the loss, detached
     flush: Callable[[], None]  # land a delayed update still in flight (a no-op otherwise)
     executor: HostExecutor
     offloaded: int  # elements whose state lives in host memory (this rank's shards)
@@ -51,47 +53,58 @@ class Ours(NamedTuple):
     ahead: dict  # streamed steps with clipping: {"kept": n, "redone": n, "held": n}
 
 
-def _elements(row: dict, params: dict) -> int:
-    """The elements of the leaf a report row's state belongs to (an 8-bit moment's shape is its
-    bytes)."""
+def _elements(row: dict, params: dict, field: str) -> int:
+    """The elements of the leaf a report row's state ``field`` belongs to (an 8-bit moment's
+    shape is its bytes)."""
     parts = row["path"].split(".")
-    leaf = params.get(".".join(parts[parts.index("mu") + 1:]))
+    leaf = params.get(".".join(parts[parts.index(field) + 1:]))
     return leaf.numel() if leaf is not None else math.prod(row["shape"])
 
 
 def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
-               clip: Optional[float] = 1.0,
+               clip: Optional[float] = 1.0, lr: Any = None, delay: Optional[fo.Delay] = None,
                moments: torch.dtype = torch.float32, remainders: bool = False, optimizer: str = "adamw",
                threads: Optional[int] = None, chunk_mb: int = 32,
-               slots: int = 4, timeline: Optional[Timeline] = None) -> Ours:
+               slots: int = 4, timeline: Optional[Timeline] = None,
+               norms: Optional[list] = None) -> Ours:
     """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
     tensors that require grad), with ``fraction`` of the elements' state in host memory.
 
     ``threads`` defaults to the library's choice (physical cores; one fewer for ``delayed``, whose
     host step runs beside the training loop). ``moments``: the moments' dtype (``torch.bfloat16``;
     ``torch.uint8``: block-wise 8-bit; fp32 masters kept either way); ``remainders``:
-    ``store_param_remainders=True``; ``optimizer``: ``"adamw"`` or ``"lion"``."""
+    ``store_param_remainders=True``; ``optimizer``: ``"adamw"``, ``"lion"`` or ``"adafactor"``
+    (torch's defaults, no moments); ``lr``: a float or schedule in place of the optimizer's
+    default here; ``delay``: the policy of mode ``delayed`` (default: every step delayed);
+    ``norms``: a list that plain and delayed steps append their grads' global norm to (a device
+    tensor; no sync)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
-    delay = fo.Delay(warmup=0, exact_when_clipped=False) if delayed else False
+    delay = (delay or fo.Delay(warmup=0, exact_when_clipped=False)) if delayed else False
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
-    fields = ("mu", "nu") if optimizer == "adamw" else ("mu",)
+    fields = {"adamw": ("mu", "nu"), "lion": ("mu",)}.get(optimizer, ())
     formats = {} if moments == torch.float32 else {f"{f}_dtype": moments for f in fields}
     formats["store_param_remainders"] = remainders
     where = fo.placement.offload_fraction(fraction)
     if optimizer == "lion":  # Lion's usual settings: lr 10x smaller, decay 10x larger than AdamW's
-        opt = fo.lion(HYPER["lr"] / 10, betas=(0.9, 0.99), weight_decay=HYPER["weight_decay"] * 10,
+        opt = fo.lion(lr or HYPER["lr"] / 10, betas=LION_BETAS, weight_decay=HYPER["weight_decay"] * 10,
                       placement=where, executor=ex, delayed=delay, **formats)
+    elif optimizer == "adafactor":
+        if delayed or formats != {"store_param_remainders": False}:
+            raise ValueError("adafactor has no delayed mode, moments or remainders")
+        opt = fo.adafactor(**({"lr": lr} if lr else {}), placement=where, executor=ex)
     else:
-        opt = fo.adamw(placement=where, executor=ex, delayed=delay, **formats, **HYPER)
+        opt = fo.adamw(placement=where, executor=ex, delayed=delay, **formats,
+                       **{**HYPER, **({"lr": lr} if lr else {})})
     if clip:
         opt = fo.chain(fo.clip_by_global_norm(clip), opt)
     holder = [opt.init(params)]
     report = fo.placement_report(holder[0])
-    offloaded = sum(_elements(r, params) for r in report.rows
-                    if r["device"] == "cpu" and "mu" in r["path"].split("."))
+    field = fields[0] if fields else "master"  # one row per leaf (adafactor: bf16 params)
+    offloaded = sum(_elements(r, params, field) for r in report.rows
+                    if r["device"] == "cpu" and field in r["path"].split("."))
 
     ahead = {"kept": 0, "redone": 0, "held": 0}
     device = next(iter(params.values())).device
@@ -99,7 +112,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     def mark() -> Any:  # a point on the compute stream, for the timeline's forward/backward lane
         return timeline.stamp(device) if timeline is not None else None
 
-    def step(loss_fn: Callable[[], torch.Tensor]) -> None:
+    def step(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         t0 = mark()
         loss = loss_fn()
         t1 = mark()
@@ -112,12 +125,16 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
         else:
             loss.backward()
             t2 = mark()
-            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+            grads = {k: p.grad for k, p in params.items()}
+            if norms is not None:
+                norms.append(fo.global_norm(grads))
+            _, holder[0] = opt.update(grads, holder[0])
         if timeline is not None:
             timeline.span("GPU fwd/bwd", "forward", t0, t1)
             timeline.span("GPU fwd/bwd", "backward", t1, t2)
         for p in params.values():
             p.grad = None
+        return loss.detach()
 
     def flush() -> None:
         fo.flush(holder[0])

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import convergence  # noqa: E402
 import cpu_loop  # noqa: E402
 import fixed_costs  # noqa: E402
 import gpt  # noqa: E402
@@ -94,3 +95,14 @@ def test_host_memory_measures():
         assert all(o["kernel_gbs"] > 0 and o["copies_gbs"] > 0 for o in r["overlap"])
     else:
         assert r["copies"] is None and r["overlap"] == [] and "copies skipped: no CUDA device" in r["notes"]
+
+
+def test_convergence_runs_save_and_tabulate(tmp_path):
+    args = argparse.Namespace(device="cpu", smoke=True, steps=4, batch=2, threads=1, eval_every=2,
+                              val_sequences=8, save_every=2, out=str(tmp_path))
+    for run in ("torch", "stream", "plain", "stale"):
+        convergence.run_one(run, args)
+    records = convergence.load(str(tmp_path))
+    assert records["stale"]["exact_steps"] == 0 and len(records["stale"]["val"]) == 2
+    lines = "\n".join(convergence.table(records))
+    assert "| stream |" in lines and "yes (= plain)" in lines

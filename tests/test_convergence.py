@@ -3,6 +3,7 @@ GPT-style decoder's loss curve under each mode against torch.optim.AdamW's, same
 batches. The exact modes follow torch's loss to the kernels' rounding; the delayed modes are
 checked against the bounds their policies promise here."""
 
+import argparse
 import glob
 import math
 import os
@@ -16,6 +17,7 @@ import functional_offload as fo
 from conftest import STALE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import convergence  # noqa: E402
 import gpt  # noqa: E402
 
 CFG = gpt.GPTConfig(d=32, layers=2, heads=2, vocab=256, ctx=32)
@@ -98,3 +100,29 @@ def test_the_default_delay_stays_closer_to_exact_than_every_step_delayed(referen
     tail = lambda xs: sum(xs[-40:]) / 40  # noqa: E731
     assert tail(default) - tail(reference) < 0.02  # +0.004 measured; every step delayed: +0.10
     assert tail(default) - tail(reference) < tail(stale) - tail(reference)
+
+
+# The state formats on bf16 params with fp32 masters, through the GPU benchmark's own runs
+# (benchmarks/convergence.py --smoke: a 1-block decoder with leaves past 65,536 elements, so the
+# 8-bit moments are in use), against torch.optim.AdamW(fused=True) on fp32 masters.
+FORMATS = argparse.Namespace(device="cpu", smoke=True, steps=200, batch=4, threads=2,
+                             eval_every=1000, val_sequences=8, save_every=1000, out=None)
+
+
+@pytest.fixture(scope="module")
+def fused_reference():
+    return convergence.run_one("torch", FORMATS)
+
+
+@pytest.mark.parametrize("run", ["plain", "r", "bf16", "q8", "r8"])
+def test_each_state_format_trains_like_torch(fused_reference, run):
+    """The native kernel rounds within a few ulps of torch's, the split master's param rounds
+    ties away from zero, the compact moments round the moments: each a small difference in a
+    step's loss (measured: 0.0017 for the native kernel, 0.0025-0.0030 for the formats, at most
+    over 200 steps), none in where training ends
+    (final validation loss within 4e-4 measured)."""
+    ours = convergence.run_one(run, FORMATS)
+    ref = fused_reference
+    assert max(abs(a - b) for a, b in zip(ours["loss"], ref["loss"])) < 0.02
+    assert abs(ours["final_val"] - ref["final_val"]) < 0.01
+    assert ref["loss"][-1] < ref["loss"][0] - 2.0  # it learns
