@@ -5,14 +5,19 @@ fresh process: the same init, batches and schedule everywhere.
     python benchmarks/convergence.py --runs torch,plain,delayed --jobs 2 --out conv   # a subset
     python benchmarks/convergence.py --table conv --plot docs/img/convergence.png     # saved runs
     python benchmarks/convergence.py --smoke --out /tmp/conv     # a tiny model on the CPU
+    python benchmarks/convergence.py --model small --steps 400 --batch 16 --device cpu \
+        --runs torch,delayed,stale,warmstale --seed 1 --jobs 2 --out small   # the CPU comparison
 
 Data: the Python standard library's own ``.py`` sources on this machine (text nobody here wrote;
 no download), bytes as tokens (a vocabulary of 256, a multiple of 128); every 20th file in sorted
-order is held out for validation. Model: ``gpt.py``'s GPT-style decoder with d=896, 12 layers, 14
-heads, context 1,024 (116.9 M params, 148 leaves), bf16 params (on the CPU too). Training: 8 x 1,024 tokens a step,
-warm-up (5% of the steps) and cosine to 10% of the peak (AdamW 6e-4, betas (0.9, 0.95), weight
+order is held out for validation. Model (``--model``, :data:`MODELS`): ``gpt.py``'s GPT-style
+decoder with d=896, 12 layers, 14 heads, context 1,024 (116.9 M params, 148 leaves; ``small``:
+d=128, 4 layers, context 128, 0.88 M params, for the CPU), bf16 params (on the CPU too).
+Training: ``--batch`` sequences of the context a step (8 x 1,024 tokens), warm-up (5% of the
+steps) and cosine to 10% of the peak (AdamW 6e-4, ``small`` 3e-3; betas (0.9, 0.95), weight
 decay 0.1), ``clip_by_global_norm(1.0)`` (on a fresh model it scales the first steps' grads).
-Deterministic algorithms are on, so the same run twice gives the same losses bit for bit.
+``--seed`` picks the init and the batches (the same in every run of one seed). Deterministic
+algorithms are on, so the same run twice gives the same losses bit for bit.
 
 Runs (``RUNS``): the references ``torch`` (``torch.optim.AdamW(fused=True)`` on fp32 masters on
 the GPU, the bf16 params copied from them), ``lion_torch`` (Lion by hand on fp32 masters) and
@@ -49,10 +54,13 @@ import gpt  # noqa: E402
 from ours import HYPER, LION_BETAS, build_ours, fo  # noqa: E402
 from functional_offload.executor import physical_cores  # noqa: E402
 
-CONFIG = gpt.GPTConfig(d=896, layers=12, heads=14, vocab=256, ctx=1024)
-SMOKE = gpt.GPTConfig(d=160, layers=1, heads=2, vocab=256, ctx=32)  # leaves past 2^16: 8-bit
+MODELS = {  # name -> (config, AdamW's peak learning rate)
+    "117m": (gpt.GPTConfig(d=896, layers=12, heads=14, vocab=256, ctx=1024), 6e-4),
+    "small": (gpt.GPTConfig(d=128, layers=4, heads=4, vocab=256, ctx=128), 3e-3),
+    "smoke": (gpt.GPTConfig(d=160, layers=1, heads=2, vocab=256, ctx=32), 6e-4),  # leaves past 2^16: 8-bit
+}
 CLIP = 1.0
-PEAKS = {"adamw": 6e-4, "lion": 6e-5, "adafactor": 1e-2}  # Lion: ours.build_ours's lr / 10
+PEAKS = {"adamw": 1.0, "lion": 0.1, "adafactor": 1e-2 / 6e-4}  # x AdamW's (Lion: ours.build_ours's lr / 10)
 
 
 class Run(NamedTuple):
@@ -69,16 +77,20 @@ RUNS: dict[str, Run] = {
     "plain": Run("ours, all state on the host, plain update", "torch"),
     "stream": Run("ours, host, fo.stream (runs ahead; redone when the clip scales)", "torch", "plain"),
     "partial": Run("ours, half the state on the host (offload_fraction(0.5))", "torch"),
-    "delayed": Run("ours, host, delayed=True (fo.Delay(): 100 exact warm-up steps, exact "
-                   "when the clip scales)", "torch"),
-    "stale": Run("ours, host, every step delayed (fo.Delay(warmup=0, exact_when_clipped=False))",
-                 "torch"),
+    "delayed": Run("ours, host, delayed=True (fo.Delay(): every step delayed, with the look-ahead)",
+                   "torch"),
+    "stale": Run("ours, host, every step delayed, no look-ahead (fo.Delay(lookahead=False): "
+                 "one-step-stale gradients)", "torch"),
+    "warmstale": Run("ours, host, no look-ahead, 100 exact warm-up steps and exact steps when the "
+                     "clip scales (fo.Delay(lookahead=False, warmup=100, exact_when_clipped=True))",
+                     "torch"),
     "bf16": Run("ours, host, bf16 moments", "torch"),
     "r": Run("ours, host, split master (store_param_remainders=True)", "torch"),
     "r16": Run("ours, host, split master + bf16 moments", "torch"),
     "q8": Run("ours, host, block-wise 8-bit moments", "torch"),
     "r8": Run("ours, host, split master + 8-bit moments", "torch"),
-    "delayedr8": Run("ours, host, delayed=True, split master + 8-bit moments", "torch"),
+    "delayedr8": Run("ours, host, delayed=True (the look-ahead), split master + 8-bit moments",
+                     "torch"),
     "lion_torch": Run("Lion by hand in torch, fp32 masters on the GPU", None),
     "lion": Run("ours, fo.lion, host", "lion_torch"),
     "adafactor_torch": Run("torch.optim.Adafactor, fp32 masters on the GPU", None),
@@ -91,7 +103,8 @@ OURS: dict[str, tuple[str, float, dict]] = {
     "stream": ("stream", 1.0, {}),
     "partial": ("plain", 0.5, {}),
     "delayed": ("delayed", 1.0, {"delay": fo.Delay()}),
-    "stale": ("delayed", 1.0, {}),
+    "stale": ("delayed", 1.0, {"delay": fo.Delay(lookahead=False)}),
+    "warmstale": ("delayed", 1.0, {"delay": fo.Delay(lookahead=False, warmup=100, exact_when_clipped=True)}),
     "bf16": ("plain", 1.0, {"moments": torch.bfloat16}),
     "r": ("plain", 1.0, {"remainders": True}),
     "r16": ("plain", 1.0, {"moments": torch.bfloat16, "remainders": True}),
@@ -207,14 +220,15 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def _train(name: str, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    cfg = SMOKE if args.smoke else CONFIG
-    train, val, digest = corpus(args.smoke)
+    cfg, peak = MODELS[args.model]
+    train, val, digest = corpus(args.model == "smoke")
     train, val = train.to(device), val.to(device)
-    model = gpt.build(cfg, device, torch.bfloat16)
+    model = gpt.build(cfg, device, torch.bfloat16, seed=args.seed)
     kind = "lion" if name.startswith("lion") else "adafactor" if name.startswith("adafactor") else "adamw"
-    lr = schedule(PEAKS[kind], args.steps)
+    lr = schedule(PEAKS[kind] * peak, args.steps)
     params = dict(model.named_parameters())
-    record: dict = {"run": name, "what": RUNS[name].what, "params": gpt.count_params(model),
+    record: dict = {"run": name, "what": RUNS[name].what, "model": args.model, "seed": args.seed,
+                    "params": gpt.count_params(model),
                     "leaves": gpt.count_leaves(model), "data": digest, "steps": args.steps,
                     "tokens_per_step": args.batch * cfg.ctx, "threads": args.threads}
     ahead = None
@@ -225,11 +239,11 @@ def _train(name: str, args: argparse.Namespace) -> dict:
                           norms=norms, **kw)
         step, flush, ahead = ours.step, ours.flush, ours.ahead
         record.update(offloaded=ours.offloaded, host_state_bytes=ours.host_state_bytes)
-        delay = kw.get("delay", fo.Delay(0, False) if mode == "delayed" else None)
+        delay = kw.get("delay", fo.Delay() if mode == "delayed" else None)
     else:
         step, flush, norms = reference(name, model, lr)
         delay = None
-    g = torch.Generator(device="cpu").manual_seed(1)
+    g = torch.Generator(device="cpu").manual_seed(args.seed + 1)
     starts = torch.randint(len(train) - cfg.ctx - 1, (args.steps, args.batch), generator=g).to(device)
     offsets = torch.arange(cfg.ctx, device=device)
     losses: list = []
@@ -286,9 +300,8 @@ def launch(names: list[str], args: argparse.Namespace) -> None:
     running: list = []
     forwarded = ["--steps", str(args.steps), "--batch", str(args.batch), "--device", args.device,
                  "--threads", str(args.threads), "--out", args.out, "--eval-every",
-                 str(args.eval_every), "--val-sequences", str(args.val_sequences)]
-    if args.smoke:
-        forwarded.append("--smoke")
+                 str(args.eval_every), "--val-sequences", str(args.val_sequences), "--model",
+                 args.model, "--seed", str(args.seed)]
     while order or running:
         while order and len(running) < args.jobs:
             n = order.pop(0)
@@ -367,7 +380,7 @@ def plot(records: dict[str, dict], path: str) -> None:
     for name, r in records.items():
         if name not in RUNS:
             continue
-        style = "-" if RUNS[name].reference is None else "--" if name in ("stale", "delayed", "delayedr8") else ":"
+        style = "-" if RUNS[name].reference is None else "--" if name in ("stale", "warmstale", "delayed", "delayedr8") else ":"
         a.plot(smooth(r["loss"]), style, label=name, lw=1)
         ref = records.get(RUNS[name].reference or "")
         if ref is not None:
@@ -400,10 +413,12 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--out", help="folder for the runs' records")
     ap.add_argument("--table", help="print the table of the records in this folder")
     ap.add_argument("--plot", help="with --table: draw the curves into this file")
-    ap.add_argument("--smoke", action="store_true", help="a tiny model, 30 steps, on the CPU")
+    ap.add_argument("--model", default="117m", choices=list(MODELS))
+    ap.add_argument("--seed", type=int, default=0, help="the init's; the batches' is seed + 1")
+    ap.add_argument("--smoke", action="store_true", help="the smoke model, 30 steps, on the CPU")
     args = ap.parse_args()
     if args.smoke:
-        args.device = "cpu"
+        args.model, args.device = "smoke", "cpu"
         if args.steps == 2000:
             args.steps = 30
         args.eval_every, args.val_sequences, args.batch = 10, 8, 4

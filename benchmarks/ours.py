@@ -6,9 +6,9 @@ it); when the streaming or step API changes, this is the function to adapt. Impo
 
 Modes: ``plain`` (``loss.backward()``, then ``opt.update({path: p.grad}, state)``), ``stream``
 (``with fo.stream(opt, state) as s: loss.backward()``, then ``s.finish()``), ``delayed``
-(``fo.adamw(..., delayed=fo.Delay(warmup=0, exact_when_clipped=False))``: every step in
-flight, the mode's steady state; :attr:`Ours.flush` lands the last step). With ``clip`` the
-optimizer is ``fo.chain(fo.clip_by_global_norm(1.0), adamw)``.
+(``fo.adamw(..., delayed=True)``: every step in flight, with the look-ahead; :attr:`Ours.flush`
+lands the last step). With ``clip`` the optimizer is ``fo.chain(fo.clip_by_global_norm(1.0),
+adamw)``.
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     ``torch.uint8``: block-wise 8-bit; fp32 masters kept either way); ``remainders``:
     ``store_param_remainders=True``; ``optimizer``: ``"adamw"``, ``"lion"`` or ``"adafactor"``
     (torch's defaults, no moments); ``lr``: a float or schedule in place of the optimizer's
-    default here; ``delay``: the policy of mode ``delayed`` (default: every step delayed);
+    default here; ``delay``: the policy of mode ``delayed`` (default ``fo.Delay()``: every step
+    delayed, with the look-ahead);
     ``norms``: a list that plain and delayed steps append their grads' global norm to (a device
     tensor; no sync)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
-    delay = (delay or fo.Delay(warmup=0, exact_when_clipped=False)) if delayed else False
+    delay = (delay or fo.Delay()) if delayed else False
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline)
     fields = {"adamw": ("mu", "nu"), "lion": ("mu",)}.get(optimizer, ())

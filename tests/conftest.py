@@ -8,8 +8,15 @@ from functional_offload.kernels import native
 HAS_NATIVE = native.module() is not None
 import functional_offload as fo  # noqa: E402
 
-STALE = fo.Delay(warmup=0, exact_when_clipped=False)  # every delayed step in flight: the
-#   machinery under test (``delayed=True`` makes the first 100 steps exact)
+STALE = fo.Delay(lookahead=False)  # every delayed step in flight, the params one step stale
+AHEAD = fo.Delay()  # every delayed step in flight, the params landed by the look-ahead
+DELAYS = {"stale": STALE, "ahead": AHEAD}  # the two machineries of delayed=...
+
+
+def delay_of(mode: str):
+    """The ``delayed`` option of a test's mode: "delayed" (:data:`STALE`), "ahead"
+    (:data:`AHEAD`), else False."""
+    return {"delayed": STALE, "ahead": AHEAD}.get(mode, False)
 
 KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
 

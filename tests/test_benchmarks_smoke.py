@@ -98,9 +98,9 @@ def test_host_memory_measures():
 
 
 def test_convergence_runs_save_and_tabulate(tmp_path):
-    args = argparse.Namespace(device="cpu", smoke=True, steps=4, batch=2, threads=1, eval_every=2,
+    args = argparse.Namespace(device="cpu", model="smoke", seed=0, steps=4, batch=2, threads=1, eval_every=2,
                               val_sequences=8, save_every=2, out=str(tmp_path))
-    for run in ("torch", "stream", "plain", "stale"):
+    for run in ("torch", "stream", "plain", "stale", "delayed"):
         convergence.run_one(run, args)
     records = convergence.load(str(tmp_path))
     assert records["stale"]["exact_steps"] == 0 and len(records["stale"]["val"]) == 2

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import KERNELS, STALE, step_by
+from conftest import KERNELS, delay_of, step_by
 from functional_offload.kernels import blockwise
 from registry import OPTIMIZERS
 
@@ -173,7 +173,7 @@ def test_8bit_adamw_is_the_published_algorithm_bit_for_bit():
 def _train(entry, kernel: str, mode: str, max_norm: float, dtype=torch.float32, steps: int = 5,
            eight: bool = True, **options):
     """``steps`` updates of a leaf with 8-bit moments (and a small one with fp32 moments) by
-    fixed grads in ``mode``: "plain", "stream" (fo.stream around a backward), "delayed"; chunks
+    fixed grads in ``mode``: "plain", "stream" (fo.stream around a backward), "delayed", "ahead"; chunks
     of 64 KiB cut the big leaf."""
     torch.manual_seed(0)
     params = {"w": torch.randn(N).to(dtype).requires_grad_(),
@@ -182,7 +182,7 @@ def _train(entry, kernel: str, mode: str, max_norm: float, dtype=torch.float32, 
     dtypes = {f"{m}_dtype": dt for m in {"adamw": ("mu", "nu"), "adam": ("mu", "nu"),
                                           "lion": ("mu",)}.get(entry.name.split("-")[0], ("momentum",))}
     opt = fo.chain(fo.clip_by_global_norm(max_norm), entry.make(
-        **entry.hypers, **dtypes, cpu_kernel=kernel, delayed=STALE if mode == "delayed" else False,
+        **entry.hypers, **dtypes, cpu_kernel=kernel, delayed=delay_of(mode),
         executor=fo.executor.HostExecutor(chunk_bytes=1 << 16), **options))
     state = opt.init(params)
     g = torch.Generator().manual_seed(1)
@@ -199,11 +199,11 @@ def _moments(state) -> dict:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("mode", ["stream", "delayed"])
+@pytest.mark.parametrize("mode", ["stream", "delayed", "ahead"])
 @pytest.mark.parametrize("max_norm", [1e9, 1e-2], ids=["clip-never", "clip-scales"])
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_every_form_steps_8bit_moments_as_the_plain_update(entry, kernel, mode, max_norm):
-    if mode == "delayed" and not entry.delayed:
+    if mode in ("delayed", "ahead") and not entry.delayed:
         pytest.skip("no delayed mode")
     p0, s0 = _train(entry, kernel, "plain", max_norm)
     p1, s1 = _train(entry, kernel, mode, max_norm)

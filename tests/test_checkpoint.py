@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 import functional_offload as fo
-from conftest import STALE, clone, grad_seq, make_params
+from conftest import AHEAD, STALE, clone, grad_seq, make_params
 
 
 def make_opt():
@@ -480,6 +480,8 @@ MODES = {  # the same optimizer in each mode; on the CPU only the delayed one ke
     "delayed": dict(delayed=STALE),
     "remainders": dict(store_param_remainders=True),
     "delayed_remainders": dict(delayed=STALE, store_param_remainders=True),
+    "ahead": dict(delayed=AHEAD),
+    "ahead_remainders": dict(delayed=AHEAD, store_param_remainders=True),
 }
 
 

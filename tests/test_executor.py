@@ -1,6 +1,6 @@
 """The host pipeline's logic (chunking, ring reuse, ordering, threads, errors) on the CPU.
 
-With ``stage_host_grads=True`` CPU grads go through the staging ring as GPU grads do (with
+With ``stage_host_grads=True`` CPU grads and new params go through the staging ring as a GPU's do (with
 synchronous copies), so chunks crossing leaves, ring slots reused many times, pieces spread over
 worker threads and errors from a worker run the code that runs against a GPU.
 """
@@ -354,7 +354,7 @@ def test_timeline_records_every_chunk_and_exports(tmp_path, kernel):
         names[e["lane"]].add(e["name"])
         assert e["dur_us"] >= 0 and e["start_us"] >= 0
     assert names["D2H"] == {f"grads c{k}" for k in range(chunks)}
-    assert "H2D" not in names  # CPU params are written in place: nothing to copy back
+    assert names["H2D"] == {f"params c{k}" for k in range(chunks)}  # staged as a GPU's
     kernels = {n for k, v in names.items() if k.startswith("fo-host") for n in v if n.startswith("kernel")}
     assert kernels == {f"kernel c{k}" for k in range(chunks)}
     d2h = {e["name"][len("grads "):]: e for e in events if e["lane"] == "D2H"}

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import STALE, KERNELS, clone, grad_seq, make_params, run, small_executor
+from conftest import DELAYS, STALE, KERNELS, clone, delay_of, grad_seq, make_params, run, small_executor
 from registry import OPTIMIZERS
 
 STEPS = 12
@@ -120,7 +120,8 @@ def test_streamed_equals_plain_bit_for_bit(name, clip):
 
 
 @names
-def test_delayed_applies_the_same_updates_in_the_end(name):
+@pytest.mark.parametrize("delay", DELAYS)
+def test_delayed_applies_the_same_updates_in_the_end(name, delay):
     """With grads that do not depend on the params, delaying changes nothing but timing; the
     first update leaves the params as they were."""
     e = ENTRIES[name]
@@ -132,7 +133,7 @@ def test_delayed_applies_the_same_updates_in_the_end(name):
     grads = grad_seq(params, 6)
     now, s_now = run(e.make(**e.hypers, executor=small_executor()), params, grads)
     p = clone(params)
-    opt = e.make(**e.hypers, delayed=STALE, executor=small_executor())
+    opt = e.make(**e.hypers, delayed=DELAYS[delay], executor=small_executor())
     s = opt.init(p)
     p, s = opt.update(grads[0], s)
     assert all(torch.equal(x, y) for x, y in zip(optree.tree_leaves(p), optree.tree_leaves(params)))
@@ -193,17 +194,17 @@ def test_plan_shows_what_init_places(name):
 
 
 @names
-@pytest.mark.parametrize("mode", ["plain", "stream", "delayed"])
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed", "ahead"])
 def test_ema_follows_its_recursion(name, mode):
     """``ema_decay=d``: e_0 is the initial params in fp32, e_t = lerp(e_{t-1}, master_t, 1 - d)
     after each step, in the same pass as the step (host and device), streamed and delayed too."""
     e = ENTRIES[name]
-    if mode == "delayed" and not e.delayed:
+    if mode in ("delayed", "ahead") and not e.delayed:
         pytest.skip("no delayed mode")
     d = 0.9
     model = _model()
     params = dict(model.named_parameters())
-    opt = e.make(**e.hypers, ema_decay=d, executor=small_executor(), delayed=STALE if mode == "delayed" else False)
+    opt = e.make(**e.hypers, ema_decay=d, executor=small_executor(), delayed=delay_of(mode))
     state = opt.init(params)
     want = {k: v.detach().float().clone() for k, v in params.items()}
     g = torch.Generator().manual_seed(1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import STALE, step_by
+from conftest import delay_of, step_by
 from functional_offload.kernels import native, remainder
 from functional_offload.testing import fail_host_kernel
 from registry import OPTIMIZERS
@@ -48,12 +48,13 @@ def test_split_holds_every_fp32_bit_pattern():
 
 def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int = 6):
     """``steps`` updates of bf16 params by fixed grads (independent of the params), in ``mode``:
-    "plain" (update), "stream" (fo.stream around a backward giving those grads), "delayed"."""
+    "plain" (update), "stream" (fo.stream around a backward giving those grads), "delayed",
+    "ahead" (delayed with the look-ahead)."""
     torch.manual_seed(0)
     params = {"w": torch.randn(N).bfloat16().requires_grad_(),
               "b": torch.randn(5, 7).bfloat16().requires_grad_()}  # small: packed, fp32 master
     opt = fo.chain(fo.clip_by_global_norm(max_norm),
-                   entry.make(**entry.hypers, cpu_kernel=kernel, delayed=STALE if mode == "delayed" else False,
+                   entry.make(**entry.hypers, cpu_kernel=kernel, delayed=delay_of(mode),
                               store_param_remainders=rem))
     state = opt.init(params)
     g = torch.Generator().manual_seed(1)
@@ -65,11 +66,11 @@ def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("mode", ["plain", "stream", "delayed"])
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed", "ahead"])
 @pytest.mark.parametrize("max_norm", [1e9, 1e-2], ids=["clip-never", "clip-scales"])
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
 def test_split_master_is_bit_identical_to_the_fp32_master(entry, kernel, mode, max_norm):
-    if mode == "delayed" and not entry.delayed:
+    if mode in ("delayed", "ahead") and not entry.delayed:
         pytest.skip("no delayed mode")
     p32, s32 = _train(entry, False, kernel, mode, max_norm)
     p16, s16 = _train(entry, True, kernel, mode, max_norm)

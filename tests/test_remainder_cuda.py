@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import STALE, step_by
+from conftest import delay_of, step_by
 from functional_offload.executor import HostExecutor
 from functional_offload.kernels import remainder
 
@@ -28,14 +28,14 @@ def _train(rem: bool, placement, mode: str, max_norm: float, steps: int = 8):
     ex = HostExecutor(chunk_bytes=1 << 17, slots=3)  # many chunks: slots reused within a step
     opt = fo.chain(fo.clip_by_global_norm(max_norm),
                    fo.adamw(lr=1e-2, weight_decay=0.1, placement=placement, executor=ex,
-                            delayed=STALE if mode == "delayed" else False, store_param_remainders=rem, ema_decay=0.9))
+                            delayed=delay_of(mode), store_param_remainders=rem, ema_decay=0.9))
     state = opt.init(params)
     g = torch.Generator(device=DEV).manual_seed(1)
     highs_match = True
     for _ in range(steps):
         grads = {k: torch.randn(v.shape, generator=g, device=DEV).bfloat16() for k, v in params.items()}
         state = step_by(opt, state, params, grads, mode)
-        if rem and mode != "delayed":
+        if rem and mode not in ("delayed", "ahead"):
             m = state[-1].master["w"]
             highs_match &= torch.equal(params["w"].detach(), remainder.high(m).to(DEV))
     fo.flush(state)
@@ -46,7 +46,7 @@ PLACEMENTS = {"host": fo.placement.on_host, "device": fo.placement.on_device,
               "half": lambda: fo.placement.offload_fraction(0.5)}
 
 
-@pytest.mark.parametrize("mode", ["plain", "stream", "delayed"])
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed", "ahead"])
 @pytest.mark.parametrize("max_norm", [1e9, 1e-2], ids=["clip-never", "clip-scales"])
 @pytest.mark.parametrize("where", list(PLACEMENTS))
 def test_split_master_on_gpu_params_is_bit_identical(where, mode, max_norm):

@@ -16,7 +16,7 @@ import functional_offload as fo
 from functional_offload.state import CONSUMED, terminal_counts
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
-from conftest import STALE, clone, grad_seq, make_params
+from conftest import STALE, clone, delay_of, grad_seq, make_params
 from registry import OPTIMIZERS
 
 
@@ -108,7 +108,7 @@ def _sigint_at_line(k):
     return trace
 
 
-@pytest.mark.parametrize("form", ["plain", "chain", "delayed"])
+@pytest.mark.parametrize("form", ["plain", "chain", "delayed", "ahead"])
 def test_ctrl_c_anywhere_in_an_update_leaves_the_state_usable_or_holding_the_step(form):
     """A Ctrl-C at every line an update runs through, one per run: the update either returns,
     or raises KeyboardInterrupt with the state passed in usable — as it was, or holding the
@@ -123,7 +123,7 @@ def test_ctrl_c_anywhere_in_an_update_leaves_the_state_usable_or_holding_the_ste
 
     def make():
         opt = fo.adamw(1e-2, placement=fo.placement.on_host(), executor=small_chunks(),
-                       delayed=STALE if form == "delayed" else False)
+                       delayed=delay_of(form))
         return fo.chain(fo.clip_by_global_norm(1.0), opt) if form == "chain" else opt
 
     ref = make()

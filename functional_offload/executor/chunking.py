@@ -41,6 +41,9 @@ class HostLeaf(NamedTuple):
     #                                       when its run is settled before the leaf begins
     high: Optional[torch.Tensor] = None  # 1-D, pinned: where the kernel writes the new param's
     #   bits (a split master's high half); a device ``out`` is copied up from here, not the slot
+    ahead: Optional[torch.Tensor] = None  # 1-D, like ``out``: a look-ahead's rate (``out`` then
+    #   gets its base; kernels/host.py); its run is opened with ``outputs=2``
+    ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
 
 
 class Segment(NamedTuple):

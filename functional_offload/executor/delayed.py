@@ -9,12 +9,20 @@ one device-side copy of the new params over the params, after the work the calle
 meanwhile (which read the old params). Landing is idempotent and runs to its end even when the
 caller's thread is interrupted (the caller runs it through
 :func:`~functional_offload.executor.shield.shielded`).
+
+With a look-ahead (``ahead``, the optimizer's device side of it) the run leaves two values per
+element in place of the new param, the look-ahead's *base* and *rate* (``kernels/host.py``): the
+rates take a second region of the buffer (the grads' bytes again). Landed with the next step's
+grads, each param becomes ``ahead(params, bases, rates, grads, ...)``: about the value that step
+will compute, so the forward after it reads what the step it feeds applies its grads to. Landed
+without them (a flush, a checkpoint, a failed run) or for a param without a grad, the params are
+set from the new values themselves (fp32 masters, rounded as the step rounds them): exactly.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -26,40 +34,64 @@ __all__ = ["Landing"]
 
 
 def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor]],
-             device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], list[Optional[torch.Tensor]]]:
-    """One buffer on ``device``: per leaf a region for its grad and one for its new param; the
-    two share their bytes when the dtypes have one size (chunk ``k``'s params are copied up only
-    after its grads were copied down)."""
-    spans, size = [], 0
+             device: torch.device, ahead: bool) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                         list[Optional[torch.Tensor]],
+                                                         list[Optional[torch.Tensor]]]:
+    """One buffer on ``device``: per leaf a region for its grad, one for its new param (or
+    look-ahead base) and, with ``ahead``, one for its look-ahead rate (the grad's dtype); the
+    first two share their bytes when the dtypes have one size (chunk ``k``'s params are copied
+    up only after its grads were copied down)."""
+    size = 0
+
+    def take(nbytes: int) -> int:
+        nonlocal size
+        at, size = size, size + -(-nbytes // ALIGN) * ALIGN
+        return at
+
+    spans = []
     for leaf, target in zip(leaves, targets):
-        g_bytes = leaf.grad.numel() * leaf.grad.element_size()
-        shared = target is None or target.element_size() == leaf.grad.element_size()
-        g_at = size
-        size += -(-g_bytes // ALIGN) * ALIGN
-        p_at = g_at
-        if not shared:
-            p_at = size
-            size += -(-target.numel() * target.element_size() // ALIGN) * ALIGN
-        spans.append((g_at, p_at))
+        n, g_size = leaf.grad.numel(), leaf.grad.element_size()
+        g_at = take(n * g_size)
+        spans.append((g_at, g_at if target is None or target.element_size() == g_size
+                      else take(n * target.element_size())))
+    # the rates after every param: the leaves' rates lie end to end, as in a slot (one copy)
+    rate_at = [take(leaf.grad.numel() * leaf.grad.element_size()) if ahead and target is not None
+               else None for leaf, target in zip(leaves, targets)]
     buf = torch.empty(size, dtype=torch.uint8, device=device)
-    grads, params = [], []
-    for (g_at, p_at), leaf, target in zip(spans, leaves, targets):
-        n = leaf.grad.numel()
-        grads.append(buf[g_at: g_at + n * leaf.grad.element_size()].view(leaf.grad.dtype))
-        params.append(None if target is None else
-                      buf[p_at: p_at + n * target.element_size()].view(target.dtype))
-    return buf, grads, params
+
+    def region(at: Optional[int], n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        return None if at is None else buf[at: at + n * dtype.itemsize].view(dtype)
+
+    grads, params, rates = [], [], []
+    for (g_at, p_at), r_at, leaf, target in zip(spans, rate_at, leaves, targets):
+        n, dtype = leaf.grad.numel(), leaf.grad.dtype
+        grads.append(region(g_at, n, dtype))
+        params.append(None if target is None else region(p_at, n, target.dtype))
+        rates.append(region(r_at, n, dtype))
+    return buf, grads, params, rates
+
+
+def _value(leaf: HostLeaf) -> torch.Tensor:
+    """The leaf's new value as its param takes it: the master, or a split master's high half."""
+    value = leaf.state[0]
+    return value.view(torch.bfloat16) if value.dtype == torch.int16 else value
 
 
 class Landing:
     """A delayed host step of ``leaves`` (their ``param`` ignored): ``targets[i]`` is leaf
-    ``i``'s param (1-D), or None when its value is the param itself."""
+    ``i``'s param (1-D), or None when its value is the param itself. ``ahead``: the device side
+    of a look-ahead, ``ahead(params, bases, rates, grads, hyper, next_hyper)``, for leaves that
+    carry the next step's hyperparameters (``HostLeaf.ahead_hyper``); see the module."""
 
     def __init__(self, executor: HostExecutor, leaves: Sequence[HostLeaf], kernel: Kernel,
-                 targets: Sequence[Optional[torch.Tensor]], threads: Optional[int] = None):
-        self.ex, self.targets = executor, list(targets)
+                 targets: Sequence[Optional[torch.Tensor]], threads: Optional[int] = None,
+                 ahead: Optional[Callable[..., None]] = None):
+        self.ex, self.targets, self.ahead = executor, list(targets), ahead
         self.device = leaves[0].grad.device
-        buf, grads, self._up = _regions(leaves, self.targets, self.device)
+        self._values = [_value(leaf) for leaf in leaves] if ahead else []
+        self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
+        buf, grads, self._up, self._rates = _regions(leaves, self.targets, self.device,
+                                                     ahead is not None)
         torch._foreach_copy_(grads, [leaf.grad for leaf in leaves])  # the caller's grads are free now
         t = executor.transport(self.device)
         for stream in (t.stream_in, t.stream_out):
@@ -71,9 +103,10 @@ class Landing:
         ready = executor.ready(self.device)  # the copies above are complete here
         done = self._done  # (not self: no cycle through the run keeps the buffer past its step)
         self.run = executor.open(self.device, kernel, threads,
-                                 chunk_done=lambda _, segs: done.extend(segs or ()))
-        self.run.add_all([leaf._replace(grad=g, out=p) for leaf, g, p in zip(leaves, grads, self._up)],
-                         ready)
+                                 chunk_done=lambda _, segs: done.extend(segs or ()),
+                                 outputs=1 if ahead is None else 2)
+        self.run.add_all([leaf._replace(grad=g, out=p, ahead=r, high=leaf.high if r is None else None)
+                          for leaf, g, p, r in zip(leaves, grads, self._up, self._rates)], ready)
         self.run.close()
 
     @property
@@ -81,16 +114,45 @@ class Landing:
         """The host step's error once the run ended (None while it runs or when it succeeded)."""
         return self.run.error if self.run.done else None
 
-    def land(self, ready: Any) -> None:
+    def land(self, ready: Any, grads: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
         """Wait for the run, then copy the new params of its finished chunks over the params
-        (after ``ready``, the caller's stream's mark) and raise the run's error. Idempotent;
-        call from shielded work."""
+        (after ``ready``, the caller's stream's mark) and raise the run's error. With a
+        look-ahead: ``grads`` (per leaf, the next step's grad on the device, or None) give the
+        params their look-ahead; without them the params are set from the new values. The
+        caller's stream is ordered after the copies (:meth:`~functional_offload.executor.
+        HostExecutor.order_after_copies`). Idempotent; call from shielded work."""
         with self._lock:
             if not self._landed:
-                self._land(ready)
+                if self.ahead is not None:
+                    self._land_ahead(grads)
+                else:
+                    self._land(ready)
                 self._landed = True
         if self.run.error is not None:
             raise self.run.error
+
+    @torch.no_grad()
+    def _land_ahead(self, grads: Optional[Sequence[Optional[torch.Tensor]]]) -> None:
+        """Each param from its base, rate and next grad on the caller's stream (which then
+        holds the grads' lifetime), or from its value, synchronously (the next step changes the
+        values in place)."""
+        self.run.wait()
+        self.ex.order_after_copies(self.device)  # the bases and rates are up
+        use = [i for i, d in enumerate(self.targets) if d is not None]
+        if grads is not None and self.run.error is None:
+            moved = [i for i in use if grads[i] is not None and grads[i].numel() == self.targets[i].numel()]
+            groups: dict[tuple[int, int], list[int]] = {}  # leaves of one decay share their hypers
+            for i in moved:
+                groups.setdefault(tuple(id(h) for h in self._hypers[i]), []).append(i)
+            for idx in groups.values():
+                self.ahead([self.targets[i] for i in idx], [self._up[i] for i in idx],
+                           [self._rates[i] for i in idx], [grads[i].reshape(-1) for i in idx],
+                           *self._hypers[idx[0]])
+            landed = set(moved)
+            use = [i for i in use if i not in landed]
+        for i in use:
+            self.targets[i].copy_(self._values[i])
+        self._up = self._rates = self._values = self._hypers = []
 
     @torch.no_grad()
     def _land(self, ready: Any) -> None:

@@ -82,8 +82,9 @@ class HostExecutor:
       threads: worker threads (default: physical cores).
       cpus: pin worker ``i`` to CPU ``cpus[i % len(cpus)]`` (default: no pinning).
       timeline: a :class:`Timeline` to record per-chunk spans into (off by default).
-      stage_host_grads: copy grads that are already in host memory through the ring too, as GPU
-        grads are (slower; it runs the GPU pipeline's logic without a GPU, for tests).
+      stage_host_grads: copy grads that are already in host memory, and the new params of host
+        params, through the ring too, as a GPU's are (slower; it runs the GPU pipeline's logic
+        without a GPU, for tests).
       worker_elements: a run whose size is known when it opens (a step's leaves handed over
         at once) gets one worker per this many elements at most; one worker is then the step's
         own thread (at ~0.3 G elem/s a thread, below ~10^5 elements waking and joining a
@@ -220,20 +221,21 @@ class HostExecutor:
 
     def open(self, device: torch.device, kernel: Kernel, threads: Optional[int] = None,
              chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-             elements: Optional[int] = None) -> Run:
+             elements: Optional[int] = None, outputs: int = 1) -> Run:
         """Start a run for leaves whose grads are on ``device``; feed it with ``add``.
 
         ``elements``: the run's total elements, when every leaf is handed over and the run
         closed before ``wait``. It then gets a worker per ``worker_elements`` elements at most,
         and, opened in a step's shielded work (:func:`~functional_offload.executor.shield.shielded`),
         runs in the step's thread (see :class:`~functional_offload.executor.run.Run`): a small run
-        starts no thread at all.
+        starts no thread at all. ``outputs``: 2 for leaves with a look-ahead (``HostLeaf.ahead``).
         """
         self.reserve(device)
         n = min(threads or self.threads, self.threads)
         if elements is not None:
             n = max(1, min(n, -(-elements // self.worker_elements)))
-        return Run(self, device, kernel, n, chunk_done, inline=elements is not None and shielding())
+        return Run(self, device, kernel, n, chunk_done, inline=elements is not None and shielding(),
+                   outputs=outputs)
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
         """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered

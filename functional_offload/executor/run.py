@@ -15,7 +15,9 @@ in and the params of chunk ``k-1`` copy out:
 A lander thread marks each chunk ready once its grads have landed and its slot's output half is
 free. A slot's grad half is refilled only once every block of its chunk ran, its output half
 only after the copy out that read it completed. Grads already in host memory are read where
-they are, and host params are written in place: no staging, no copies.
+they are, and host params are written in place: no staging, no copies. A run with two outputs
+per element (a look-ahead's base and rate) cuts chunks of half the grad bytes: the output half
+holds the bases, then the rates.
 
 A run whose leaves are all handed over before it starts may be ``inline``: :meth:`Run.wait`
 drives it in the calling thread (a step's shielded work, which no interrupt cuts), and a run
@@ -34,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 import functional_offload.executor.faults as faults
-from functional_offload.executor.chunking import HostLeaf, Segment, block_size, cut
+from functional_offload.executor.chunking import ALIGN, HostLeaf, Segment, block_size, cut
 from functional_offload.kernels import blockwise
 from functional_offload.kernels.work import Kernel, Piece, Work, queue_for
 
@@ -69,10 +71,13 @@ class Run:
 
     def __init__(self, executor: Any, device: torch.device, kernel: Kernel, threads: int,
                  chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-                 inline: bool = False):
+                 inline: bool = False, outputs: int = 1):
         self.ex, self.device, self.kernel, self.threads = executor, device, kernel, threads
         self.chunk_done = chunk_done
         self.inline = inline
+        # grad bytes per chunk: a slot half, or (two outputs per element: a look-ahead's) the
+        # aligned half of one, the rates then starting there in the output half
+        self.budget = executor.chunk_bytes if outputs == 1 else executor.chunk_bytes // 2 // ALIGN * ALIGN
         self.started = False
         self.settled = False
         self.switched: list[HostLeaf] = []  # leaves that ran as their ``settled`` form
@@ -138,7 +143,7 @@ class Run:
         leaves: list[HostLeaf] = []
         ready: list[Any] = []
         try:
-            packer = cut(self._arrivals, self.ex.chunk_bytes, leaves, ready)
+            packer = cut(self._arrivals, self.budget, leaves, ready)
             first = next(packer, None)
             if first is not None and not self._cancelled:
                 with self.ex.holding(self.device):  # the device's ring serves one run at a time
@@ -188,24 +193,32 @@ class _Pipeline:
         base = (2 * (k % self.S) + which) * self.half + offset
         return self.ring[base: base + nbytes]
 
-    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype) -> torch.Tensor:
-        return self.slot_bytes(k, which, seg.offset, (seg.stop - seg.start) * dtype.itemsize).view(dtype)
+    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype, rate: bool = False) -> torch.Tensor:
+        """Segment ``seg``'s bytes in chunk ``k``'s slot half ``which`` (``rate``: a look-ahead's
+        rates, after the chunk's budget of bases in the output half)."""
+        at = seg.offset + (self.run_.budget if rate else 0)
+        return self.slot_bytes(k, which, at, (seg.stop - seg.start) * dtype.itemsize).view(dtype)
 
-    def spans(self, k: int, which: int, segs: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def spans(self, k: int, which: int, segs: list[Segment],
+              rate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(device tensor, slot tensor)`` pairs to copy for ``segs`` of chunk ``k``: their
-        grads (``which`` 0) or new params (1). Segments that lie end to end in one storage as
-        they do in the slot (a delayed step's buffer) are copied as one range of bytes: a copy
-        per small leaf costs a call each, and a small copy up waits behind a long kernel."""
+        grads (``which`` 0) or new params (1; ``rate``: their look-ahead's rates). Segments that
+        lie end to end in one storage as they do in the slot (a delayed step's buffer) are
+        copied as one range of bytes: a copy per small leaf costs a call each, and a small copy
+        up waits behind a long kernel."""
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         last = None  # (storage address, byte after the last span there, byte after it in the slot)
+        shift = self.run_.budget if rate else 0
         for seg in segs:
-            x = self.leaves[seg.leaf].grad if which == 0 else self.leaves[seg.leaf].out
+            leaf = self.leaves[seg.leaf]
+            x = leaf.grad if which == 0 else leaf.ahead if rate else leaf.out
             if x.stride(0) != 1:  # a strided 1-D view: copied as itself
-                out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype)))
+                out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype, rate)))
                 last = None
                 continue
             storage, size = x.untyped_storage(), x.element_size()
-            at, offset, nbytes = (x.storage_offset() + seg.start) * size, seg.offset, (seg.stop - seg.start) * size
+            at, offset, nbytes = ((x.storage_offset() + seg.start) * size, seg.offset + shift,
+                                  (seg.stop - seg.start) * size)
             if last == (storage.data_ptr(), at, offset):  # extends the last span
                 before = out.pop()[0].numel()
                 at, offset, nbytes = at - before, offset - before, nbytes + before
@@ -216,6 +229,17 @@ class _Pipeline:
 
     def staged_grad(self, leaf: HostLeaf) -> bool:
         return self.ring is not None and (leaf.grad.device.type != "cpu" or self.run_.ex.stage_host_grads)
+
+    def staged_out(self, leaf: HostLeaf) -> bool:
+        """Whether the leaf's outputs are copied up from the ring (else written in place, or,
+        with ``high``, copied up from there)."""
+        return (leaf.out is not None and leaf.high is None and self.ring is not None
+                and (leaf.out.device.type != "cpu" or self.run_.ex.stage_host_grads))
+
+    def copied_up(self, leaf: HostLeaf) -> bool:
+        """Whether the leaf's new param is copied up at all (staged, or from its high half)."""
+        return leaf.out is not None and (self.staged_out(leaf) or (
+            leaf.high is not None and leaf.out.device.type != "cpu"))
 
     def leaf_events(self, segments: list[Segment]) -> list[Any]:
         return list(dict.fromkeys(self.ready[seg.leaf] for seg in segments))
@@ -257,17 +281,20 @@ class _Pipeline:
             def part(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
                 return x if whole or x is None else x[cut_]
 
-            out = None
-            if leaf.out is not None and leaf.out.device.type == "cpu":
-                out = part(leaf.out)  # in place
-            elif leaf.out is not None and leaf.high is None:
+            out = rate = None
+            if self.staged_out(leaf):
                 out = self.view(k, 1, seg, leaf.out.dtype)
+                if leaf.ahead is not None:
+                    rate = self.view(k, 1, seg, leaf.ahead.dtype, rate=True)
+            elif leaf.out is not None and leaf.out.device.type == "cpu":
+                out, rate = part(leaf.out), part(leaf.ahead)  # in place
+
             def state(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
                 return xs if whole else tuple(blockwise.part(x, seg.start, seg.stop) for x in xs)
 
             pieces.append(Piece(grads.get(id(seg), part(leaf.grad)), state(leaf.state), out,
                                 leaf.hyper, state(leaf.targets), part(leaf.ema), leaf.ema_decay,
-                                part(leaf.ema_target)))
+                                part(leaf.ema_target), rate, leaf.ahead_hyper))
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)
@@ -301,15 +328,16 @@ class _Pipeline:
         error = self.q.wait(k)
         if error is not None:
             raise self.failures[0][1] if self.failures else error
-        out = [seg for seg in self.chunks[k]
-               if self.leaves[seg.leaf].out is not None and self.leaves[seg.leaf].out.device.type != "cpu"]
+        out = [seg for seg in self.chunks[k] if self.copied_up(self.leaves[seg.leaf])]
         if out:
             for event in self.leaf_events(out):
                 if event not in self.seen:  # params on the device have their grads copied in
                     t.wait_out(event)
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             high = [seg for seg in out if self.leaves[seg.leaf].high is not None]
-            for dev, host in self.spans(k, 1, [seg for seg in out if self.leaves[seg.leaf].high is None]):
+            staged = [seg for seg in out if self.leaves[seg.leaf].high is None]
+            rates = [seg for seg in staged if self.leaves[seg.leaf].ahead is not None]
+            for dev, host in self.spans(k, 1, staged) + self.spans(k, 1, rates, rate=True):
                 t.copy_out(dev, host)
             for seg in high:  # from the state's high half, where the kernel wrote the param
                 leaf = self.leaves[seg.leaf]

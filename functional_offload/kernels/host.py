@@ -1,8 +1,10 @@
 """The host kernel of a run: the native op of an optimizer's spec, or its torch reference.
 
 Both compute a piece's new value and moments (in place, or into ``targets`` so the old state
-stays intact until the caller commits), then the param in the grad's dtype (``out``) and the
-EMA of the value. The torch kernel runs the spec's reference math on each claimed block.
+stays intact until the caller commits), then the param in the grad's dtype (``out``) — or, for a
+piece with a look-ahead (``ahead``), the look-ahead's base to ``out`` and its rate to ``ahead``
+— and the EMA of the value. The torch kernel runs the spec's reference math on each claimed
+block.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ __all__ = ["host_kernel", "torch_kernel"]
 _NATIVE_STATE = (torch.float32, torch.bfloat16, torch.uint8)
 
 
-def torch_kernel(reference: Callable[..., None], signed: Sequence[bool]) -> Callable[[Work], None]:
+def torch_kernel(reference: Callable[..., None], signed: Sequence[bool],
+                 ahead: Optional[Callable[..., tuple[list, list]]] = None) -> Callable[[Work], None]:
     """A Python kernel running ``reference(values, grads, [moment lists], hyper)`` per block;
-    ``signed``: per moment, its block-wise map (:mod:`~functional_offload.kernels.blockwise`)."""
+    ``signed``: per moment, its block-wise map (:mod:`~functional_offload.kernels.blockwise`);
+    ``ahead(values, [moment lists], hyper, next_hyper) -> (bases, rates)``: the look-ahead."""
 
     @torch.no_grad()
     def kernel(work: Work) -> None:
@@ -39,12 +43,16 @@ def torch_kernel(reference: Callable[..., None], signed: Sequence[bool]) -> Call
             moments = [blockwise.dequantize(m, b - a, sg) if blockwise.is_blockwise(m) else m
                        for m, sg in zip(stored, signed)]
             reference([value], [p.grad[a:b]], [[m] for m in moments], p.hyper)
+            if p.ahead is not None:  # from the moments as stored (8-bit: before quantizing)
+                (base,), (rate,) = ahead([value], [[m] for m in moments], p.hyper, p.ahead_hyper)
+                p.out[a:b].copy_(base)
+                p.ahead[a:b].copy_(rate)
             for q, m, sg in zip(stored, moments, signed):
                 if blockwise.is_blockwise(q):
                     blockwise.quantize_into(m, q, sg)
             if split:
                 split_halves(value, state[0], state[1])
-            if p.out is not None:
+            if p.out is not None and p.ahead is None:
                 p.out[a:b].copy_(state[0].view(torch.bfloat16) if split else value)
             if p.ema is not None:
                 if p.ema_target is None:
@@ -65,9 +73,13 @@ def _native_fits(state: Sequence[torch.Tensor]) -> bool:
 
 def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[float]]],
                 reference: Callable[..., None], signed: Sequence[bool],
-                states: Sequence[Sequence[torch.Tensor]], mode: str) -> Kernel:
+                states: Sequence[Sequence[torch.Tensor]], mode: str,
+                ahead: Optional[Callable[..., tuple[list, list]]] = None,
+                ahead_scalars: Optional[Callable[[Any, Any], Sequence[float]]] = None) -> Kernel:
     """The kernel for host leaves whose state tensors are ``states`` (value, moments...);
-    ``signed``: per moment, whether it may be negative (its block-wise 8-bit map).
+    ``signed``: per moment, whether it may be negative (its block-wise 8-bit map); ``ahead``
+    and ``ahead_scalars``: the spec's look-ahead (:class:`~functional_offload.optimizers.spec.
+    OptimizerSpec`), or None.
 
     ``mode``: ``"native"`` (raise if it cannot run), ``"torch"``, or ``"auto"`` (native when
     the op is registered, the build exists and every leaf has an fp32 or split value
@@ -78,13 +90,13 @@ def host_kernel(op: Optional[str], scalars: Optional[Callable[[Any], Sequence[fl
     if mode == "torch" or op is None:
         if mode == "native":
             raise RuntimeError("cpu_kernel='native' but this optimizer has no native op; use 'auto'")
-        return torch_kernel(reference, signed)
+        return torch_kernel(reference, signed, ahead)
     mod = native.module()
     fits = all(_native_fits(st) for st in states)
     if mod is not None and fits:
-        return native.NativeKernel(mod, op, scalars, signed)
+        return native.NativeKernel(mod, op, scalars, signed, ahead_scalars)
     if mode == "native":
         raise RuntimeError("cpu_kernel='native' but the native CPU kernel " +
                            ("could not be built here (needs a C++ compiler and ninja)" if mod is None
                             else "takes fp32 values and moments of one format") + "; use 'auto'")
-    return torch_kernel(reference, signed)
+    return torch_kernel(reference, signed, ahead)

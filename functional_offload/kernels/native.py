@@ -128,11 +128,11 @@ def module() -> Optional[ModuleType]:
     return mod
 
 
-def ops() -> dict[str, tuple[int, int]]:
-    """The registered native element-wise ops: ``{name: (moments, scalars)}`` (empty without
-    a native build)."""
+def ops() -> dict[str, tuple[int, int, int]]:
+    """The registered native element-wise ops: ``{name: (moments, scalars, look-ahead
+    scalars)}`` (empty without a native build)."""
     mod = module()
-    return {} if mod is None else {name: (m, s) for name, m, s in mod.ops()}
+    return {} if mod is None else {name: (m, s, a) for name, m, s, a in mod.ops()}
 
 
 _MAX_MOMENTS = 2  # kMaxMoments (ops.h)
@@ -148,19 +148,25 @@ class NativeQueue:
         self.work, self.spans = queue.work, queue.spans
 
     def add(self, work: Work) -> int:
-        pieces = work.pieces
-        rows: dict[int, list[float]] = {}  # pieces of one leaf share their hyper object
+        pieces, k = work.pieces, self._kernel
+        rows: dict[tuple[int, int], list[float]] = {}  # pieces of one leaf share their hypers
+        keys = []
         for p in pieces:
-            if id(p.hyper) not in rows:
-                rows[id(p.hyper)] = list(self._kernel.scalars(p.hyper))
-        scalars = torch.tensor([rows[id(p.hyper)] + [p.ema_decay] for p in pieces],
+            key = (id(p.hyper), 0 if p.ahead is None else id(p.ahead_hyper))
+            if key not in rows:
+                ahead = ([0.0] * k.ahead_count if p.ahead is None
+                         else k.ahead_scalars(p.hyper, p.ahead_hyper))
+                rows[key] = [*k.scalars(p.hyper), *ahead]
+            keys.append(key)
+        scalars = torch.tensor([rows[key] + [p.ema_decay] for key, p in zip(keys, pieces)],
                                dtype=torch.float64)
-        return self._queue.add(self._kernel.op, [p.grad for p in pieces],
+        return self._queue.add(k.op, [p.grad for p in pieces],
                                [list(p.state) for p in pieces], [list(p.targets) for p in pieces],
                                [_EMPTY if p.out is None else p.out for p in pieces],
+                               [_EMPTY if p.ahead is None else p.ahead for p in pieces],
                                [_EMPTY if p.ema is None else p.ema for p in pieces],
                                [_EMPTY if p.ema_target is None else p.ema_target for p in pieces],
-                               scalars, self._kernel.maps, work.block)
+                               scalars, k.maps, work.block)
 
     def wait(self, k: int) -> Optional[BaseException]:
         error = self._queue.wait(k)
@@ -169,12 +175,15 @@ class NativeQueue:
 
 class NativeKernel:
     """A native element-wise op for the executor: ``op`` names it, ``scalars(hyper)`` gives the
-    doubles it reads for a piece's hyperparameters, ``signed`` per moment whether it may be
-    negative (the map of its block-wise 8-bit format). Each run gets its own queue."""
+    doubles it reads for a piece's hyperparameters (``ahead_scalars(hyper, next_hyper)`` those
+    of its look-ahead, for ops with one), ``signed`` per moment whether it may be negative (the
+    map of its block-wise 8-bit format). Each run gets its own queue."""
 
     def __init__(self, mod: ModuleType, op: str, scalars: Callable[[Any], Sequence[float]],
-                 signed: Sequence[bool]):
-        self.mod, self.op, self.scalars = mod, op, scalars
+                 signed: Sequence[bool],
+                 ahead_scalars: Optional[Callable[[Any, Any], Sequence[float]]] = None):
+        self.mod, self.op, self.scalars, self.ahead_scalars = mod, op, scalars, ahead_scalars
+        self.ahead_count = next(a for name, _, _, a in mod.ops() if name == op)
         tables = [blockwise.table(sg) for sg in signed]
         tables += [blockwise.table(True)] * (_MAX_MOMENTS - len(tables))  # (unused)
         self.maps = torch.stack(tables)

@@ -31,6 +31,8 @@ class Piece(NamedTuple):
     ema: Optional[torch.Tensor] = None  # fp32 EMA of the value, updated after it
     ema_decay: float = 0.0
     ema_target: Optional[torch.Tensor] = None  # the new EMA goes here; None = in place
+    ahead: Optional[torch.Tensor] = None  # a look-ahead's rate (``out`` then gets its base)
+    ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
 
 
 class Work:

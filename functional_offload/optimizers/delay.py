@@ -1,11 +1,26 @@
-"""When a delayed update (``delayed=True``) runs exact steps instead: :class:`Delay`.
+"""How a delayed update (``delayed=True``) keeps its gradients fresh: :class:`Delay`.
 
-A delayed step returns before the host step is done; the next forward reads the params of one
-update earlier, so its gradient is one step stale. Staleness costs most where the updates are
-large and change fast: at the start of training (the learning rate warms up, the loss falls
-steeply) and where the gradient norm is high enough for a clip to scale it (early steps, loss
-spikes). An *exact* step lands its params before ``update`` returns, as without ``delayed``
-(bit for bit the same values), and costs the host step's time on the training loop.
+A delayed step returns before the host step is done, so the next forward cannot read the params
+that step computes: left as they are, its gradient is taken at the params of one update earlier
+(one step stale). Staleness costs AdamW much: with the delay alone, a small GPT-style model on
+real text ends 0.6 above the exact run's validation loss (docs/performance.md), because a step
+that answers the gradient of the step before oscillates where an exact one is still stable.
+
+The *look-ahead* removes it. With the new master, moments and the next step's hyperparameters,
+the host step also computes, per element, two values from which the next step's result follows
+for any gradient ``g`` — for SGD ``base - rate * g``; for AdamW the same with the rate taken
+over the next step's denominator, which the device completes with ``g**2``. Both go up in place
+of the param (two values per element where one went), and when the next ``update`` lands the
+step it sets each param from them and that update's own (clipped) gradients, on the device. The
+forward after it then reads, to within the rounding (and, for Adam, the denominator of the
+momentum term), the params the step it feeds will apply its gradient to — as without
+``delayed``. The master, the moments and
+every update's math stay exact; only the params the forwards read are predicted. A flush, a
+checkpoint, ``fo.params_of`` or a param without a gradient lands the exact params (each master
+rounded), as without the look-ahead.
+
+An *exact* step lands its params before ``update`` returns, as without ``delayed`` (bit for bit
+the same values), and costs the host step's time on the training loop.
 """
 
 from __future__ import annotations
@@ -16,30 +31,42 @@ __all__ = ["Delay", "as_delay"]
 
 
 class Delay(NamedTuple):
-    """The policy of ``delayed=...``: which updates are exact (land before ``update`` returns).
+    """The policy of ``delayed=...``: the look-ahead, and which updates are exact (land before
+    ``update`` returns).
 
     Attributes:
+      lookahead: the params the next forward reads are the next step's values for its own
+        gradients (see the module), not the last step's. SGD's and Lion's are exact but for
+        rounding; Adam's and AdamW's but for the next step's momentum term, whose denominator
+        is the second moment's before that step (they differ where a gradient is far above
+        its second moment). Costs a second value per element through the host step's copies up
+        (2 bytes per bf16 param: pinned writes, PCIe and device memory) and a few element-wise
+        ops on the device per update; nothing in the state or its checkpoints.
       warmup: the first ``warmup`` updates of a state are exact (counted by the state's step
         count, so a resumed run goes on where it was).
       exact_when_clipped: an update whose gradients a :func:`~functional_offload.
-        clip_by_global_norm` in the same :func:`~functional_offload.chain` scales is exact. On a
-        freshly initialised model this keeps the steps exact until the gradient norm settles
-        below the clip, and later catches the spikes. It reads the clip's factor on the host:
-        one device synchronisation per update, once the backward is done.
+        clip_by_global_norm` in the same :func:`~functional_offload.chain` scales is exact. It
+        reads the clip's factor on the host: one device synchronisation per update, once the
+        backward is done.
 
-    ``delayed=True`` is ``Delay()``; ``Delay(warmup=0, exact_when_clipped=False)`` delays every
-    step. Staleness still costs AdamW once the clip stops scaling: on a 117 M GPT-style model
-    (2,000 steps, a 6e-4 peak) the default ended 0.30 above the exact run's validation loss,
-    every step delayed 1.19 (docs/performance.md); check the curve of your own run.
+    ``delayed=True`` is ``Delay()``: every update delayed, each with its look-ahead. An exact
+    step leaves no look-ahead, so the update after it trains on one stale gradient: with the
+    look-ahead, exact steps cost more than they give (0.04 of validation loss on the CPU
+    comparison of docs/performance.md, where the clip scaled a third of the steps). Without a
+    look-ahead they are what helps: ``Delay(lookahead=False, warmup=100,
+    exact_when_clipped=True)`` ended 0.15 above the exact run there (every step stale: 0.61),
+    and 0.30 above it on a 117 M model (2,000 steps).
 
     Example::
 
-        opt = fo.chain(fo.clip_by_global_norm(1.0),
-                       fo.adamw(3e-4, delayed=fo.Delay(warmup=200)))
+        opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(3e-4, delayed=True))
+        stale = fo.adamw(3e-4, delayed=fo.Delay(lookahead=False, warmup=100,
+                                                exact_when_clipped=True))
     """
 
-    warmup: int = 100
-    exact_when_clipped: bool = True
+    warmup: int = 0
+    exact_when_clipped: bool = False
+    lookahead: bool = True
 
 
 def as_delay(delayed: Union[bool, Delay]) -> Optional[Delay]:
@@ -53,7 +80,7 @@ def as_delay(delayed: Union[bool, Delay]) -> Optional[Delay]:
         raise TypeError(f"delayed must be True, False or a functional_offload.Delay, got {delayed!r}")
     if type(delayed.warmup) is not int or delayed.warmup < 0:
         raise ValueError(f"Delay.warmup must be an int >= 0, got {delayed.warmup!r}")
-    if not isinstance(delayed.exact_when_clipped, bool):
-        raise TypeError(f"Delay.exact_when_clipped must be True or False, got "
-                        f"{delayed.exact_when_clipped!r}")
+    for name in ("exact_when_clipped", "lookahead"):
+        if not isinstance(getattr(delayed, name), bool):
+            raise TypeError(f"Delay.{name} must be True or False, got {getattr(delayed, name)!r}")
     return delayed

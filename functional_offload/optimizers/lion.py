@@ -51,6 +51,25 @@ def reference(params: list, grads: list, moments: list, h: LionHyper) -> None:
         d.copy_(s)
 
 
+def ahead(params: list, moments: list, h: LionHyper, h2: LionHyper) -> tuple[list, list]:
+    r"""The look-ahead of the step after ``h``'s (``h2``'s, primed): the decayed values
+    :math:`\theta_t (1 - \eta'\lambda')` and :math:`\beta_1' m_t`, from which
+    :func:`land_ahead` makes that step for its grads exactly as the step does (but for the
+    rounding of the two to the params' dtype). Op for op as the native op's ``ahead``."""
+    (mus,) = moments
+    m = [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(mus, params)]
+    return torch._foreach_mul(params, 1 - h2.lr * h2.weight_decay), torch._foreach_mul(m, h2.beta1)
+
+
+def land_ahead(params: list, bases: list, moms: list, grads: list, h: LionHyper,
+               h2: LionHyper) -> None:
+    r"""The device side of :func:`ahead`: :math:`\theta = \text{base} - \eta'\,
+    \mathrm{sign}(\beta_1' m_t + (1-\beta_1')\, g)` for the grads :math:`g`."""
+    c = torch._foreach_add(moms, torch._foreach_mul(grads, 1 - h2.beta1))
+    torch._foreach_copy_(params, bases)
+    torch._foreach_add_(params, torch._foreach_sign(c), alpha=-h2.lr)
+
+
 def _hyper(v: Mapping[str, float], step: int) -> LionHyper:
     return LionHyper(v["lr"], v["beta1"], v["beta2"], v["weight_decay"])
 
@@ -61,6 +80,8 @@ LION = OptimizerSpec(
                      "weight_decay": check_nonneg},
     hyper=_hyper, reference=reference, native="lion",
     scalars=lambda h: [1 - h.lr * h.weight_decay, h.beta1, 1 - h.beta1, h.beta2, 1 - h.beta2, -h.lr],
+    ahead=ahead, ahead_scalars=lambda h, h2: [1 - h2.lr * h2.weight_decay, h2.beta1],
+    land_ahead=land_ahead,
 ).check()
 
 

@@ -66,6 +66,49 @@ def fused(params: list, grads: list, moments: list, h: SGDHyper) -> None:
                       nesterov=h.nesterov, maximize=False, is_first_step=False)
 
 
+def ahead_scalars(h: SGDHyper, h2: SGDHyper, momentum: bool) -> list[float]:
+    """The native ops' look-ahead scalars (math.cpp): ``-lr'``, the factors of the momentum
+    (with ``momentum``) and of the value in the next step's change for a zero grad, the rate
+    of its grad."""
+    mu, wd, k = h2.momentum, h2.weight_decay, 1 + h2.momentum if h2.nesterov else 1.0
+    factors = [mu * mu if h2.nesterov else mu, k * wd] if momentum else [wd]
+    return [-h2.lr, *factors, k * h2.lr]
+
+
+def ahead(params: list, moments: list, h: SGDHyper, h2: SGDHyper) -> tuple[list, list]:
+    r"""The look-ahead of the step after ``h``'s (``h2``'s, primed), from the values and
+    momentum buffers ``h``'s step left: that step gives :math:`\text{base} - \text{rate}\cdot g`
+    for its grad :math:`g`, with (:math:`k = 1 + \mu'` with Nesterov, else 1)
+
+    .. math::
+
+        \text{base} = \theta_t - \eta'\,(\mu' b_t + k\lambda'\theta_t) \;(\text{Nesterov: }
+        \mu'^2 b_t), \qquad \text{rate} = k\,\eta'
+
+    Op for op as the native ops' ``ahead``."""
+    scalars = ahead_scalars(h, h2, bool(moments))
+    if moments:
+        step, mu, wd, rate = scalars
+        change = torch._foreach_add(torch._foreach_mul(_as(moments[0], params), mu),
+                                    torch._foreach_mul(params, wd))
+    else:
+        step, wd, rate = scalars
+        change = torch._foreach_mul(params, wd)
+    bases = torch._foreach_add(params, torch._foreach_mul(change, step))
+    return bases, [torch.full_like(b, rate) for b in bases]
+
+
+def land_ahead(params: list, bases: list, rates: list, grads: list, h: SGDHyper,
+               h2: SGDHyper) -> None:
+    """The device side of :func:`ahead`: each param ``base - rate * g`` for its grad ``g``."""
+    torch._foreach_copy_(params, bases)
+    torch._foreach_addcmul_(params, rates, grads, value=-1)
+
+
+def _as(xs: list, like: list) -> list:
+    return [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(xs, like)]
+
+
 @functools.lru_cache(maxsize=None)
 def spec(momentum: bool, nesterov: bool = False) -> OptimizerSpec:
     """The spec of SGD without momentum, with momentum, or with Nesterov momentum."""
@@ -82,6 +125,8 @@ def spec(momentum: bool, nesterov: bool = False) -> OptimizerSpec:
         native="sgd_momentum" if momentum else "sgd",
         scalars=(lambda h: [-h.lr, h.weight_decay, h.momentum, float(h.nesterov)]) if momentum
         else (lambda h: [-h.lr, h.weight_decay]),
+        ahead=ahead, ahead_scalars=functools.partial(ahead_scalars, momentum=momentum),
+        land_ahead=land_ahead,
     ).check()
 
 

@@ -48,6 +48,13 @@ HyperFn = Callable[[Mapping[str, float], int], Any]
 # values of one call share a device and a dtype, and so do each moment's tensors; the device
 # math gets the grads in the values' dtype (the reference casts them itself).
 MathFn = Callable[[list, list, list, Any], None]
+# The delayed update's look-ahead (optimizers/delay.py), on the host: (new values fp32, [one
+# list per moment, as stored], hyper, next step's hyper) -> (bases, rates), fp32 lists, the
+# next step's values for any grad ``g`` being a function of base, rate and ``g``.
+AheadFn = Callable[[list, list, Any, Any], tuple[list, list]]
+# Its device side: (params, bases, rates, the next step's grads, hyper, next hyper) -> None,
+# the params set to the next step's values for those grads (read before they change).
+LandAheadFn = Callable[[list, list, list, list, Any, Any], None]
 
 
 class OptimizerSpec(NamedTuple):
@@ -71,6 +78,11 @@ class OptimizerSpec(NamedTuple):
       elementwise: the math is element-wise (chunks cut across leaves may run it); else each
         host-resident leaf runs whole (:mod:`functional_offload.executor.leaves`), and the
         moments may have shapes of their own.
+      ahead: the look-ahead of the delayed update (:class:`~functional_offload.Delay`): what
+        the host step computes of the next step beside the new state; ``None``: none.
+      ahead_scalars: the native op's look-ahead scalars for ``(hyper, next_hyper)`` (an op
+        with ``kAheadScalars`` > 0).
+      land_ahead: the look-ahead's device side (with ``ahead``, and only with it).
     """
 
     name: str
@@ -84,6 +96,9 @@ class OptimizerSpec(NamedTuple):
     scalars: Optional[Callable[[Any], Sequence[float]]] = None
     decay: Optional[str] = "weight_decay"
     elementwise: bool = True
+    ahead: Optional[AheadFn] = None
+    ahead_scalars: Optional[Callable[[Any, Any], Sequence[float]]] = None
+    land_ahead: Optional[LandAheadFn] = None
 
     def check(self) -> "OptimizerSpec":
         """Raise ``TypeError`` if the spec is inconsistent (for optimizer authors)."""
@@ -97,8 +112,14 @@ class OptimizerSpec(NamedTuple):
             raise TypeError(f"{self.name}: a native op needs its scalars function, and only it")
         if self.elementwise and any(m.shape is not None for m in self.moments):
             raise TypeError(f"{self.name}: element-wise state mirrors the params' shapes")
-        if not self.elementwise and self.native is not None:
-            raise TypeError(f"{self.name}: native ops are element-wise")
+        if not self.elementwise and (self.native is not None or self.ahead is not None):
+            raise TypeError(f"{self.name}: native ops and look-aheads are element-wise")
+        if (self.ahead_scalars is not None) != (self.ahead is not None and self.native is not None):
+            raise TypeError(f"{self.name}: a native op with a look-ahead needs its look-ahead "
+                            "scalars, and only it")
+        if (self.land_ahead is None) != (self.ahead is None):
+            raise TypeError(f"{self.name}: a look-ahead has a host side (ahead) and a device "
+                            "side (land_ahead), both or neither")
         if self.decay is not None and self.decay not in self.hyperparameters:
             raise TypeError(f"{self.name}: decay hyperparameter {self.decay!r} is not declared")
         return self

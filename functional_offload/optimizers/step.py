@@ -54,6 +54,9 @@ class TerminalStep(StepBase):
             if cache is not None and (cache.restore_params or cache.adopt_masters):
                 after_load(state)  # what a load since the last step left (masters, params)
             self.hyper, self.hyper_no_decay = t.hyper_at(self.n)
+            # a delayed step's look-ahead is of the next step (checked here, before anything)
+            self.hyper_next = (t.hyper_at(self.n + 1)
+                               if t.delay is not None and t.delay.lookahead else None)
             self.leaves: list[Leaf] = t.layout(state)
         except BaseException:
             state.count.fill_(self.n)
@@ -109,7 +112,7 @@ class TerminalStep(StepBase):
         """Check the grads, apply the step, consume the state (shielded); the new state."""
         try:
             gs = self._grads(grads)
-            self._land_previous()
+            self._land_previous(gs)
         except BaseException:
             self.abort()
             raise
@@ -178,13 +181,14 @@ class TerminalStep(StepBase):
         """Mark the state failed; ``written``: the leaves whose step may have run in place."""
         mark_failed(self.state.count, self.state.params.cache, self._lost(written))
 
-    def _land_previous(self) -> None:
+    def _land_previous(self, gs: Optional[list] = None) -> None:
         """A delayed step still in flight lands before this one changes anything (not at begin:
-        a streamed step begins after the forward, which read the params it would change)."""
+        a streamed step begins after the forward, which read the params it would change); with
+        this step's grads ``gs``, a look-ahead's params are those this step is about to make."""
         pending = self.state.params.pending
         if pending is not None:
             try:
-                pending.land()
+                pending.land(gs)
             except BaseException:
                 self.finished = True
                 if int(self.state.count) == BUSY:  # landed, then interrupted: the state is fine
@@ -237,13 +241,16 @@ class TerminalStep(StepBase):
                                  t.ema_decay, t.executor.timeline)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
+            exact = self._exact()
+            if not exact:
+                self.work.ahead = self.hyper_next
             landing = form.finish(gs, rest, ready)
             form.commit()
             refs = state.params
             if landing is not None:
                 lost = self._lost(i for i, g in enumerate(gs) if g is not None)
-                pending = Pending(landing, new_count, state.params.cache, lost)
-                if self._exact():
+                pending = Pending(landing, new_count, state.params.cache, lost, rest)
+                if exact:
                     pending.land()  # before update returns: the next forward reads these params
                 else:
                     refs = refs._replace(pending=pending)

@@ -87,6 +87,11 @@ class Terminal:
         if delay is not None and not spec.elementwise:
             raise ValueError(f"{spec.name} does not support delayed=True: its host step runs leaf "
                              "by leaf; hide it with fo.stream, or keep its state on the device")
+        if delay is not None and delay.lookahead and spec.ahead is None:
+            raise ValueError(f"{spec.name} has no look-ahead for delayed=True: pass "
+                             "delayed=fo.Delay(lookahead=False, warmup=100, exact_when_clipped=True) "
+                             "to train on one-step-stale gradients with exact warm-up and clipped "
+                             "steps, or hide the host step with fo.stream")
         missing = set(spec.hyperparameters) - set(hypers)
         extra = set(hypers) - set(spec.hyperparameters)
         if missing or extra:

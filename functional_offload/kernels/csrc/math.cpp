@@ -9,8 +9,12 @@ namespace fo {
 
 // Adam and AdamW. Scalars: decay (1 - lr*wd for AdamW, 1 for Adam), l2 (wd for Adam, 0 for
 // AdamW), 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2^t), eps, -lr / (1 - beta1^t).
+// Look-ahead scalars (of step t+1, primed): decay', b1', eps', -lr'/(1 - b1'^(t+1)),
+// lr'*(1 - b1')/(1 - b1'^(t+1)): the base is the next step for a zero grad with the denominator
+// as it is now, the rate the factor of the next grad over that denominator (the device takes the
+// denominator back from it, adam.land_ahead).
 struct Adam {
-  static constexpr int kMoments = 2, kScalars = 8;
+  static constexpr int kMoments = 2, kScalars = 8, kAheadScalars = 5;
   static inline float step(float p, float g, float& m, float& v, const float* s) {
     p = p * s[0];                               // AdamW: p *= 1 - lr*wd
     g = g + s[1] * p;                           // Adam:  g += wd*p
@@ -19,33 +23,59 @@ struct Adam {
     const float denom = std::sqrt(v) / s[5] + s[6];
     return p + s[7] * (m / denom);              // p -= lr/bc1 * m/denom
   }
+  static inline void ahead(float p, float m, float v, const float* s, const float* a,
+                           float& base, float& rate) {
+    const float denom = std::sqrt(v) / s[5] + a[2];
+    base = p * a[0] + a[3] * ((m * a[1]) / denom);  // decay'*p - lr'/bc1' * b1'*m/denom
+    rate = (1.f / denom) * a[4];                    // lr'*(1 - b1')/bc1' / denom
+  }
 };
 FO_ELEMENTWISE(adam, Adam)
 
-// SGD without momentum. Scalars: -lr, weight decay.
+// SGD without momentum. Scalars: -lr, weight decay. Look-ahead: -lr', wd', lr' (the next step is
+// base - lr' * g).
 struct Sgd {
-  static constexpr int kMoments = 0, kScalars = 2;
+  static constexpr int kMoments = 0, kScalars = 2, kAheadScalars = 3;
   static inline float step(float p, float g, float&, float&, const float* s) {
     return p + s[0] * (g + s[1] * p);
+  }
+  static inline void ahead(float p, float, float, const float*, const float* a, float& base,
+                           float& rate) {
+    base = p + a[0] * (a[1] * p);
+    rate = a[2];
   }
 };
 FO_ELEMENTWISE(sgd, Sgd)
 
 // SGD with momentum (buffer b, no dampening). Scalars: -lr, weight decay, momentum, nesterov.
+// Look-ahead: -lr', then mu' and wd' (nesterov: mu'^2 and (1 + mu')*wd'), then the rate lr'
+// (nesterov: (1 + mu')*lr'): the next step is base - rate * g.
 struct SgdMomentum {
-  static constexpr int kMoments = 1, kScalars = 4;
+  static constexpr int kMoments = 1, kScalars = 4, kAheadScalars = 4;
   static inline float step(float p, float g, float& b, float&, const float* s) {
     g = g + s[1] * p;
     b = b * s[2] + g;                           // b = mu*b + g
     g = s[3] != 0.f ? g + s[2] * b : b;         // nesterov: g + mu*b
     return p + s[0] * g;
   }
+  static inline void ahead(float p, float b, float, const float*, const float* a, float& base,
+                           float& rate) {
+    base = p + a[0] * (a[1] * b + a[2] * p);
+    rate = a[3];
+  }
 };
 FO_ELEMENTWISE(sgd_momentum, SgdMomentum)
 
-// Lion. Scalars: 1 - lr*wd, beta1, 1 - beta1, beta2, 1 - beta2, -lr.
+// Lion. Scalars: 1 - lr*wd, beta1, 1 - beta1, beta2, 1 - beta2, -lr. Look-ahead: 1 - lr'*wd',
+// beta1': the base is the decayed value, the second value beta1'*m (the next step is base -
+// lr' * sign(that + (1 - beta1')*g), as `step` computes it).
 struct Lion {
-  static constexpr int kMoments = 1, kScalars = 6;
+  static constexpr int kMoments = 1, kScalars = 6, kAheadScalars = 2;
+  static inline void ahead(float p, float m, float, const float*, const float* a, float& base,
+                           float& second) {
+    base = p * a[0];
+    second = m * a[1];
+  }
   static inline float step(float p, float g, float& m, float&, const float* s) {
     p = p * s[0];                               // p *= 1 - lr*wd
     const float c = m * s[1] + g * s[2];        // c = b1*m + (1 - b1)*g

@@ -3,7 +3,7 @@
 // per-element `step`, registered by name with FO_ELEMENTWISE(name, Struct).
 //
 //   struct MyOp {
-//     static constexpr int kMoments = 1, kScalars = 3;
+//     static constexpr int kMoments = 1, kScalars = 3, kAheadScalars = 0;
 //     static inline float step(float p, float g, float& m0, float& m1, const float* s);
 //   };
 //   FO_ELEMENTWISE(my_op, MyOp)
@@ -11,6 +11,15 @@
 // `step` returns the new value. `p` is the fp32 value being optimized, `g` the grad as fp32,
 // `m0`, `m1` the moments as fp32 (read and written in place; those past kMoments are unused),
 // `s` the scalars the Python side computed (in double, handed over as fp32).
+//
+// An op with a look-ahead (the delayed update's, optimizers/delay.py) has kAheadScalars > 0 and
+//
+//     static inline void ahead(float p, float m0, float m1, const float* s, const float* a,
+//                              float& base, float& rate);
+//
+// from the new value and moments and the next step's scalars `a`: the next step's value for a
+// zero grad (`base`) and how much of the next grad it subtracts (`rate`), so that the device
+// gets `base - rate * g` for that step's grad `g` without the state.
 //
 // Moments are fp32, bf16 or block-wise 8-bit (kernels/blockwise.py: per block of kQBlock
 // elements its codes, then its fp32 absmax): an 8-bit block is dequantized, stepped in fp32 (the
@@ -46,20 +55,23 @@ struct Block {
   int16_t* remainder;
   const void* grad;
   void* moments[kMaxMoments];
-  void* out;  // the param in the grad's dtype, or nullptr
+  void* out;  // the param in the grad's dtype (with a look-ahead: its base), or nullptr
+  void* ahead;  // a look-ahead's rate in the grad's dtype, or nullptr
   int64_t n;
   const float* scalars;
+  const float* ahead_scalars;  // the next step's scalars of the look-ahead
   const float* maps[kMaxMoments];  // 8-bit moments: each one's map (kMapFloats)
 };
 
 using BlockFn = void (*)(const Block&);
 
 // Per op: [grad dtype: f32, bf16, f16][moments: f32, bf16, 8-bit][value: fp32 without out, fp32
-// writing out, split master].
+// writing out, split master, fp32 writing a look-ahead, split master writing a look-ahead].
 struct Op {
   int moments = 0;
   int scalars = 0;
-  BlockFn fn[3][3][3] = {};
+  int ahead_scalars = 0;
+  BlockFn fn[3][3][5] = {};
 };
 
 // A split master's fp32 value from its high half and remainder, and back (ties away from zero):
@@ -83,30 +95,37 @@ const Op& find_op(const std::string& name);
 
 // The new value `pi` of element `i` stored by OUT: 0 the value in place, 1 also the param in the
 // grad's dtype to `o`, 2 a split master (high half and remainder in place; `o`, if given, gets the
-// high half).
-template <class G, int OUT>
-inline void store_value(float pi, int64_t i, float* __restrict p, uint16_t* __restrict hi,
-                        int16_t* __restrict lo, typename G::T* __restrict o) {
+// high half). AHEAD (with OUT 1 or 2): `o` gets the look-ahead's base and `r` its rate instead.
+template <class G, int OUT, bool AHEAD>
+inline void store_value(float pi, float base, float rate, int64_t i, float* __restrict p,
+                        uint16_t* __restrict hi, int16_t* __restrict lo,
+                        typename G::T* __restrict o, typename G::T* __restrict r) {
   if (OUT == 2) {
     uint16_t h;
     int16_t l;
     split_value(pi, h, l);
     hi[i] = h;
     lo[i] = l;
-    if (o != nullptr) reinterpret_cast<uint16_t*>(o)[i] = h;
+    if (!AHEAD && o != nullptr) reinterpret_cast<uint16_t*>(o)[i] = h;
   } else {
     p[i] = pi;
   }
-  if (OUT == 1) o[i] = G::st(pi);
+  if (OUT == 1 && !AHEAD) o[i] = G::st(pi);
+  if (AHEAD) {
+    o[i] = G::st(base);
+    r[i] = G::st(rate);
+  }
 }
 
-// OUT: as store_value's.
-template <class O, class G, class M, int OUT>
+// OUT, AHEAD: as store_value's.
+template <class O, class G, class M, int OUT, bool AHEAD>
 __attribute__((noinline)) void run_block(const Block& b) {
   // noinline: compiled on its own the loop vectorizes (inlined into a caller GCC once kept the
   // bf16 store scalar, 10x slower). Scalars are copied so the compiler knows they do not alias.
   float s[O::kScalars > 0 ? O::kScalars : 1];
   for (int k = 0; k < O::kScalars; ++k) s[k] = b.scalars[k];
+  float sa[O::kAheadScalars > 0 ? O::kAheadScalars : 1];
+  for (int k = 0; k < O::kAheadScalars; ++k) sa[k] = AHEAD ? b.ahead_scalars[k] : 0.f;
   float* __restrict p = b.value;
   uint16_t* __restrict hi = reinterpret_cast<uint16_t*>(b.value);
   int16_t* __restrict lo = b.remainder;
@@ -114,6 +133,7 @@ __attribute__((noinline)) void run_block(const Block& b) {
   typename M::T* __restrict m0 = static_cast<typename M::T*>(b.moments[0]);
   typename M::T* __restrict m1 = static_cast<typename M::T*>(b.moments[1]);
   typename G::T* __restrict o = static_cast<typename G::T*>(b.out);
+  typename G::T* __restrict r = static_cast<typename G::T*>(b.ahead);
   const int64_t n = b.n;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
@@ -122,7 +142,9 @@ __attribute__((noinline)) void run_block(const Block& b) {
     const float pi = O::step(OUT == 2 ? join_value(hi[i], lo[i]) : p[i], G::ld(g[i]), a, b, s);
     if (O::kMoments > 0) m0[i] = M::st(a);
     if (O::kMoments > 1) m1[i] = M::st(b);
-    store_value<G, OUT>(pi, i, p, hi, lo, o);
+    float base = 0.f, rate = 0.f;  // from the moments as stored (as the torch kernel reads them)
+    if constexpr (AHEAD) O::ahead(pi, M::ld(M::st(a)), M::ld(M::st(b)), s, sa, base, rate);
+    store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r);
   }
 }
 
@@ -359,15 +381,18 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
 
 // `run_block` for 8-bit moments: per block of kQBlock elements (a Block starts on one), the
 // moments dequantized to fp32, the step as for fp32 moments, the new moments quantized.
-template <class O, class G, int OUT>
+template <class O, class G, int OUT, bool AHEAD>
 __attribute__((noinline)) void run_block_q8(const Block& b) {
   float s[O::kScalars > 0 ? O::kScalars : 1];
   for (int k = 0; k < O::kScalars; ++k) s[k] = b.scalars[k];
+  float sa[O::kAheadScalars > 0 ? O::kAheadScalars : 1];
+  for (int k = 0; k < O::kAheadScalars; ++k) sa[k] = AHEAD ? b.ahead_scalars[k] : 0.f;
   float* __restrict p = b.value;
   uint16_t* __restrict hi = reinterpret_cast<uint16_t*>(b.value);
   int16_t* __restrict lo = b.remainder;
   const typename G::T* __restrict g = static_cast<const typename G::T*>(b.grad);
   typename G::T* __restrict o = static_cast<typename G::T*>(b.out);
+  typename G::T* __restrict r = static_cast<typename G::T*>(b.ahead);
   const QMap q0(b.maps[0]), q1(b.maps[1]);
   alignas(64) float f0[kQBlock], f1[kQBlock];
   for (int64_t k0 = 0; k0 < b.n; k0 += kQBlock) {
@@ -384,7 +409,9 @@ __attribute__((noinline)) void run_block_q8(const Block& b) {
       const float pi = O::step(OUT == 2 ? join_value(hi[i], lo[i]) : p[i], G::ld(g[i]), m, v, s);
       if (O::kMoments > 0) f0[j] = m;
       if (O::kMoments > 1) f1[j] = v;
-      store_value<G, OUT>(pi, i, p, hi, lo, o);
+      float base = 0.f, rate = 0.f;
+      if constexpr (AHEAD) O::ahead(pi, m, v, s, sa, base, rate);
+      store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r);
     }
     if (O::kMoments > 0) q_quantize(q0, f0, len, c0);
     if (O::kMoments > 1) q_quantize(q1, f1, len, c1);
@@ -393,26 +420,36 @@ __attribute__((noinline)) void run_block_q8(const Block& b) {
 
 template <class O, class G, class M>
 void fill_out(Op& op, int gi, int mi) {
-  op.fn[gi][mi][0] = &run_block<O, G, M, 0>;
-  op.fn[gi][mi][1] = &run_block<O, G, M, 1>;
-  op.fn[gi][mi][2] = &run_block<O, G, M, 2>;
+  op.fn[gi][mi][0] = &run_block<O, G, M, 0, false>;
+  op.fn[gi][mi][1] = &run_block<O, G, M, 1, false>;
+  op.fn[gi][mi][2] = &run_block<O, G, M, 2, false>;
+  if constexpr (O::kAheadScalars > 0) {
+    op.fn[gi][mi][3] = &run_block<O, G, M, 1, true>;
+    op.fn[gi][mi][4] = &run_block<O, G, M, 2, true>;
+  }
 }
 
 template <class O, class G>
 void fill_moments(Op& op, int gi) {
   fill_out<O, G, F32>(op, gi, 0);
   fill_out<O, G, BF16>(op, gi, 1);
-  op.fn[gi][2][0] = &run_block_q8<O, G, 0>;
-  op.fn[gi][2][1] = &run_block_q8<O, G, 1>;
-  op.fn[gi][2][2] = &run_block_q8<O, G, 2>;
+  op.fn[gi][2][0] = &run_block_q8<O, G, 0, false>;
+  op.fn[gi][2][1] = &run_block_q8<O, G, 1, false>;
+  op.fn[gi][2][2] = &run_block_q8<O, G, 2, false>;
+  if constexpr (O::kAheadScalars > 0) {
+    op.fn[gi][2][3] = &run_block_q8<O, G, 1, true>;
+    op.fn[gi][2][4] = &run_block_q8<O, G, 2, true>;
+  }
 }
 
 template <class O>
 Op make_op() {
-  static_assert(O::kMoments <= kMaxMoments && O::kScalars <= kMaxScalars, "too many moments/scalars");
+  static_assert(O::kMoments <= kMaxMoments && O::kScalars <= kMaxScalars &&
+                O::kAheadScalars <= kMaxScalars, "too many moments/scalars");
   Op op;
   op.moments = O::kMoments;
   op.scalars = O::kScalars;
+  op.ahead_scalars = O::kAheadScalars;
   fill_moments<O, F32>(op, 0);
   fill_moments<O, BF16>(op, 1);
   fill_moments<O, F16>(op, 2);

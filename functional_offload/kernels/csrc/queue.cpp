@@ -13,7 +13,8 @@
 // pass, and `out` (the param in the grad's dtype). A split master (kernels/remainder.py) comes
 // as two int16 state tensors, its high half and its remainder, before the moments: the op's
 // loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
-// then gets the new high half. A block-wise 8-bit moment (uint8: per 256 elements their codes,
+// then gets the new high half. With `ahead` (the op's look-ahead, ops.h), `out` gets the
+// look-ahead's base and `ahead` its rate, both in the grad's dtype, instead of the param. A block-wise 8-bit moment (uint8: per 256 elements their codes,
 // then their absmax) is addressed by its blocks; a piece's blocks start on them. Blocks are
 // processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
@@ -129,11 +130,12 @@ __attribute__((noinline)) void join(const uint16_t* __restrict hi, const int16_t
 }
 
 struct Piece {
-  at::Tensor grad, out, ema, ema_target;  // ema_target undefined: in place
+  at::Tensor grad, out, ahead, ema, ema_target;  // ema_target undefined: in place
   std::vector<at::Tensor> state, targets;  // (value, moments...); targets empty: in place
   bool split = false;  // state: (high half, remainder, moments...) of a split master
   BlockFn fn;
-  std::vector<float> scalars;
+  std::vector<float> scalars;  // the op's, then its look-ahead's
+  int ahead_at;  // where the look-ahead's scalars begin
   float ema_weight;  // 1 - decay
 };
 
@@ -181,8 +183,10 @@ struct Chunk {
       b.grad = static_cast<const char*>(p.grad.data_ptr()) + off * gsize;
       for (size_t j = 0; j < size_t(kMaxMoments); ++j) b.moments[j] = j + v0 < nt ? where[j + v0] : nullptr;
       b.out = p.out.defined() ? static_cast<char*>(p.out.data_ptr()) + off * p.out.element_size() : nullptr;
+      b.ahead = p.ahead.defined() ? static_cast<char*>(p.ahead.data_ptr()) + off * p.ahead.element_size() : nullptr;
       b.n = n;
       b.scalars = p.scalars.data();
+      b.ahead_scalars = p.scalars.data() + p.ahead_at;
       for (int j = 0; j < kMaxMoments; ++j) b.maps[j] = maps.data_ptr<float>() + j * kMapFloats;
       p.fn(b);
       if (p.ema.defined()) {
@@ -208,20 +212,22 @@ struct Chunk {
 std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tensor> grads,
                                   std::vector<std::vector<at::Tensor>> states,
                                   std::vector<std::vector<at::Tensor>> targets,
-                                  std::vector<at::Tensor> outs, std::vector<at::Tensor> emas,
-                                  std::vector<at::Tensor> ema_targets, const at::Tensor& scalars,
-                                  const at::Tensor& maps, int64_t block) {
+                                  std::vector<at::Tensor> outs, std::vector<at::Tensor> aheads,
+                                  std::vector<at::Tensor> emas, std::vector<at::Tensor> ema_targets,
+                                  const at::Tensor& scalars, const at::Tensor& maps, int64_t block) {
   const Op& op = find_op(name);
   const size_t np = grads.size();
   TORCH_CHECK(block > 0, "block must be > 0");
   TORCH_CHECK(maps.device().is_cpu() && maps.scalar_type() == at::kFloat && maps.is_contiguous() &&
               maps.dim() == 2 && maps.size(0) == kMaxMoments && maps.size(1) == kMapFloats,
               "maps must be a contiguous float32 [", kMaxMoments, ", ", kMapFloats, "] tensor");
-  TORCH_CHECK(states.size() == np && targets.size() == np && outs.size() == np && emas.size() == np &&
-              ema_targets.size() == np, "grad, state, target, out and ema lists differ in length");
+  TORCH_CHECK(states.size() == np && targets.size() == np && outs.size() == np && aheads.size() == np &&
+              emas.size() == np && ema_targets.size() == np,
+              "grad, state, target, out, ahead and ema lists differ in length");
+  const int64_t row = op.scalars + op.ahead_scalars + 1;  // the op's, the look-ahead's, the EMA's decay
   TORCH_CHECK(scalars.device().is_cpu() && scalars.scalar_type() == at::kDouble && scalars.is_contiguous() &&
-              scalars.dim() == 2 && scalars.size(0) == int64_t(np) && scalars.size(1) == op.scalars + 1,
-              "scalars must be a contiguous float64 [pieces, ", op.scalars + 1, "] tensor for op '", name, "'");
+              scalars.dim() == 2 && scalars.size(0) == int64_t(np) && scalars.size(1) == row,
+              "scalars must be a contiguous float64 [pieces, ", row, "] tensor for op '", name, "'");
   auto c = std::make_unique<Chunk>();
   c->block = block;
   c->maps = maps;
@@ -256,11 +262,19 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
       }
     }
     const bool has_out = outs[i].numel() != 0;
+    const bool ahead = aheads[i].numel() != 0;
     if (has_out) {
       check(outs[i], "out", n);
-      TORCH_CHECK(outs[i].scalar_type() == (p.split ? at::kBFloat16 : p.grad.scalar_type()),
-                  p.split ? "a split master's out must be bf16" : "out dtype must be the grad dtype");
+      TORCH_CHECK(outs[i].scalar_type() == (p.split && !ahead ? at::kBFloat16 : p.grad.scalar_type()),
+                  p.split && !ahead ? "a split master's out must be bf16" : "out dtype must be the grad dtype");
       p.out = outs[i];
+    }
+    if (ahead) {
+      TORCH_CHECK(op.ahead_scalars > 0, "op '", name, "' has no look-ahead");
+      TORCH_CHECK(has_out, "a look-ahead needs an out for its base");
+      check(aheads[i], "ahead", n);
+      TORCH_CHECK(aheads[i].scalar_type() == p.grad.scalar_type(), "ahead dtype must be the grad dtype");
+      p.ahead = aheads[i];
     }
     if (emas[i].numel() != 0) {
       check(emas[i], "ema", n);
@@ -274,9 +288,11 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
     }
     p.state = std::move(states[i]);
     p.targets = std::move(targets[i]);
-    p.fn = op.fn[gi][mi][p.split ? 2 : has_out ? 1 : 0];  // a split master's out: its high half
-    p.scalars.assign(s + i * (op.scalars + 1), s + i * (op.scalars + 1) + op.scalars);
-    p.ema_weight = float(1.0 - s[i * (op.scalars + 1) + op.scalars]);
+    // a split master's out: its high half, or a look-ahead's base
+    p.fn = op.fn[gi][mi][ahead ? (p.split ? 4 : 3) : p.split ? 2 : has_out ? 1 : 0];
+    p.scalars.assign(s + i * row, s + i * row + row - 1);
+    p.ahead_at = op.scalars;
+    p.ema_weight = float(1.0 - s[i * row + row - 1]);
     c->first.push_back(c->first.back() + (n + block - 1) / block);
     c->pieces.push_back(std::move(p));
   }
@@ -387,12 +403,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def(py::init<bool>(), py::arg("record") = false)
       .def("add", [](Queue& q, const std::string& op, std::vector<at::Tensor> grads,
                      std::vector<std::vector<at::Tensor>> states, std::vector<std::vector<at::Tensor>> targets,
-                     std::vector<at::Tensor> outs, std::vector<at::Tensor> emas,
-                     std::vector<at::Tensor> ema_targets, at::Tensor scalars, at::Tensor maps,
-                     int64_t block) {
+                     std::vector<at::Tensor> outs, std::vector<at::Tensor> aheads,
+                     std::vector<at::Tensor> emas, std::vector<at::Tensor> ema_targets,
+                     at::Tensor scalars, at::Tensor maps, int64_t block) {
         return q.add(fo::make_chunk(op, std::move(grads), std::move(states), std::move(targets),
-                                    std::move(outs), std::move(emas), std::move(ema_targets),
-                                    scalars, maps, block));
+                                    std::move(outs), std::move(aheads), std::move(emas),
+                                    std::move(ema_targets), scalars, maps, block));
       })
       .def("ready", &Queue::ready)
       .def("wait", &Queue::wait, py::call_guard<py::gil_scoped_release>())
@@ -401,8 +417,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("work", &Queue::work, py::call_guard<py::gil_scoped_release>())
       .def("spans", &Queue::spans);
   mod.def("ops", [] {
-    std::vector<std::tuple<std::string, int, int>> out;
-    for (const auto& kv : fo::registry()) out.emplace_back(kv.first, kv.second.moments, kv.second.scalars);
+    std::vector<std::tuple<std::string, int, int, int>> out;
+    for (const auto& kv : fo::registry())
+      out.emplace_back(kv.first, kv.second.moments, kv.second.scalars, kv.second.ahead_scalars);
     return out;
-  }, "(name, moments, scalars) of every registered element-wise op");
+  }, "(name, moments, scalars, look-ahead scalars) of every registered element-wise op");
 }

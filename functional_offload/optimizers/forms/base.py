@@ -108,12 +108,15 @@ def by_device(idx: list[int], gs: list) -> dict[torch.device, list[int]]:
 
 class HostWork:
     """A step's host leaves and what runs them: the leaves' kernel (kept in the state's cache
-    with their layout), executor runs opened per device, the host leaves handed to them."""
+    with their layout), executor runs opened per device, the host leaves handed to them.
+    ``ahead``: the next step's ``(hyper, hyper_no_decay)`` where the leaves are to leave
+    look-aheads (a delayed step, :class:`~functional_offload.Delay`), else None."""
 
     def __init__(self, t: TerminalLike, leaves: list[Leaf], cache: StepCache,
                  hyper: Any, hyper_no_decay: Any):
         self.t, self.leaves, self.cache = t, leaves, cache
         self.hyper, self.hyper_no_decay = hyper, hyper_no_decay
+        self.ahead: Optional[tuple[Any, Any]] = None
         self.ex = t.executor
         self._kernel: Optional[Kernel] = None
         self._views_checked = False
@@ -151,7 +154,8 @@ class HostWork:
                 spec = self.t.spec
                 cache.kernel = (self.t.cpu_kernel, host_kernel(
                     spec.native, spec.scalars, spec.reference, [m.signed for m in spec.moments],
-                    [lf.flat for lf in self.leaves if lf.on_host], self.t.cpu_kernel))
+                    [lf.flat for lf in self.leaves if lf.on_host], self.t.cpu_kernel,
+                    spec.ahead, spec.ahead_scalars))
             self._kernel = cache.kernel[1]
         return self._kernel
 
@@ -179,6 +183,7 @@ class HostWork:
         if grad.device.type == "cpu" and not grad.is_contiguous():
             grad = grad.contiguous()  # read where it is by the kernel, which takes dense grads
         split = is_split(leaf.value)  # the new param is the new high half: copied up from there
+        ahead = None if self.ahead is None else self.ahead[0 if leaf.decay else 1]
         return HostLeaf(leaf.path, grad, out, leaf.flat, self.hyper_of(leaf), targets,
                         leaf.ema_flat, self.t.ema_decay or 0.0, ema_target, settled,
-                        (targets or leaf.flat)[0] if split else None)
+                        (targets or leaf.flat)[0] if split else None, ahead_hyper=ahead)

@@ -20,23 +20,29 @@ __all__ = ["Delayed", "Pending"]
 
 class Pending:
     """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
-    waits for it and drops its result (before a checkpoint is loaded over the state)."""
+    waits for it and drops its result (before a checkpoint is loaded over the state).
+    ``indices``: the state's leaves (in the layout's order) its landing updates."""
 
     def __init__(self, landing: Landing, count: torch.Tensor, cache: Optional[StepCache],
-                 lost: list[str]):
+                 lost: list[str], indices: list[int]):
         self.landing, self.count, self.cache, self.lost = landing, count, cache, lost
+        self.indices = indices
         self.done = False
         self.error: Optional[BaseException] = None
 
-    def land(self) -> None:
+    def land(self, grads: Optional[list] = None) -> None:
+        """Apply the step; ``grads``: the next step's grads of every leaf of the layout (a
+        look-ahead's landing takes them, :class:`~functional_offload.executor.delayed.Landing`),
+        or None (the params land exactly)."""
         if self.done:
             if self.error is not None:
                 raise self.error
             return
         ex, device = self.landing.ex, self.landing.device
         ready = ex.ready(device)  # the caller's reads of the old params come first
+        mine = None if grads is None else [grads[i] for i in self.indices]
         try:
-            _, interrupt = shielded(self.landing.land, ready)
+            _, interrupt = shielded(self.landing.land, ready, mine)
         except BaseException as e:
             self.done, self.error = True, e
             mark_failed(self.count, self.cache, self.lost)
@@ -56,7 +62,8 @@ class Pending:
 
 class Delayed(AtFinish):
     """The delayed form (see the module): nothing starts before finish, which starts the run
-    and returns its :class:`Landing`; the step's count and lost params make it
+    and returns its :class:`Landing` (with look-aheads where the step's work has the next
+    step's hyperparameters, ``HostWork.ahead``); the step's count and lost params make it
     :class:`Pending`."""
 
     def __init__(self, work: HostWork):
@@ -69,7 +76,8 @@ class Delayed(AtFinish):
         work = self.work
         landing = Landing(work.ex, [work.host_leaf(i, gs[i], None) for i in rest], work.kernel(),
                           [work.leaves[i].param.view(-1) if work.leaves[i].has_master else None
-                           for i in rest], work.t.threads)
+                           for i in rest], work.t.threads,
+                          ahead=None if work.ahead is None else work.t.spec.land_ahead)
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         return landing
 
