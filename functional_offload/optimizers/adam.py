@@ -93,14 +93,14 @@ def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
 
 def ahead(params: list, moments: list, h: AdamHyper, h2: AdamHyper) -> tuple[list, list]:
     r"""The look-ahead of the step after ``h``'s (``h2``'s, primed below), from the values and
-    moments ``h``'s step left:
+    moments ``h``'s step left: its result for a zero grad with the denominator as it is now
+    (the *base*), and its bias-corrected second moment but for the grad's part (:math:`q`):
 
     .. math::
 
-        d = \sqrt{v_t} / \sqrt{1-\beta_2^t} + \epsilon', \quad
         \text{base} = \theta_t\,(1-\eta'\lambda') - \frac{\eta'}{1-\beta_1'^{t+1}}\,
-                      \frac{\beta_1' m_t}{d}, \quad
-        \text{rate} = \frac{\eta'}{1-\beta_1'^{t+1}}\,\frac{1-\beta_1'}{d}
+                      \frac{\beta_1' m_t}{\sqrt{v_t} / \sqrt{1-\beta_2^t} + \epsilon'}, \qquad
+        q = \frac{\beta_2' v_t}{1-\beta_2'^{t+1}}
 
     (Adam: no decay factor; its L2 term is part of the grad :func:`land_ahead` takes). Op for
     op as the native op's ``ahead``."""
@@ -109,63 +109,40 @@ def ahead(params: list, moments: list, h: AdamHyper, h2: AdamHyper) -> tuple[lis
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, (1 - h.beta2 ** h.step) ** 0.5)
     torch._foreach_add_(denom, h2.eps)
-    decay, beta1, _, step, rate = ahead_scalars(h, h2)
+    decay, beta1, _, step, second = ahead_scalars(h, h2)
     bases = torch._foreach_mul(params, decay)
     torch._foreach_addcdiv_(bases, torch._foreach_mul(m, beta1), denom, step)
-    rates = torch._foreach_reciprocal(denom)
-    torch._foreach_mul_(rates, rate)
-    return bases, rates
+    return bases, torch._foreach_mul(v, second)
 
 
 def ahead_scalars(h: AdamHyper, h2: AdamHyper) -> list[float]:
     """The native op's look-ahead scalars (math.cpp), in double."""
-    bc1 = 1 - h2.beta1 ** h2.step
     return [1 - h2.lr * h2.weight_decay if h2.decoupled else 1.0, h2.beta1, h2.eps,
-            -(h2.lr / bc1), h2.lr * (1 - h2.beta1) / bc1]
-
-
-_LAND_ELEMENTS = 1 << 26  # per group of leaves: the temporaries of land_ahead stay this small
+            -(h2.lr / (1 - h2.beta1 ** h2.step)), h2.beta2 / (1 - h2.beta2 ** h2.step)]
 
 
 @torch.no_grad()
-def land_ahead(params: list, bases: list, rates: list, grads: list, h: AdamHyper,
+def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
                h2: AdamHyper) -> None:
     r"""The device side of :func:`ahead`: the params of the step after ``h``'s for its grads
     :math:`g` (plus :math:`\lambda'\theta` for Adam, the params read before they change):
 
     .. math::
 
-        v' = \beta_2' v_t + (1-\beta_2') g^2, \quad
         \theta = \text{base} - \frac{\eta'}{1-\beta_1'^{t+1}}\,
-                 \frac{(1-\beta_1')\, g}{\sqrt{v'}/\sqrt{1-\beta_2'^{t+1}} + \epsilon'}
+                 \frac{(1-\beta_1')\, g}{\sqrt{q + (1-\beta_2')\,g^2 / (1-\beta_2'^{t+1})} + \epsilon'}
 
-    with :math:`v_t` taken back from the rate. The grad's part is then the next step's own; its
-    momentum part keeps the denominator of :math:`v_t` (it differs where the new grad is far
-    above the second moment). In the params' dtype, a group of leaves at a time."""
-    _, _, eps, _, fresh = ahead_scalars(h, h2)
-    bc2, bc2_next = 1 - h.beta2 ** h.step, 1 - h2.beta2 ** h2.step
-    old, new = h2.beta2 * bc2 / bc2_next, (1 - h2.beta2) / bc2_next
-    start = 0
-    while start < len(params):
-        stop, n = start, 0
-        while stop < len(params) and (stop == start or n + params[stop].numel() <= _LAND_ELEMENTS):
-            n += params[stop].numel()
-            stop += 1
-        ps, gs = params[start:stop], grads[start:stop]
-        if not h2.decoupled and h2.weight_decay != 0:
-            gs = torch._foreach_add(gs, ps, alpha=h2.weight_decay)
-        denom = torch._foreach_reciprocal(rates[start:stop])  # sqrt(v_t / bc2) = rate'/rate - eps
-        torch._foreach_mul_(denom, fresh)
-        torch._foreach_sub_(denom, eps)
-        torch._foreach_clamp_min_(denom, 0.0)
-        torch._foreach_mul_(denom, denom)
-        torch._foreach_mul_(denom, old)
-        torch._foreach_add_(denom, torch._foreach_mul(torch._foreach_mul(gs, gs), new))
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        torch._foreach_copy_(ps, bases[start:stop])
-        torch._foreach_addcdiv_(ps, gs, denom, -fresh)
-        start = stop
+    The grad's part is then the next step's own, denominator and all; the momentum part keeps
+    the denominator of :math:`v_t` (they differ where the new grad is far above the second
+    moment). Five element-wise passes in the params' dtype, in place on ``qs`` and ``params``."""
+    bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
+    if not h2.decoupled and h2.weight_decay != 0:
+        grads = torch._foreach_add(grads, params, alpha=h2.weight_decay)
+    torch._foreach_addcmul_(qs, grads, grads, (1 - h2.beta2) / bc2)
+    torch._foreach_sqrt_(qs)
+    torch._foreach_add_(qs, h2.eps)
+    torch._foreach_copy_(params, bases)
+    torch._foreach_addcdiv_(params, grads, qs, -h2.lr * (1 - h2.beta1) / bc1)
 
 
 def scalars(h: AdamHyper) -> list[float]:

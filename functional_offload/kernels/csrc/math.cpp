@@ -10,9 +10,9 @@ namespace fo {
 // Adam and AdamW. Scalars: decay (1 - lr*wd for AdamW, 1 for Adam), l2 (wd for Adam, 0 for
 // AdamW), 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2^t), eps, -lr / (1 - beta1^t).
 // Look-ahead scalars (of step t+1, primed): decay', b1', eps', -lr'/(1 - b1'^(t+1)),
-// lr'*(1 - b1')/(1 - b1'^(t+1)): the base is the next step for a zero grad with the denominator
-// as it is now, the rate the factor of the next grad over that denominator (the device takes the
-// denominator back from it, adam.land_ahead).
+// b2'/(1 - b2'^(t+1)): the base is the next step for a zero grad with the denominator as it is
+// now; the second value is the next step's bias-corrected second moment but for its grad's part,
+// which the device adds (adam.land_ahead).
 struct Adam {
   static constexpr int kMoments = 2, kScalars = 8, kAheadScalars = 5;
   static inline float step(float p, float g, float& m, float& v, const float* s) {
@@ -27,7 +27,7 @@ struct Adam {
                            float& base, float& rate) {
     const float denom = std::sqrt(v) / s[5] + a[2];
     base = p * a[0] + a[3] * ((m * a[1]) / denom);  // decay'*p - lr'/bc1' * b1'*m/denom
-    rate = (1.f / denom) * a[4];                    // lr'*(1 - b1')/bc1' / denom
+    rate = v * a[4];                                // b2'*v/bc2'
   }
 };
 FO_ELEMENTWISE(adam, Adam)
