@@ -81,6 +81,8 @@ RUNS: dict[str, Run] = {
                    "torch"),
     "stale": Run("ours, host, every step delayed, no look-ahead (fo.Delay(lookahead=False): "
                  "one-step-stale gradients)", "torch"),
+    "delayedclip": Run("ours, host, the look-ahead, exact steps when the clip scales "
+                       "(fo.Delay(exact_when_clipped=True))", "torch"),
     "warmstale": Run("ours, host, no look-ahead, 100 exact warm-up steps and exact steps when the "
                      "clip scales (fo.Delay(lookahead=False, warmup=100, exact_when_clipped=True))",
                      "torch"),
@@ -104,6 +106,7 @@ OURS: dict[str, tuple[str, float, dict]] = {
     "partial": ("plain", 0.5, {}),
     "delayed": ("delayed", 1.0, {"delay": fo.Delay()}),
     "stale": ("delayed", 1.0, {"delay": fo.Delay(lookahead=False)}),
+    "delayedclip": ("delayed", 1.0, {"delay": fo.Delay(exact_when_clipped=True)}),
     "warmstale": ("delayed", 1.0, {"delay": fo.Delay(lookahead=False, warmup=100, exact_when_clipped=True)}),
     "bf16": ("plain", 1.0, {"moments": torch.bfloat16}),
     "r": ("plain", 1.0, {"remainders": True}),
@@ -380,7 +383,7 @@ def plot(records: dict[str, dict], path: str) -> None:
     for name, r in records.items():
         if name not in RUNS:
             continue
-        style = "-" if RUNS[name].reference is None else "--" if name in ("stale", "warmstale", "delayed", "delayedr8") else ":"
+        style = "-" if RUNS[name].reference is None else "--" if name in ("stale", "warmstale", "delayed", "delayedclip", "delayedr8") else ":"
         a.plot(smooth(r["loss"]), style, label=name, lw=1)
         ref = records.get(RUNS[name].reference or "")
         if ref is not None:

@@ -65,9 +65,11 @@ def land_ahead(params: list, bases: list, moms: list, grads: list, h: LionHyper,
                h2: LionHyper) -> None:
     r"""The device side of :func:`ahead`: :math:`\theta = \text{base} - \eta'\,
     \mathrm{sign}(\beta_1' m_t + (1-\beta_1')\, g)` for the grads :math:`g`."""
-    c = torch._foreach_add(moms, torch._foreach_mul(grads, 1 - h2.beta1))
+    c = torch._foreach_mul(grads, 1 - h2.beta1)
+    torch._foreach_add_(c, moms)
+    torch._foreach_sign_(c)
     torch._foreach_copy_(params, bases)
-    torch._foreach_add_(params, torch._foreach_sign(c), alpha=-h2.lr)
+    torch._foreach_add_(params, c, alpha=-h2.lr)
 
 
 def _hyper(v: Mapping[str, float], step: int) -> LionHyper:
