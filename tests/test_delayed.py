@@ -345,3 +345,58 @@ def test_a_param_without_a_grad_lands_exactly():
     params, state = opt.update(g2, state)
     assert torch.equal(params["scale"], state.master["scale"].to(torch.bfloat16))
     assert not torch.equal(params["layer1"]["weight"], state.master["layer1"]["weight"].to(torch.bfloat16))
+
+
+def test_a_schedule_down_to_zero_lands_finite_params():
+    """The look-ahead of a step whose successor has lr 0 (the end of a decay) is no change."""
+    lr = lambda n: 1e-2 * max(0.0, 1 - n / 3)  # noqa: E731  (0 from the fourth update on)
+    params = make_params(dtype=torch.bfloat16)
+    grads = grad_seq(params, 6)
+    runs = []
+    for delayed in (True, False):
+        p = clone(params)
+        opt = fo.adamw(lr, delayed=delayed)
+        s = opt.init(p)
+        for g in grads:
+            p, s = opt.update(g, s)
+            assert all(torch.isfinite(x).all() for x in optree.tree_leaves(p))
+        fo.flush(s)
+        runs.append(p)
+    for a, b in zip(*map(optree.tree_leaves, runs)):
+        assert torch.equal(a, b)
+
+
+def test_a_schedule_that_ends_leaves_its_last_step_no_lookahead():
+    """A schedule defined for the loop's updates only (a table of values): the last update's
+    look-ahead would need the value after it; it has none, lands exactly at the flush, and an
+    update past the table raises the schedule's own error."""
+    lrs = [1e-2, 2e-2, 1e-2, 5e-3]
+    params = make_params(dtype=torch.bfloat16)
+    grads = grad_seq(params, len(lrs))
+    runs = []
+    for delayed in (True, False):
+        p = clone(params)
+        opt = fo.adamw(lambda n: lrs[n], delayed=delayed)
+        s = opt.init(p)
+        for g in grads:
+            p, s = opt.update(g, s)
+        fo.flush(s)
+        runs.append(p)
+        if delayed:
+            with pytest.raises(IndexError):
+                opt.update(grads[0], s)
+    for a, b in zip(*map(optree.tree_leaves, runs)):
+        assert torch.equal(a, b)
+
+
+def test_adams_lookahead_refuses_fp16_params_naming_the_fixes():
+    """fp16 cannot hold Adam's look-ahead (eps 1e-8 rounds to 0, small second moments
+    underflow): refused at init, naming the param; SGD's and the stale mode take fp16."""
+    params = {"w": torch.ones(4, dtype=torch.float16)}
+    with pytest.raises(ValueError, match=r"param 'w' is torch.float16.*bf16 params.*lookahead=False"):
+        fo.adamw(1e-2, delayed=True).init(params)
+    fo.adamw(1e-2, delayed=STALE).init(params)
+    opt = fo.sgd(1e-2, momentum=0.9, delayed=True)
+    p, s = opt.update({"w": torch.ones(4, dtype=torch.float16)}, opt.init(params))
+    p, s = opt.update({"w": torch.ones(4, dtype=torch.float16)}, s)
+    assert torch.isfinite(p["w"]).all()

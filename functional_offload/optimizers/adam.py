@@ -164,6 +164,7 @@ def _spec(decoupled: bool) -> OptimizerSpec:
                          "eps": check_nonneg, "weight_decay": check_nonneg},
         hyper=hyper, reference=reference, device=fused, native="adam", scalars=scalars,
         ahead=ahead, ahead_scalars=ahead_scalars, land_ahead=land_ahead,
+        ahead_dtypes=(torch.float32, torch.bfloat16, torch.float64),  # fp16: eps and q underflow
     ).check()
 
 

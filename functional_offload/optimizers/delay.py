@@ -16,8 +16,11 @@ forward after it then reads, to within the rounding (and, for Adam, the denomina
 momentum term), the params the step it feeds will apply its gradient to — as without
 ``delayed``. The master, the moments and
 every update's math stay exact; only the params the forwards read are predicted. A flush, a
-checkpoint, ``fo.params_of`` or a param without a gradient lands the exact params (each master
-rounded), as without the look-ahead.
+checkpoint or a param without a gradient lands the exact params (each master rounded), as
+without the look-ahead. With hyperparameters that a scheduler writes into the state at each
+step (``fo.TorchOptimizer``'s param groups, ``fo.inject_hyperparams``) the next step's are not
+known yet: its look-ahead takes this step's (a warm-up from 0 then lands no change once). A
+schedule that ends with a step (raises at the next count) leaves that step no look-ahead.
 
 An *exact* step lands its params before ``update`` returns, as without ``delayed`` (bit for bit
 the same values), and costs the host step's time on the training loop.

@@ -83,6 +83,7 @@ class OptimizerSpec(NamedTuple):
       ahead_scalars: the native op's look-ahead scalars for ``(hyper, next_hyper)`` (an op
         with ``kAheadScalars`` > 0).
       land_ahead: the look-ahead's device side (with ``ahead``, and only with it).
+      ahead_dtypes: the param dtypes the look-ahead's values keep in range, or ``None``: all.
     """
 
     name: str
@@ -99,6 +100,7 @@ class OptimizerSpec(NamedTuple):
     ahead: Optional[AheadFn] = None
     ahead_scalars: Optional[Callable[[Any, Any], Sequence[float]]] = None
     land_ahead: Optional[LandAheadFn] = None
+    ahead_dtypes: Optional[tuple[torch.dtype, ...]] = None
 
     def check(self) -> "OptimizerSpec":
         """Raise ``TypeError`` if the spec is inconsistent (for optimizer authors)."""

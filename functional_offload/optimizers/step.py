@@ -54,9 +54,7 @@ class TerminalStep(StepBase):
             if cache is not None and (cache.restore_params or cache.adopt_masters):
                 after_load(state)  # what a load since the last step left (masters, params)
             self.hyper, self.hyper_no_decay = t.hyper_at(self.n)
-            # a delayed step's look-ahead is of the next step (checked here, before anything)
-            self.hyper_next = (t.hyper_at(self.n + 1)
-                               if t.delay is not None and t.delay.lookahead else None)
+            self.hyper_next = self._next_hyper()
             self.leaves: list[Leaf] = t.layout(state)
         except BaseException:
             state.count.fill_(self.n)
@@ -165,6 +163,19 @@ class TerminalStep(StepBase):
         self.form.release()
 
     # ---- helpers --------------------------------------------------------------------------
+    def _next_hyper(self) -> Optional[tuple[Any, Any]]:
+        """A delayed step's look-ahead is of the next step: its hyperparameters, or None where
+        it has none (not delayed, ``lookahead=False``, or a schedule that ends with this step:
+        one that raises, or gives an invalid value, at the next count; it raises there if the
+        loop goes on)."""
+        t = self.t
+        if t.delay is None or not t.delay.lookahead:
+            return None
+        try:
+            return t.hyper_at(self.n + 1)
+        except Exception:  # noqa: BLE001 - the next update, if any, raises it
+            return None
+
     def _exact(self) -> bool:
         """Whether this delayed step is to be exact (:class:`~functional_offload.optimizers.
         delay.Delay`): in the warm-up, or its chain's clip scaled the grads."""

@@ -228,6 +228,12 @@ class Terminal:
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "
                                  "it, or keep its state on the device with placement.select)")
+            if (host and self.delay is not None and self.delay.lookahead
+                    and self.spec.ahead_dtypes is not None and p.dtype not in self.spec.ahead_dtypes):
+                raise ValueError(f"param {path!r} is {p.dtype}: {self.spec.name}'s look-ahead for "
+                                 "delayed=True keeps its values in the param's dtype, whose range "
+                                 f"only {', '.join(map(str, self.spec.ahead_dtypes))} cover; use "
+                                 "bf16 params, or delayed=fo.Delay(lookahead=False)")
 
     @torch.no_grad()
     def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool],
