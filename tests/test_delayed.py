@@ -171,10 +171,11 @@ def test_delayed_steps_leave_a_core_for_the_training_loop():
     assert threads(True) == 3 and threads(False) == 4
 
 
-def _run_modes(delayed, grads_fn, steps, clip=None):
-    params = {"p": torch.randn(6, generator=torch.Generator().manual_seed(2))}
-    inner = fo.adamw(1e-2, weight_decay=0.1, delayed=delayed, cpu_kernel="torch")
-    opt = inner if clip is None else fo.chain(fo.clip_by_global_norm(clip), inner)
+def _seen(make, grads_fn, steps, delayed, executor=None, p0=None):
+    """The params each forward of a loop reads (``grads_fn(t, params)`` its grads), and the
+    params after the last update (flushed)."""
+    params = {"p": (p0 if p0 is not None else torch.randn(6, generator=torch.Generator().manual_seed(2))).clone()}
+    opt = make(delayed=delayed, **({"executor": executor} if executor is not None else {}))
     state = opt.init(params)
     seen = []
     for t in range(steps):
@@ -182,6 +183,13 @@ def _run_modes(delayed, grads_fn, steps, clip=None):
         params, state = opt.update({"p": grads_fn(t, params["p"])}, state)
     fo.flush(state)
     return seen, params["p"].clone()
+
+
+def _run_modes(delayed, grads_fn, steps, clip=None):
+    def make(**kw):
+        inner = fo.adamw(1e-2, weight_decay=0.1, cpu_kernel="torch", **kw)
+        return inner if clip is None else fo.chain(fo.clip_by_global_norm(clip), inner)
+    return _seen(make, grads_fn, steps, delayed)
 
 
 def test_warmup_steps_are_exact_then_delayed():
@@ -222,20 +230,6 @@ def test_a_bad_delay_is_refused_naming_it(bad, match):
 
 
 # ---- the look-ahead -------------------------------------------------------------------------
-
-def _seen(make, grads_fn, steps, delayed, executor=None, p0=None):
-    """The params each forward of a loop reads (``grads_fn(t, params)`` its grads), and the
-    params after the last update (flushed)."""
-    params = {"p": (p0 if p0 is not None else torch.randn(6, generator=torch.Generator().manual_seed(2))).clone()}
-    opt = make(delayed=delayed, **({"executor": executor} if executor is not None else {}))
-    state = opt.init(params)
-    seen = []
-    for t in range(steps):
-        seen.append(params["p"].clone())
-        params, state = opt.update({"p": grads_fn(t, params["p"])}, state)
-    fo.flush(state)
-    return seen, params["p"].clone()
-
 
 LINEAR = {  # optimizers whose look-ahead is exact but for rounding
     "sgd": lambda kernel, **kw: fo.sgd(0.01, weight_decay=0.01, cpu_kernel=kernel, **kw),
