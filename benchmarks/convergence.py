@@ -12,7 +12,7 @@ Data: the Python standard library's own ``.py`` sources on this machine (text no
 no download), bytes as tokens (a vocabulary of 256, a multiple of 128); every 20th file in sorted
 order is held out for validation. Model (``--model``, :data:`MODELS`): ``gpt.py``'s GPT-style
 decoder with d=896, 12 layers, 14 heads, context 1,024 (116.9 M params, 148 leaves; ``small``:
-d=128, 4 layers, context 128, 0.88 M params, for the CPU), bf16 params (on the CPU too).
+d=128, 4 layers, context 128, 0.84 M params, for the CPU), bf16 params (on the CPU too).
 Training: ``--batch`` sequences of the context a step (8 x 1,024 tokens), warm-up (5% of the
 steps) and cosine to 10% of the peak (AdamW 6e-4, ``small`` 3e-3; betas (0.9, 0.95), weight
 decay 0.1), ``clip_by_global_norm(1.0)`` (on a fresh model it scales the first steps' grads).
@@ -29,7 +29,8 @@ the GPU, the bf16 params copied from them), ``lion_torch`` (Lion by hand on fp32
 The table: per run, its reference, the largest |loss - reference loss| over the steps (and at
 which step), whether its losses equal another run's bit for bit where the docs say they do,
 the final validation loss (after the last update landed) and its difference to the reference's,
-the median and mean step.
+the median and mean step. The validation losses before the last are taken at the params the next
+forward reads (a delayed run's: its look-ahead's, or one update behind without one).
 """
 
 from __future__ import annotations
