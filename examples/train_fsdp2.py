@@ -10,7 +10,8 @@ moments (and fp32 masters for bf16 params) in host memory, updated by the host e
 (``--offload`` sets the fraction). ``clip_by_global_norm`` clips by the norm over all ranks'
 shards. ``--mode`` picks how the update runs: ``plain`` (after backward), ``stream`` (each
 leaf's host step starts as FSDP2 finishes reducing its grad) or ``delayed`` (the host step runs
-during the next forward and backward; the params lag one step behind). The data is the same
+during the next forward and backward; the next update lands it as the look-ahead of its own
+grads). The data is the same
 global batch at every world size (each rank takes its slice), so a run resumed at another
 world size continues the same trajectory, up to the rounding of reductions in another order.
 """

@@ -78,7 +78,8 @@ class TorchOptimizer(torch.optim.Optimizer):
     load its checkpoint after ``prepare``; otherwise its host-resident state makes a round trip
     through GPU memory.
 
-    ``delayed=True``: the params of the host-resident leaves land at the next ``step()``,
+    ``delayed=True``: the host-resident leaves' step lands at the next ``step()`` (as the
+    look-ahead of that step's grads, :class:`~functional_offload.Delay`), or exactly at
     :meth:`flush` or ``state_dict()``; read ``optimizer.state`` after :meth:`flush`.
 
     Failures: after a step that failed part-way, ``step()``, ``state_dict()``, copies, pickles
