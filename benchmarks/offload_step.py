@@ -14,7 +14,10 @@ Systems (``F``: offload fraction, Megatron's semantics):
                    AdamW on the masters, params copied back.
   ``plain:F``      ours: ``loss.backward()``, then ``opt.update({path: p.grad}, state)``.
   ``stream:F``     ours with ``fo.stream`` around backward.
-  ``delayed:F``    ours with ``delayed=True`` (ZeRO-Offload's delayed parameter update).
+  ``delayed:F``    ours with ``delayed=True`` (ZeRO-Offload's delayed parameter update, with
+                   the look-ahead); ``stale:F`` (``stale16``, ``stale8``, ``staler``...) the
+                   same without it (``fo.Delay(lookahead=False)``: one step stale, 2 B/param
+                   fewer copied up).
   ``stream16:F`` / ``delayed16:F``   the same with bf16 moments (fp32 masters kept); ``...8:F``
                    (``plain8``, ``stream8``, ``delayed8``) with block-wise 8-bit moments.
   ``plainr:F``, ``streamr:F``, ``delayedr:F`` (and ``...r16:F``, ``...r8:F``)   the same with
@@ -61,10 +64,10 @@ from ours import HYPER, MOMENTS, Timeline, build_ours, fo, moments_of
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-OURS = ("lion", "streamlion", *(mode + r + m for mode in ("plain", "stream", "delayed")
+OURS = ("lion", "streamlion", *(mode + r + m for mode in ("plain", "stream", "delayed", "stale")
                                 for r in ("", "r") for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
-SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,delayed16:1,hdo:1,torchao"
+SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,stale:1,delayed16:1,hdo:1,torchao"
 
 
 class Unavailable(Exception):
@@ -139,9 +142,10 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
     if name in OURS:
         m = moments_of(name)
         base = name.removesuffix(m)
-        ours = build_ours(base.removesuffix("r") if base.endswith("r") else
-                          base.removesuffix("lion") or "plain",
+        mode = base.removesuffix("r") if base.endswith("r") else base.removesuffix("lion") or "plain"
+        ours = build_ours("delayed" if mode == "stale" else mode,
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
+                          delay=fo.Delay(lookahead=False) if mode == "stale" else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
                           moments=MOMENTS[m], remainders=base.endswith("r"),
                           threads=args.threads,
@@ -217,7 +221,8 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     # final flush and a device-wide sync, so nothing in flight is left out.
     times = []
     start = time.perf_counter()
-    kept = 2 if name.startswith("delayed") else 1  # a delayed step's host part runs in the next
+    # a delayed step's host part runs during the next step: keep both in the timeline
+    kept = 2 if name.startswith(("delayed", "stale")) else 1
     for i in range(args.steps):
         if timeline is not None and i == args.steps - kept:
             timeline.clear()  # keep the last step(s) only
@@ -259,7 +264,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
 def bound(name: str, fwd: float, bwd: float, floor: float) -> float:
     if name.startswith("stream") or name == "torchao":
         return fwd + 1.1 * max(bwd, floor)
-    if name.startswith("delayed"):
+    if name.startswith(("delayed", "stale")):
         return 1.1 * max(fwd + bwd, floor)
     return fwd + bwd + floor  # gpu, gpu32 (floor 0), plain, hdo: the host step after backward
 
