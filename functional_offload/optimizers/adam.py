@@ -9,8 +9,8 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.delay import Delay
-from functional_offload.optimizers.spec import (Moment, OptimizerSpec, check_beta, check_nonneg,
-                                                check_schedule)
+from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of, check_beta,
+                                                check_nonneg, check_schedule)
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
 from functional_offload.typing import Params, ScalarOrSchedule
@@ -42,10 +42,6 @@ class AdamHyper(NamedTuple):
     decoupled: bool  # AdamW (True) or Adam with L2 (False)
 
 
-def _as(xs: list, like: list) -> list:
-    return [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(xs, like)]
-
-
 def _store(dst: list, src: list) -> None:
     for d, s in zip(dst, src):
         if d is not s:
@@ -57,8 +53,8 @@ def reference(params: list, grads: list, moments: list, h: AdamHyper) -> None:
     if not params:
         return
     mus, nus = moments
-    grads = _as(grads, params)
-    m, v = _as(mus, params), _as(nus, params)
+    grads = as_dtypes_of(grads, params)
+    m, v = as_dtypes_of(mus, params), as_dtypes_of(nus, params)
     if h.weight_decay != 0:
         if h.decoupled:
             torch._foreach_mul_(params, 1 - h.lr * h.weight_decay)
@@ -105,7 +101,7 @@ def ahead(params: list, moments: list, h: AdamHyper, h2: AdamHyper) -> tuple[lis
     (Adam: no decay factor; its L2 term is part of the grad :func:`land_ahead` takes). Op for
     op as the native op's ``ahead``."""
     mus, nus = moments
-    m, v = _as(mus, params), _as(nus, params)
+    m, v = as_dtypes_of(mus, params), as_dtypes_of(nus, params)
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, (1 - h.beta2 ** h.step) ** 0.5)
     torch._foreach_add_(denom, h2.eps)

@@ -9,8 +9,8 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.delay import Delay
-from functional_offload.optimizers.spec import (Moment, OptimizerSpec, check_beta, check_nonneg,
-                                                check_schedule)
+from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of, check_beta,
+                                                check_nonneg, check_schedule)
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
 from functional_offload.typing import Params, ScalarOrSchedule
@@ -40,8 +40,7 @@ def reference(params: list, grads: list, moments: list, h: LionHyper) -> None:
     if not params:
         return
     (mus,) = moments
-    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
-    m = [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(mus, params)]
+    grads, m = as_dtypes_of(grads, params), as_dtypes_of(mus, params)
     if h.weight_decay != 0:
         torch._foreach_mul_(params, 1 - h.lr * h.weight_decay)
     c = torch._foreach_add(torch._foreach_mul(m, h.beta1), torch._foreach_mul(grads, 1 - h.beta1))
@@ -57,7 +56,7 @@ def ahead(params: list, moments: list, h: LionHyper, h2: LionHyper) -> tuple[lis
     :func:`land_ahead` makes that step for its grads exactly as the step does (but for the
     rounding of the two to the params' dtype). Op for op as the native op's ``ahead``."""
     (mus,) = moments
-    m = [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(mus, params)]
+    m = as_dtypes_of(mus, params)
     return torch._foreach_mul(params, 1 - h2.lr * h2.weight_decay), torch._foreach_mul(m, h2.beta1)
 
 

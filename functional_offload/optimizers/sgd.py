@@ -10,7 +10,7 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.delay import Delay
-from functional_offload.optimizers.spec import Moment, OptimizerSpec, check_nonneg
+from functional_offload.optimizers.spec import Moment, OptimizerSpec, as_dtypes_of, check_nonneg
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
 from functional_offload.typing import Params, ScalarOrSchedule
@@ -39,12 +39,12 @@ def reference(params: list, grads: list, moments: list, h: SGDHyper) -> None:
     """One SGD step in place, op for op as ``torch.optim.SGD``'s single-tensor code."""
     if not params:
         return
-    grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+    grads = as_dtypes_of(grads, params)
     if h.weight_decay != 0:
         grads = torch._foreach_add(grads, params, alpha=h.weight_decay)
     if moments:
         bufs = moments[0]
-        b = [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(bufs, params)]
+        b = as_dtypes_of(bufs, params)
         torch._foreach_mul_(b, h.momentum)
         torch._foreach_add_(b, grads)
         grads = torch._foreach_add(grads, b, alpha=h.momentum) if h.nesterov else b
@@ -89,7 +89,7 @@ def ahead(params: list, moments: list, h: SGDHyper, h2: SGDHyper) -> tuple[list,
     scalars = ahead_scalars(h, h2, bool(moments))
     if moments:
         step, mu, wd, rate = scalars
-        change = torch._foreach_add(torch._foreach_mul(_as(moments[0], params), mu),
+        change = torch._foreach_add(torch._foreach_mul(as_dtypes_of(moments[0], params), mu),
                                     torch._foreach_mul(params, wd))
     else:
         step, wd, rate = scalars
@@ -103,10 +103,6 @@ def land_ahead(params: list, bases: list, rates: list, grads: list, h: SGDHyper,
     """The device side of :func:`ahead`: each param ``base - rate * g`` for its grad ``g``."""
     torch._foreach_copy_(params, bases)
     torch._foreach_addcmul_(params, rates, grads, value=-1)
-
-
-def _as(xs: list, like: list) -> list:
-    return [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(xs, like)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,7 +20,7 @@ import torch
 from functional_offload.checks import real
 from functional_offload.typing import ScalarOrSchedule
 
-__all__ = ["Moment", "OptimizerSpec", "check_nonneg", "check_positive", "check_beta",
+__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "check_nonneg", "check_positive", "check_beta",
            "check_schedule", "check_representable", "torch_state_names", "STATE_FIELDS"]
 
 STATE_FIELDS = ("count", "master", "ema", "params")  # every terminal state has these
@@ -144,6 +144,12 @@ def torch_state_names(state: Any) -> dict[str, str]:
     if not isinstance(names, dict):
         raise TypeError(f"{kind.__name__} is not the state of a terminal optimizer")
     return dict(names)
+
+
+def as_dtypes_of(xs: list, like: list) -> list:
+    """``xs[i]`` in ``like[i]``'s dtype (itself where it has it): the math's inputs in the
+    values' dtype."""
+    return [x if x.dtype == p.dtype else x.to(p.dtype) for x, p in zip(xs, like)]
 
 
 def check_nonneg(name: str, x: Any) -> float:

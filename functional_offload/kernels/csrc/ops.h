@@ -17,9 +17,10 @@
 //     static inline void ahead(float p, float m0, float m1, const float* s, const float* a,
 //                              float& base, float& rate);
 //
-// from the new value and moments and the next step's scalars `a`: the next step's value for a
-// zero grad (`base`) and how much of the next grad it subtracts (`rate`), so that the device
-// gets `base - rate * g` for that step's grad `g` without the state.
+// from the new value and moments and the next step's scalars `a`: two values per element from
+// which the spec's device side (`land_ahead`) makes the next step's value for that step's grad
+// `g` without the state — for SGD `base - rate * g`; Adam's second value is the next step's
+// second moment but for the grad's part, Lion's the momentum term (math.cpp).
 //
 // Moments are fp32, bf16 or block-wise 8-bit (kernels/blockwise.py: per block of kQBlock
 // elements its codes, then its fp32 absmax): an 8-bit block is dequantized, stepped in fp32 (the

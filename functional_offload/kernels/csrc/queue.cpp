@@ -14,7 +14,8 @@
 // as two int16 state tensors, its high half and its remainder, before the moments: the op's
 // loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
 // then gets the new high half. With `ahead` (the op's look-ahead, ops.h), `out` gets the
-// look-ahead's base and `ahead` its rate, both in the grad's dtype, instead of the param. A block-wise 8-bit moment (uint8: per 256 elements their codes,
+// look-ahead's base and `ahead` its second value, both in the grad's dtype, instead of the
+// param. A block-wise 8-bit moment (uint8: per 256 elements their codes,
 // then their absmax) is addressed by its blocks; a piece's blocks start on them. Blocks are
 // processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
