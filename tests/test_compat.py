@@ -8,6 +8,7 @@ import torch
 
 import functional_offload as fo
 from functional_offload.compat import optimizer_from_megatron
+from functional_offload.kernels import remainder
 
 
 def make_model(seed=0):
@@ -113,27 +114,90 @@ def test_adapter_rejects_unknown_options_and_mismatched_state():
     c.load_state_dict(a.state_dict())  # names do not decide loading (torch's rule)
 
 
+def _megatron_pair(make, grads, params):
+    """The params after ``grads`` under ``make()`` (each a fresh optimizer and params)."""
+    opt = make()
+    p = optree.tree_map(torch.clone, params)
+    s = opt.init(p)
+    for g in grads:
+        p, s = opt.update(g, s)
+    return p
+
+
 def test_megatron_options_map_to_the_same_optimizer():
     params = {k: v.detach() for k, v in make_model().named_parameters()}
     grads = [optree.tree_map(lambda p: torch.randn_like(p) * 3, params) for _ in range(5)]
-    outs = []
-    for opt in (optimizer_from_megatron(lr=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95,
-                                        adam_eps=1e-6, clip_grad=1.0, optimizer_cpu_offload=True,
-                                        optimizer_offload_fraction=0.5),
-                fo.chain(fo.clip_by_global_norm(1.0),
-                         fo.adamw(1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1))):
-        p = optree.tree_map(torch.clone, params)
-        s = opt.init(p)
-        for g in grads:
-            p, s = opt.update(g, s)
-        outs.append(p)
-    for k in outs[0]:
-        assert torch.equal(outs[0][k], outs[1][k])
+    decays = {k: not k.endswith(".bias") for k in params}  # Megatron: no decay for biases
+    got = _megatron_pair(lambda: optimizer_from_megatron(
+        lr=1e-2, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.95, adam_eps=1e-6, clip_grad=1.0,
+        optimizer_cpu_offload=True, optimizer_offload_fraction=0.5), grads, params)
+    want = _megatron_pair(lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(
+        1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, weight_decay_mask=decays)),
+        grads, params)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
     sgd = optimizer_from_megatron(optimizer="sgd", lr=0.1, clip_grad=0.0, sgd_momentum=0.5)
     assert isinstance(sgd.init(params), fo.SGDState)
     adam = optimizer_from_megatron(lr=0.1, decoupled_weight_decay=False, exp_avg_dtype="bf16")
     st = adam.init(params)[1]
     assert st.mu["0.weight"].dtype == torch.bfloat16 and st.nu["0.weight"].dtype == torch.float32
+
+
+def test_megatron_decay_rule_and_split_master():
+    params = {"blocks.0.attn.q_layernorm.weight": torch.ones(4), "blocks.0.attn.qkv.weight":
+              torch.ones(4, 4), "blocks.0.attn.qkv.bias": torch.ones(4), "head": torch.ones(4, 4)}
+    grads = {k: torch.zeros_like(v) for k, v in params.items()}
+    for qk, kept in ((False, {"blocks.0.attn.qkv.weight", "head"}),
+                     (True, {"blocks.0.attn.qkv.weight", "head", "blocks.0.attn.q_layernorm.weight"})):
+        opt = optimizer_from_megatron(lr=0.5, weight_decay=0.5, clip_grad=0.0,
+                                      apply_wd_to_qk_layernorm=qk)
+        p, _ = opt.update(grads, opt.init(optree.tree_map(torch.clone, params)))
+        assert {k for k in p if not torch.equal(p[k], params[k])} == kept, qk
+    bf = {"w": torch.randn(300, 300).bfloat16()}  # past the size of leaves packed with fp32 masters
+    on = dict(lr=1e-3, optimizer_cpu_offload=True)
+    split = optimizer_from_megatron(use_precision_aware_optimizer=True, **on).init(bf)[1]
+    plain = optimizer_from_megatron(**on).init(bf)[1]  # store_param_remainders needs the former
+    assert remainder.is_split(split.master["w"]) and not remainder.is_split(plain.master["w"])
+
+
+class _Config:  # the fields of Megatron's OptimizerConfig that a test sets; others keep defaults
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def test_megatron_config_object_and_keywords():
+    params = {k: v.detach() for k, v in make_model().named_parameters()}
+    grads = [optree.tree_map(lambda p: torch.randn_like(p), params) for _ in range(3)]
+    cfg = _Config(lr=1e-2, weight_decay=0.1, adam_beta2=0.95, clip_grad=0.5, bf16=True,
+                  optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, timers=None)
+    a = _megatron_pair(lambda: optimizer_from_megatron(cfg), grads, params)
+    b = _megatron_pair(lambda: optimizer_from_megatron(
+        lr=1e-2, weight_decay=0.1, adam_beta2=0.95, clip_grad=0.5, optimizer_cpu_offload=True),
+        grads, params)
+    c = _megatron_pair(lambda: optimizer_from_megatron(cfg, lr=2e-2), grads, params)  # keyword wins
+    assert all(torch.equal(a[k], b[k]) for k in a) and not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_megatron_real_optimizer_config():
+    """Megatron-core's own OptimizerConfig, and its own weight-decay rule as the mask's oracle."""
+    mc = pytest.importorskip("megatron.core.optimizer")
+    model = torch.nn.ModuleDict({"embedding": torch.nn.Embedding(10, 8),
+                                 "norm": torch.nn.LayerNorm(8), "proj": torch.nn.Linear(8, 8)})
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    cfg = mc.OptimizerConfig(lr=1e-2, weight_decay=0.1, bf16=True, optimizer_cpu_offload=True,
+                             optimizer_offload_fraction=0.5, adam_beta2=0.95, clip_grad=1.0)
+    zero_wd = [k for k in mc.get_standard_config_overrides(cfg)]
+    want = {n: not any(key.matches(p, n) for key in zero_wd) for n, p in params.items()}
+    assert sorted(n for n, d in want.items() if d) == ["embedding.weight", "proj.weight"]
+    grads = [optree.tree_map(lambda p: torch.randn_like(p), params) for _ in range(3)]
+    got = _megatron_pair(lambda: optimizer_from_megatron(cfg), grads, params)
+    ref = _megatron_pair(lambda: fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(
+        1e-2, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask=want,
+        placement=fo.placement.offload_fraction(0.5))), grads, params)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), k
+    with pytest.raises(ValueError, match="'adam' and 'sgd'"):
+        optimizer_from_megatron(mc.OptimizerConfig(lr=1e-3, optimizer="muon"))
 
 
 @pytest.mark.parametrize("kwargs,msg", [
@@ -143,10 +207,15 @@ def test_megatron_options_map_to_the_same_optimizer():
     (dict(optimizer="lamb"), "'adam' and 'sgd'"),
     (dict(exp_avg_dtype="fp8"), "exp_avg_dtype"),
     (dict(main_params_dtype="fp16"), "main_params_dtype"),
+    (dict(fp16=True), "loss scaling"),
+    (dict(decoupled_lr=1e-4), "decoupled_lr"),
+    (dict(lr=None), "lr is None"),
 ])
 def test_megatron_option_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
-        optimizer_from_megatron(lr=1e-3, **kwargs)
+        optimizer_from_megatron(**{"lr": 1e-3, **kwargs})
+    with pytest.raises(TypeError, match="adam_beta3"):
+        optimizer_from_megatron(lr=1e-3, adam_beta3=0.9)
 
 
 def test_placement_report_table_and_json(tmp_path):

@@ -1,16 +1,19 @@
 """Build the equivalent functional optimizer from Megatron-LM / NeMo optimizer options.
 
-The option names are Megatron's (``--optimizer-cpu-offload`` is ``optimizer_cpu_offload``...).
-Differences on purpose: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` are honoured whether or not
-``use_precision_aware_optimizer`` is set (Megatron ignores them without it), the D2H/H2D overlap
-is always on, and only the staging ring is pinned (``pin_cpu_grads`` / ``pin_cpu_params`` are
-accepted and have nothing to change). See docs/migration.md for the flag table.
+Takes Megatron-core's own ``OptimizerConfig`` (or any object with its fields) and/or its field
+names as keywords (``--optimizer-cpu-offload`` is ``optimizer_cpu_offload``...). Differences on
+purpose: ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` are honoured with CPU offload too (Megatron's
+offloaded optimizer keeps fp32 moments), the D2H/H2D overlap is always on, and only the staging
+ring is pinned (``pin_cpu_grads`` / ``pin_cpu_params`` have nothing to change). See
+docs/migration.md for the flag table.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Union
 
+import optree
 import torch
 
 from functional_offload.base import Optimizer
@@ -18,11 +21,38 @@ from functional_offload.combine import chain
 from functional_offload.optimizers import adam, adamw, sgd
 from functional_offload.placement import offload_fraction, on_device
 from functional_offload.transforms import clip_by_global_norm
+from functional_offload.tree import leaves_with_paths
 
 __all__ = ["optimizer_from_megatron"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_MOMENTS = (torch.float32, torch.bfloat16, torch.float16)
+
+# The OptimizerConfig fields that decide the optimizer, with the defaults of Megatron's command
+# line (its dataclass defaults ``optimizer_offload_fraction`` to 0.0, the flag to 1.0).
+_MATH: dict[str, Any] = {
+    "optimizer": "adam", "lr": None, "weight_decay": 0.01, "apply_wd_to_qk_layernorm": False,
+    "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "decoupled_weight_decay": True,
+    "sgd_momentum": 0.9, "clip_grad": 1.0, "optimizer_cpu_offload": False,
+    "optimizer_offload_fraction": 1.0, "use_precision_aware_optimizer": False,
+    "store_param_remainders": True, "exp_avg_dtype": torch.float32,
+    "exp_avg_sq_dtype": torch.float32, "main_params_dtype": torch.float32,
+    "fp16": False, "decoupled_lr": None,
+}
+# Fields that change nothing here: precision of the model and its grads, scheduling and
+# logging, ZeRO's sharding (FSDP2's job here), pinning and overlap (always on), loss scaling
+# (fp16 is refused), Muon's options (Muon is refused).
+_NO_MATH = frozenset({
+    "min_lr", "decoupled_min_lr", "fp8_recipe", "bf16", "reuse_grad_buf_for_mxfp8_param_ag",
+    "params_dtype", "main_grads_dtype", "loss_scale", "initial_loss_scale", "min_loss_scale",
+    "loss_scale_window", "hysteresis", "muon_momentum", "muon_split_qkv", "muon_use_nesterov",
+    "muon_scale_mode", "muon_fp32_matmul_prec", "muon_num_ns_steps", "muon_tp_mode",
+    "muon_extra_scale_factor", "use_distributed_optimizer", "overlap_param_gather",
+    "overlap_param_gather_with_optimizer_step", "use_torch_optimizer_for_cpu_offload",
+    "overlap_cpu_optimizer_d2h_h2d", "pin_cpu_grads", "pin_cpu_params", "log_num_zeros_in_grad",
+    "barrier_with_L1_time", "timers", "config_logger_dir",
+})
 
 
 def _dtype(name: str, x: Union[str, torch.dtype], allowed: tuple) -> torch.dtype:
@@ -33,56 +63,101 @@ def _dtype(name: str, x: Union[str, torch.dtype], allowed: tuple) -> torch.dtype
     return dt
 
 
-def optimizer_from_megatron(*, optimizer: str = "adam", lr: Any, weight_decay: float = 0.01,
-                            adam_beta1: float = 0.9, adam_beta2: float = 0.999,
-                            adam_eps: float = 1e-8, sgd_momentum: float = 0.9,
-                            clip_grad: float = 1.0, optimizer_cpu_offload: bool = False,
-                            optimizer_offload_fraction: float = 1.0,
-                            overlap_cpu_optimizer_d2h_h2d: bool = False,
-                            pin_cpu_grads: bool = True, pin_cpu_params: bool = True,
-                            use_precision_aware_optimizer: bool = False,
-                            decoupled_weight_decay: bool = True,
-                            exp_avg_dtype: Union[str, torch.dtype] = torch.float32,
-                            exp_avg_sq_dtype: Union[str, torch.dtype] = torch.float32,
-                            main_params_dtype: Union[str, torch.dtype] = torch.float32) -> Optimizer:
+def _decay_mask(params: Any, apply_wd_to_qk_layernorm: bool = False) -> Any:
+    """Megatron's weight-decay rule as a ``weight_decay_mask`` tree: no decay for params of one
+    dimension or whose dotted path ends in ``.bias``; with ``apply_wd_to_qk_layernorm``, decay
+    for ``q_layernorm.`` / ``k_layernorm.`` params all the same."""
+    paths, leaves, spec = leaves_with_paths(params)
+
+    def decays(path: str, p: torch.Tensor) -> bool:
+        skip = p.dim() == 1 or path.endswith(".bias")
+        if apply_wd_to_qk_layernorm and ("q_layernorm." in path or "k_layernorm." in path):
+            skip = False
+        return not skip
+
+    return optree.tree_unflatten(spec, [decays(n, p) for n, p in zip(paths, leaves)])
+
+
+def _options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(options) - set(_MATH) - _NO_MATH)
+    if unknown:
+        raise TypeError(f"optimizer_from_megatron: unknown option(s) {unknown}; the options are "
+                        "the fields of Megatron's OptimizerConfig")
+    o = dict(_MATH)
+    if config is not None:
+        o.update({k: getattr(config, k) for k in _MATH if hasattr(config, k)})
+    o.update({k: v for k, v in options.items() if k in _MATH})
+    return o
+
+
+def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     """The functional optimizer Megatron's options describe: ``chain(clip, adam/adamw/sgd)``.
 
+    ``config`` is a Megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``...; any object
+    with its fields); ``options`` are the same field names as keywords and take precedence.
+    Without a config the defaults are Megatron's command line's (``optimizer_offload_fraction``
+    1.0).
+
     - ``optimizer="adam"`` is AdamW when ``decoupled_weight_decay`` (Megatron's default), else
-      Adam with L2; ``"sgd"`` is SGD with ``sgd_momentum``.
+      Adam with L2; ``"sgd"`` is SGD with ``sgd_momentum``. ``lr`` may be a float (Megatron's
+      peak) or a schedule: Megatron's scheduler lives outside its optimizer, ours is ``lr``.
+    - Weight decay skips params of one dimension and ``*.bias`` (Megatron's rule, with
+      ``apply_wd_to_qk_layernorm``), through a ``weight_decay_mask`` on the dotted param paths,
+      so pass params named as in ``model.named_parameters()``.
     - ``clip_grad > 0`` puts :func:`clip_by_global_norm` in front.
     - ``optimizer_cpu_offload`` places state with ``offload_fraction(optimizer_offload_fraction)``
       (Megatron's greedy rule); without it everything stays on the device.
+    - ``use_precision_aware_optimizer`` with ``store_param_remainders`` (Megatron's default)
+      keeps the split master (``store_param_remainders=True``); the moment dtypes apply with or
+      without it.
 
     Raises ``ValueError`` for a fraction outside [0, 1], CPU offload without decoupled weight
-    decay (Megatron requires it), or dtypes we do not provide (fp8 moments, fp16 masters).
+    decay (Megatron requires it), dtypes we do not provide (fp8 moments, fp16 masters), a
+    missing ``lr``, and what is not mapped: ``fp16`` (loss scaling), ``decoupled_lr``, Muon;
+    ``TypeError`` for a keyword that is no ``OptimizerConfig`` field.
 
     Example::
 
         >>> import functional_offload as fo
         >>> opt = fo.compat.optimizer_from_megatron(lr=3e-4, optimizer_cpu_offload=True,
         ...                                         optimizer_offload_fraction=0.5)
+        >>> # or Megatron-core's own config:
+        >>> # opt = fo.compat.optimizer_from_megatron(OptimizerConfig(lr=3e-4, bf16=True, ...))
     """
-    if optimizer not in ("adam", "sgd"):
-        raise ValueError(f"optimizer={optimizer!r}: Megatron's choices are 'adam' and 'sgd'")
+    o = _options(config, options)
+    if o["optimizer"] not in ("adam", "sgd"):
+        raise ValueError(f"optimizer={o['optimizer']!r}: the choices here are 'adam' and 'sgd'")
+    if o["lr"] is None:
+        raise ValueError("lr is None: set the config's lr or pass lr= (a float or a schedule)")
+    if o["fp16"]:
+        raise ValueError("fp16=True: Megatron's loss scaling is not provided here; train with "
+                         "bf16 params (bf16=True, fp16=False)")
+    if o["decoupled_lr"] is not None:
+        raise ValueError("decoupled_lr is not mapped: give the embedding and output params their "
+                         "own optimizer with fo.partition")
+    fraction = o["optimizer_offload_fraction"]
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {fraction}")
     placement = on_device()
-    if optimizer_cpu_offload:
-        placement = offload_fraction(optimizer_offload_fraction)
-        if not decoupled_weight_decay:
+    if o["optimizer_cpu_offload"]:
+        placement = offload_fraction(fraction)
+        if not o["decoupled_weight_decay"]:
             raise ValueError("optimizer_cpu_offload needs decoupled_weight_decay=True, as in "
                              "Megatron (its CPU-offloaded optimizer is AdamW)")
-    elif not 0 <= optimizer_offload_fraction <= 1:
-        raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {optimizer_offload_fraction}")
-    common = dict(lr=lr, weight_decay=weight_decay, placement=placement,
-                  master_dtype=_dtype("main_params_dtype", main_params_dtype, (torch.float32,)))
-    if optimizer == "sgd":
-        last = sgd(momentum=sgd_momentum,
-                   momentum_dtype=_dtype("exp_avg_dtype", exp_avg_dtype,
-                                         (torch.float32, torch.bfloat16, torch.float16)), **common)
+    mask = functools.partial(_decay_mask,
+                             apply_wd_to_qk_layernorm=bool(o["apply_wd_to_qk_layernorm"]))
+    master = _dtype("main_params_dtype", o["main_params_dtype"], (torch.float32,))
+    common = dict(lr=o["lr"], weight_decay=o["weight_decay"], placement=placement,
+                  master_dtype=master, weight_decay_mask=mask,
+                  store_param_remainders=bool(o["use_precision_aware_optimizer"]
+                                              and o["store_param_remainders"]))
+    if o["optimizer"] == "sgd":
+        last = sgd(momentum=o["sgd_momentum"],
+                   momentum_dtype=_dtype("exp_avg_dtype", o["exp_avg_dtype"], _MOMENTS), **common)
     else:
-        make = adamw if decoupled_weight_decay else adam
-        last = make(betas=(adam_beta1, adam_beta2), eps=adam_eps,
-                    mu_dtype=_dtype("exp_avg_dtype", exp_avg_dtype,
-                                    (torch.float32, torch.bfloat16, torch.float16)),
-                    nu_dtype=_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype,
-                                    (torch.float32, torch.bfloat16, torch.float16)), **common)
-    return chain(clip_by_global_norm(clip_grad), last) if clip_grad and clip_grad > 0 else last
+        make = adamw if o["decoupled_weight_decay"] else adam
+        last = make(betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
+                    mu_dtype=_dtype("exp_avg_dtype", o["exp_avg_dtype"], _MOMENTS),
+                    nu_dtype=_dtype("exp_avg_sq_dtype", o["exp_avg_sq_dtype"], _MOMENTS), **common)
+    clip = o["clip_grad"]
+    return chain(clip_by_global_norm(clip), last) if clip and clip > 0 else last
