@@ -59,7 +59,9 @@ class Delay(NamedTuple):
     delayed with the look-ahead ended 0.018 above ``torch.optim.AdamW``'s validation loss (our
     exact run: -0.007), with exact steps when the clip scales 0.15 above it; without a
     look-ahead, every step stale 0.63, and ``Delay(lookahead=False, warmup=100,
-    exact_when_clipped=True)`` 0.12.
+    exact_when_clipped=True)`` 0.12. On a 117 M one over 2,000 steps (one seed) the look-ahead
+    ended 0.066 above it (our exact run: -0.017), every step stale 1.19, the policy of
+    ``Delay(lookahead=False, warmup=100, exact_when_clipped=True)`` 0.30.
 
     Example::
 
