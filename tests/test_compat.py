@@ -1,5 +1,6 @@
 """The torch.optim adapter, the Megatron option mapping and the placement report."""
 
+import dataclasses
 import json
 
 import optree
@@ -210,12 +211,34 @@ def test_megatron_real_optimizer_config():
     (dict(fp16=True), "loss scaling"),
     (dict(decoupled_lr=1e-4), "decoupled_lr"),
     (dict(lr=None), "lr is None"),
+    (dict(exp_avg_sq_dtype="fp16"), "exp_avg_sq_dtype"),  # TE scales fp16 moments; we would not
+    (dict(adam_beta1=1.5), "adam_beta1"),
+    (dict(sgd_momentum=-0.5, optimizer="sgd"), "sgd_momentum"),
+    (dict(clip_grad=None), "clip_grad"),
+    (dict(clip_grad=True), "clip_grad"),
+    (dict(optimizer_offload_fraction="0.5"), "optimizer_offload_fraction"),
+    (dict(optimizer="sgd", use_precision_aware_optimizer=True), "optimizer='adam' only"),
 ])
 def test_megatron_option_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
         optimizer_from_megatron(**{"lr": 1e-3, **kwargs})
+
+
+def test_megatron_unknown_fields_and_leaves_are_named():
     with pytest.raises(TypeError, match="adam_beta3"):
         optimizer_from_megatron(lr=1e-3, adam_beta3=0.9)
+    with pytest.raises(TypeError, match="adam_beta_2"):  # a misspelt field of a config object
+        optimizer_from_megatron(_Config(lr=1e-3, adam_beta_2=0.95))
+    newer = dataclasses.make_dataclass("Newer", [("lr", float, 1e-3), ("adam_beta2", float, 0.95),
+                                                 ("new_knob", float, 0.0)])
+    optimizer_from_megatron(newer())  # a newer Megatron's field passes at its default...
+    with pytest.raises(TypeError, match="new_knob"):  # ...and is named once it is set
+        optimizer_from_megatron(newer(new_knob=1.0))
+    with pytest.raises(ValueError, match="'adam' and 'sgd'"):  # a dict is a config too
+        optimizer_from_megatron({"lr": 1e-3, "optimizer": "muon"})
+    opt = optimizer_from_megatron(lr=1e-3)
+    with pytest.raises(TypeError, match="leaf .0.0. is a str"):
+        opt.init(list(make_model().named_parameters()))
 
 
 def test_placement_report_table_and_json(tmp_path):

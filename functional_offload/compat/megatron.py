@@ -10,7 +10,10 @@ docs/migration.md for the flag table.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from collections.abc import Mapping
 from typing import Any, Union
 
 import optree
@@ -27,7 +30,7 @@ __all__ = ["optimizer_from_megatron"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-_MOMENTS = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENTS = (torch.float32, torch.bfloat16)  # fp16 moments: TE scales them, we would not
 
 # The OptimizerConfig fields that decide the optimizer, with the defaults of Megatron's command
 # line (its dataclass defaults ``optimizer_offload_fraction`` to 0.0, the flag to 1.0).
@@ -69,7 +72,7 @@ def _decay_mask(params: Any, apply_wd_to_qk_layernorm: bool = False) -> Any:
     for ``q_layernorm.`` / ``k_layernorm.`` params all the same."""
     paths, leaves, spec = leaves_with_paths(params)
 
-    def decays(path: str, p: torch.Tensor) -> bool:
+    def decays(path: str, p: torch.Tensor) -> bool:  # init checked the leaves are tensors
         skip = p.dim() == 1 or path.endswith(".bias")
         if apply_wd_to_qk_layernorm and ("q_layernorm." in path or "k_layernorm." in path):
             skip = False
@@ -78,23 +81,58 @@ def _decay_mask(params: Any, apply_wd_to_qk_layernorm: bool = False) -> Any:
     return optree.tree_unflatten(spec, [decays(n, p) for n, p in zip(paths, leaves)])
 
 
+def _given(config: Any) -> dict[str, Any]:
+    """The fields ``config`` sets: a mapping's items; a dataclass's fields (those we do not know
+    only where they differ from their defaults, so that a newer Megatron's additions pass while
+    they are left alone); another object's attributes."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        out = {}
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.name in _MATH or f.name in _NO_MATH:
+                out[f.name] = value
+            elif f.default is not dataclasses.MISSING:
+                if value != f.default:
+                    out[f.name] = value
+            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                if value != f.default_factory():  # type: ignore[misc]
+                    out[f.name] = value
+            else:
+                out[f.name] = value
+        return out
+    return dict(vars(config))
+
+
 def _options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(options) - set(_MATH) - _NO_MATH)
-    if unknown:
-        raise TypeError(f"optimizer_from_megatron: unknown option(s) {unknown}; the options are "
-                        "the fields of Megatron's OptimizerConfig")
     o = dict(_MATH)
-    if config is not None:
-        o.update({k: getattr(config, k) for k in _MATH if hasattr(config, k)})
-    o.update({k: v for k, v in options.items() if k in _MATH})
+    for what, given in (("config field(s)", {} if config is None else _given(config)),
+                        ("option(s)", options)):
+        unknown = sorted(set(given) - set(_MATH) - _NO_MATH)
+        if unknown:
+            raise TypeError(f"optimizer_from_megatron: unknown {what} {unknown}; the options are "
+                            "the fields of Megatron's OptimizerConfig")
+        o.update({k: v for k, v in given.items() if k in _MATH})
     return o
+
+
+def _number(name: str, x: Any, low: float, high: float = math.inf, closed: bool = True) -> float:
+    """``x`` as a float in [low, high] (``closed``) or [low, high), else ``ValueError`` naming
+    the Megatron field."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (
+            low <= x <= high if closed else low <= x < high):
+        bound = f"[{low:g}, {high:g}]" if closed else f"[{low:g}, {high:g})"
+        raise ValueError(f"{name} must be a number in {bound}, got {x!r}")
+    return float(x)
 
 
 def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     """The functional optimizer Megatron's options describe: ``chain(clip, adam/adamw/sgd)``.
 
-    ``config`` is a Megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``...; any object
-    with its fields); ``options`` are the same field names as keywords and take precedence.
+    ``config`` is a Megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``...; a dict or
+    any object with its fields); ``options`` are the same field names as keywords and take
+    precedence.
     Without a config the defaults are Megatron's command line's (``optimizer_offload_fraction``
     1.0).
 
@@ -108,13 +146,16 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     - ``optimizer_cpu_offload`` places state with ``offload_fraction(optimizer_offload_fraction)``
       (Megatron's greedy rule); without it everything stays on the device.
     - ``use_precision_aware_optimizer`` with ``store_param_remainders`` (Megatron's default)
-      keeps the split master (``store_param_remainders=True``); the moment dtypes apply with or
-      without it.
+      keeps the split master (``store_param_remainders=True``), as Megatron's TransformerEngine
+      optimizer does. ``exp_avg_dtype``/``exp_avg_sq_dtype`` (fp32 or bf16; TE's fp16 moments
+      are scaled, ours would not be) apply with or without it, to Adam.
 
-    Raises ``ValueError`` for a fraction outside [0, 1], CPU offload without decoupled weight
-    decay (Megatron requires it), dtypes we do not provide (fp8 moments, fp16 masters), a
-    missing ``lr``, and what is not mapped: ``fp16`` (loss scaling), ``decoupled_lr``, Muon;
-    ``TypeError`` for a keyword that is no ``OptimizerConfig`` field.
+    Raises ``ValueError`` naming the field for a value out of its range (a fraction outside
+    [0, 1], betas outside [0, 1), negative ``clip_grad``...), CPU offload without decoupled
+    weight decay or a precision-aware SGD (Megatron refuses both), dtypes we do not provide
+    (fp16 or fp8 moments, fp16 masters), a missing ``lr``, and what is not mapped: ``fp16``
+    (loss scaling), ``decoupled_lr``, Muon; ``TypeError`` for a keyword or a set config field
+    that is no ``OptimizerConfig`` field (a newer Megatron's fields pass at their defaults).
 
     Example::
 
@@ -133,11 +174,14 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
         raise ValueError("fp16=True: Megatron's loss scaling is not provided here; train with "
                          "bf16 params (bf16=True, fp16=False)")
     if o["decoupled_lr"] is not None:
-        raise ValueError("decoupled_lr is not mapped: give the embedding and output params their "
-                         "own optimizer with fo.partition")
-    fraction = o["optimizer_offload_fraction"]
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"optimizer_offload_fraction must be in [0, 1], got {fraction}")
+        raise ValueError("decoupled_lr is not mapped: build fo.chain(fo.clip_by_global_norm(c), "
+                         "fo.partition({...}, labels)) with an fo.adamw for the embedding and "
+                         "output params and one for the rest (one global clip, as Megatron's)")
+    if o["use_precision_aware_optimizer"] and o["optimizer"] != "adam":
+        raise ValueError("use_precision_aware_optimizer is for optimizer='adam' only, as in "
+                         "Megatron")
+    fraction = _number("optimizer_offload_fraction", o["optimizer_offload_fraction"], 0.0, 1.0)
+    clip = _number("clip_grad", o["clip_grad"], 0.0)
     placement = on_device()
     if o["optimizer_cpu_offload"]:
         placement = offload_fraction(fraction)
@@ -147,17 +191,17 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     mask = functools.partial(_decay_mask,
                              apply_wd_to_qk_layernorm=bool(o["apply_wd_to_qk_layernorm"]))
     master = _dtype("main_params_dtype", o["main_params_dtype"], (torch.float32,))
-    common = dict(lr=o["lr"], weight_decay=o["weight_decay"], placement=placement,
-                  master_dtype=master, weight_decay_mask=mask,
-                  store_param_remainders=bool(o["use_precision_aware_optimizer"]
-                                              and o["store_param_remainders"]))
-    if o["optimizer"] == "sgd":
-        last = sgd(momentum=o["sgd_momentum"],
-                   momentum_dtype=_dtype("exp_avg_dtype", o["exp_avg_dtype"], _MOMENTS), **common)
+    common = dict(lr=o["lr"], weight_decay=_number("weight_decay", o["weight_decay"], 0.0),
+                  placement=placement, master_dtype=master, weight_decay_mask=mask)
+    if o["optimizer"] == "sgd":  # fp32 momentum, as Megatron's (exp_avg_dtype is Adam's)
+        last = sgd(momentum=_number("sgd_momentum", o["sgd_momentum"], 0.0), **common)
     else:
         make = adamw if o["decoupled_weight_decay"] else adam
-        last = make(betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
+        last = make(betas=(_number("adam_beta1", o["adam_beta1"], 0.0, 1.0, closed=False),
+                           _number("adam_beta2", o["adam_beta2"], 0.0, 1.0, closed=False)),
+                    eps=_number("adam_eps", o["adam_eps"], 0.0),
                     mu_dtype=_dtype("exp_avg_dtype", o["exp_avg_dtype"], _MOMENTS),
-                    nu_dtype=_dtype("exp_avg_sq_dtype", o["exp_avg_sq_dtype"], _MOMENTS), **common)
-    clip = o["clip_grad"]
-    return chain(clip_by_global_norm(clip), last) if clip and clip > 0 else last
+                    nu_dtype=_dtype("exp_avg_sq_dtype", o["exp_avg_sq_dtype"], _MOMENTS),
+                    store_param_remainders=bool(o["use_precision_aware_optimizer"]
+                                                and o["store_param_remainders"]), **common)
+    return chain(clip_by_global_norm(clip), last) if clip > 0 else last
