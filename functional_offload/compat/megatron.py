@@ -90,16 +90,11 @@ def _given(config: Any) -> dict[str, Any]:
     if dataclasses.is_dataclass(config) and not isinstance(config, type):
         out = {}
         for f in dataclasses.fields(config):
-            value = getattr(config, f.name)
-            if f.name in _MATH or f.name in _NO_MATH:
-                out[f.name] = value
-            elif f.default is not dataclasses.MISSING:
-                if value != f.default:
-                    out[f.name] = value
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                if value != f.default_factory():  # type: ignore[misc]
-                    out[f.name] = value
-            else:
+            value, default = getattr(config, f.name), f.default
+            if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+                default = f.default_factory()  # type: ignore[misc]
+            if f.name in _MATH or f.name in _NO_MATH or default is dataclasses.MISSING \
+                    or value != default:
                 out[f.name] = value
         return out
     return dict(vars(config))
