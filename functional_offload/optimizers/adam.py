@@ -117,28 +117,65 @@ def ahead_scalars(h: AdamHyper, h2: AdamHyper) -> list[float]:
             -(h2.lr / (1 - h2.beta1 ** h2.step)), h2.beta2 / (1 - h2.beta2 ** h2.step)]
 
 
+_LAND_GROUP = 1 << 26  # elements a landing's temporary covers at once (128 MiB in bf16)
+
+
 @torch.no_grad()
 def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
                h2: AdamHyper) -> None:
     r"""The device side of :func:`ahead`: the params of the step after ``h``'s for its grads
-    :math:`g` (plus :math:`\lambda'\theta` for Adam, the params read before they change):
+    :math:`g` (plus :math:`\lambda'\theta` for Adam). With :math:`d` the base's denominator
+    (:math:`\sqrt{v_t}/\sqrt{1-\beta_2^t}+\epsilon'`, recovered from :math:`q`),
+    :math:`d'` the next step's (:math:`\sqrt{q + (1-\beta_2')\,g^2/(1-\beta_2'^{t+1})}+\epsilon'`),
+    :math:`\hat\theta` the params the device holds (those the last forward read) and
+    :math:`c = \eta'/(1-\beta_1'^{t+1})`:
 
     .. math::
 
-        \theta = \text{base} - \frac{\eta'}{1-\beta_1'^{t+1}}\,
-                 \frac{(1-\beta_1')\, g}{\sqrt{q + (1-\beta_2')\,g^2 / (1-\beta_2'^{t+1})} + \epsilon'}
+        \theta = \text{base} + (\hat\theta\,(1-\eta'\lambda') - \text{base})\,(1 - d/d')
+                 - c\,\frac{(1-\beta_1')\,g}{d'}
 
-    The grad's part is then the next step's own, denominator and all; the momentum part keeps
-    the denominator of :math:`v_t` (they differ where the new grad is far above the second
-    moment). Five element-wise passes in the params' dtype, in place on ``qs`` and ``params``."""
+    Since :math:`\theta_t(1-\eta'\lambda') - \text{base} = c\,\beta_1' m_t / d`, this is the
+    next step exactly, its momentum term over its own denominator, where
+    :math:`\hat\theta = \theta_t`; otherwise it is off by
+    :math:`(1-\eta'\lambda')(\hat\theta-\theta_t)(1-d/d')`, a fraction of the last error
+    (:math:`d/d'` is held to at most 2, which only a :math:`\beta_2 < 1/3` reaches, so that it
+    never grows). The held params are one step behind after an update that landed nothing
+    (the first, or an exact one): that landing is off by :math:`1-d/d'` of a step. In place on ``qs`` and ``params``, in groups of at most ``_LAND_GROUP`` elements with one
+    temporary of that size in the params' dtype."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
-    if not h2.decoupled and h2.weight_decay != 0:
-        grads = torch._foreach_add(grads, params, alpha=h2.weight_decay)
-    torch._foreach_addcmul_(qs, grads, grads, (1 - h2.beta2) / bc2)
-    torch._foreach_sqrt_(qs)
-    torch._foreach_add_(qs, h2.eps)
-    torch._foreach_copy_(params, bases)
-    torch._foreach_addcdiv_(params, grads, qs, -h2.lr * (1 - h2.beta1) / bc1)
+    # v_t / bc2_t = q * recover; with beta2' = 0, q holds nothing of v_t: the momentum term
+    # keeps the base's denominator (1 - d/d' taken as 0)
+    recover = bc2 / (h2.beta2 * (1 - h.beta2 ** h.step)) if h2.beta2 else None
+    decay = 1 - h2.lr * h2.weight_decay if h2.decoupled else 1.0
+    lo = 0
+    while lo < len(params):
+        hi, n = lo, 0
+        while hi < len(params) and (hi == lo or n + params[hi].numel() <= _LAND_GROUP):
+            n += params[hi].numel()
+            hi += 1
+        p, b, q, g = params[lo:hi], bases[lo:hi], qs[lo:hi], grads[lo:hi]
+        if not h2.decoupled and h2.weight_decay != 0:
+            g = torch._foreach_add(g, p, alpha=h2.weight_decay)  # the params before they change
+        ratio = None if recover is None else torch._foreach_mul(q, recover)
+        if ratio is not None:
+            torch._foreach_sqrt_(ratio)
+            torch._foreach_add_(ratio, h2.eps)  # d
+        torch._foreach_addcmul_(q, g, g, (1 - h2.beta2) / bc2)
+        torch._foreach_sqrt_(q)
+        torch._foreach_add_(q, h2.eps)  # d'
+        if ratio is None:
+            torch._foreach_zero_(p)
+        else:
+            torch._foreach_div_(ratio, q)  # d / d'
+            torch._foreach_clamp_max_(ratio, 2.0)  # |1 - d/d'| <= 1: the error never grows
+            torch._foreach_mul_(p, decay)
+            torch._foreach_sub_(p, b)  # the momentum term over d (and the held params' error)
+            torch._foreach_mul_(ratio, p)
+            torch._foreach_sub_(p, ratio)  # ... times 1 - d/d'
+        torch._foreach_addcdiv_(p, g, q, -h2.lr * (1 - h2.beta1) / bc1)
+        torch._foreach_add_(p, b)
+        lo = hi
 
 
 def scalars(h: AdamHyper) -> list[float]:

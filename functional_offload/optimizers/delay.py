@@ -9,11 +9,13 @@ that answers the gradient of the step before oscillates where an exact one is st
 The *look-ahead* removes it. With the new master, moments and the next step's hyperparameters,
 the host step also computes, per element, two values from which the next step's result follows
 for any gradient ``g`` — for SGD ``base - rate * g``; for AdamW the same with the rate taken
-over the next step's denominator, which the device completes with ``g**2``. Both go up in place
+over the next step's denominator, which the device completes with ``g**2``, and the base's
+momentum term brought over to that denominator through the params the device holds (those the
+last look-ahead gave). Both go up in place
 of the param (two values per element where one went), and when the next ``update`` lands the
 step it sets each param from them and that update's own (clipped) gradients, on the device. The
-forward after it then reads, to within the rounding (and, for Adam, the denominator of the
-momentum term), the params the step it feeds will apply its gradient to — as without
+forward after it then reads, to within the rounding (and, for Adam, a fraction of the last
+landing's error), the params the step it feeds will apply its gradient to — as without
 ``delayed``. The master, the moments and
 every update's math stay exact; only the params the forwards read are predicted. A flush, a
 checkpoint or a param without a gradient lands the exact params (each master rounded), as
@@ -40,9 +42,10 @@ class Delay(NamedTuple):
     Attributes:
       lookahead: the params the next forward reads are the next step's values for its own
         gradients (see the module), not the last step's. SGD's and Lion's are exact but for
-        rounding; Adam's and AdamW's but for the next step's momentum term, whose denominator
-        is the second moment's before that step (they differ where a gradient is far above
-        its second moment). Costs a second value per element through the host step's copies up
+        rounding; Adam's and AdamW's but for a fraction (1 - d/d', the ratio of the two
+        steps' denominators) of the error of the params the last forward read, so that after
+        a landing from params one step behind (the first update's, an exact one's) the
+        error dies out within a few steps. Costs a second value per element through the host step's copies up
         (2 bytes per bf16 param: pinned writes, PCIe and device memory) and a few element-wise
         ops on the device per update; nothing in the state or its checkpoints.
       warmup: the first ``warmup`` updates of a state are exact (counted by the state's step
@@ -56,11 +59,11 @@ class Delay(NamedTuple):
     step leaves no look-ahead, so the update after it trains on one stale gradient: with the
     look-ahead, exact steps cost more than they give. On a small GPT-style model on real text
     (docs/performance.md; means over five seeds, three for the other policies) every step
-    delayed with the look-ahead ended 0.018 above ``torch.optim.AdamW``'s validation loss (our
-    exact run: -0.007), with exact steps when the clip scales 0.15 above it; without a
-    look-ahead, every step stale 0.63, and ``Delay(lookahead=False, warmup=100,
-    exact_when_clipped=True)`` 0.12. On a 117 M one over 2,000 steps (one seed) the look-ahead
-    ended 0.066 above it (our exact run: -0.017), every step stale 1.19, the policy of
+    delayed with the look-ahead ended 0.001 above ``torch.optim.AdamW``'s validation loss (our
+    exact run: -0.007); without a look-ahead, every step stale 0.63, and
+    ``Delay(lookahead=False, warmup=100, exact_when_clipped=True)`` 0.12. On a 117 M one over
+    2,000 steps (one seed) the look-ahead before Adam's landing corrected the momentum term's
+    denominator ended 0.066 above it (our exact run: -0.017), every step stale 1.19,
     ``Delay(lookahead=False, warmup=100, exact_when_clipped=True)`` 0.30.
 
     Example::
