@@ -9,8 +9,8 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.delay import Delay
-from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of, check_beta,
-                                                check_nonneg, check_schedule)
+from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of, batches,
+                                                check_beta, check_nonneg, check_schedule)
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
 from functional_offload.typing import Params, ScalarOrSchedule
@@ -141,20 +141,16 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     :math:`(1-\eta'\lambda')(\hat\theta-\theta_t)(1-d/d')`, a fraction of the last error
     (:math:`d/d'` is held to at most 2, which only a :math:`\beta_2 < 1/3` reaches, so that it
     never grows). The held params are one step behind after an update that landed nothing
-    (the first, or an exact one): that landing is off by :math:`1-d/d'` of a step. In place on ``qs`` and ``params``, in groups of at most ``_LAND_GROUP`` elements with one
-    temporary of that size in the params' dtype."""
+    (the first, or an exact one): that landing is off by :math:`1-d/d'` of a step. In place on
+    ``qs`` and ``params``, in groups of at most ``_LAND_GROUP`` elements with one temporary of
+    that size in the params' dtype."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
     # v_t / bc2_t = q * recover; with beta2' = 0, q holds nothing of v_t: the momentum term
     # keeps the base's denominator (1 - d/d' taken as 0)
     recover = bc2 / (h2.beta2 * (1 - h.beta2 ** h.step)) if h2.beta2 else None
     decay = 1 - h2.lr * h2.weight_decay if h2.decoupled else 1.0
-    lo = 0
-    while lo < len(params):
-        hi, n = lo, 0
-        while hi < len(params) and (hi == lo or n + params[hi].numel() <= _LAND_GROUP):
-            n += params[hi].numel()
-            hi += 1
-        p, b, q, g = params[lo:hi], bases[lo:hi], qs[lo:hi], grads[lo:hi]
+    for part in batches(params, _LAND_GROUP):
+        p, b, q, g = params[part], bases[part], qs[part], grads[part]
         if not h2.decoupled and h2.weight_decay != 0:
             g = torch._foreach_add(g, p, alpha=h2.weight_decay)  # the params before they change
         ratio = None if recover is None else torch._foreach_mul(q, recover)
@@ -175,7 +171,6 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
             torch._foreach_sub_(p, ratio)  # ... times 1 - d/d'
         torch._foreach_addcdiv_(p, g, q, -h2.lr * (1 - h2.beta1) / bc1)
         torch._foreach_add_(p, b)
-        lo = hi
 
 
 def scalars(h: AdamHyper) -> list[float]:

@@ -14,6 +14,7 @@ import torch
 
 from functional_offload.kernels import blockwise
 from functional_offload.kernels.remainder import high, is_split, join, split_
+from functional_offload.optimizers.spec import batches
 
 if TYPE_CHECKING:
     from functional_offload.executor.timeline import Timeline
@@ -137,27 +138,21 @@ def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], val
     """``math`` on stored formats: in batches of about ``_BATCH`` elements, the fp32 values of
     split masters joined and of 8-bit moments dequantized, stepped (a split master's EMA moved),
     written back (split, quantized)."""
-    start = 0
-    while start < len(values):
-        stop, n = start, 0
-        while stop < len(values) and (stop == start or n + grads[stop].numel() <= _BATCH):
-            n += grads[stop].numel()
-            stop += 1
-        vs = [join(v) for v in values[start:stop]] if grp.split else values[start:stop]
+    for part in batches(grads, _BATCH):
+        vs = [join(v) for v in values[part]] if grp.split else values[part]
         ms = [[blockwise.dequantize(q, g.numel(), sg).view(g.shape)
-               for q, g in zip(m[start:stop], grads[start:stop])] if eight else m[start:stop]
+               for q, g in zip(m[part], grads[part])] if eight else m[part]
               for m, eight, sg in zip(moments, grp.eight, signed)]
-        math(vs, grads[start:stop], ms, hyper)
+        math(vs, grads[part], ms, hyper)
         for m, temps, eight, sg in zip(moments, ms, grp.eight, signed):
             if eight:
-                for q, x in zip(m[start:stop], temps):
+                for q, x in zip(m[part], temps):
                     blockwise.quantize_into(x, q, sg)
         if grp.split:
-            for v, x in zip(values[start:stop], vs):
+            for v, x in zip(values[part], vs):
                 split_(v, x)
             if emas:
-                torch._foreach_lerp_(emas[start:stop], vs, 1 - (ema_decay or 0.0))
-        start = stop
+                torch._foreach_lerp_(emas[part], vs, 1 - (ema_decay or 0.0))
 
 
 def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],

@@ -13,14 +13,14 @@ the delayed update, EMA, checkpoints and failure handling come with it.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
 from functional_offload.checks import real
 from functional_offload.typing import ScalarOrSchedule
 
-__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "check_nonneg", "check_positive", "check_beta",
+__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "check_nonneg", "check_positive", "check_beta",
            "check_schedule", "check_representable", "torch_state_names", "STATE_FIELDS"]
 
 STATE_FIELDS = ("count", "master", "ema", "params")  # every terminal state has these
@@ -236,3 +236,16 @@ def _fixed_by_zero(scalars: Callable[[Any], list[float]], hyper: Any, name: str,
     except ArithmeticError:  # the scalars divide by it
         return False
     return math.isfinite(v) and abs(v) <= _F32_MAX
+
+
+def batches(tensors: Sequence[torch.Tensor], limit: int) -> Iterator[slice]:
+    """Consecutive slices of ``tensors`` holding at most ``limit`` elements in all (a larger
+    tensor alone): the groups a device-side pass takes at once, to bound its temporaries."""
+    start = 0
+    while start < len(tensors):
+        stop, n = start, 0
+        while stop < len(tensors) and (stop == start or n + tensors[stop].numel() <= limit):
+            n += tensors[stop].numel()
+            stop += 1
+        yield slice(start, stop)
+        start = stop
