@@ -237,6 +237,8 @@ LINEAR = {  # optimizers whose look-ahead is exact but for rounding
     "nesterov": lambda kernel, **kw: fo.sgd(0.01, momentum=0.9, nesterov=True, weight_decay=0.01,
                                            cpu_kernel=kernel, **kw),
     "lion": lambda kernel, **kw: fo.lion(1e-3, weight_decay=0.1, cpu_kernel=kernel, **kw),
+    "adamw_no_momentum": lambda kernel, **kw: fo.adamw(1e-2, betas=(0.0, 0.95), weight_decay=0.1,
+                                                       cpu_kernel=kernel, **kw),
 }
 
 
@@ -316,6 +318,25 @@ def test_the_adam_lookahead_is_the_next_step_by_hand(decoupled, kernel):
     fo.flush(s)
     for a, b in zip(optree.tree_leaves(p), optree.tree_leaves(q)):
         assert torch.equal(a, b)  # the same grads: the same updates, landed exactly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adams_landing_stays_finite_past_a_spike_and_a_non_finite_param(dtype):
+    """The landing reads the params the device holds: a grad whose square overflows fp32, or a
+    param written non-finite, must not leave the params the forwards read non-finite (the
+    exact run's stay finite)."""
+    g = torch.Generator().manual_seed(0)
+    p = {"w": torch.ones(64, dtype=dtype)}
+    opt = fo.adamw(1e-2, betas=(0.9, 0.95), delayed=True)
+    s = opt.init(p)
+    for k in range(10):
+        grad = torch.randn(64, generator=g)
+        if k == 3:
+            grad = grad / grad.abs().max() * 8e19
+        if k == 6:
+            p["w"][0] = float("nan")  # the update after lands every element anew
+        p, s = opt.update({"w": grad.to(dtype)}, s)
+        assert torch.isfinite(p["w"].float()).all(), k
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -359,6 +359,19 @@ def test_low_precision_params_show_their_master():
                        q[0].detach().float())
 
 
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_sync_masters_keeps_a_change_to_the_params(delayed):
+    """Params changed outside the optimizer (a weight load mid-run) become the masters, also
+    with a delayed step in flight, whose landing would otherwise write over the change."""
+    p = make_params(dtype=torch.bfloat16)
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, delayed=delayed)
+    loss_step(opt, p, 0)
+    with torch.no_grad():
+        p[0].fill_(0.5)
+    opt.sync_masters()
+    assert (p[0] == 0.5).all() and (opt.state[p[0]]["master"] == 0.5).all()
+
 # ---- state_dict ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("named1", [False, True], ids=["to-unnamed", "to-named"])

@@ -140,35 +140,40 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     :math:`\hat\theta = \theta_t`; otherwise it is off by
     :math:`(1-\eta'\lambda')(\hat\theta-\theta_t)(1-d/d')`, a fraction of the last error
     (:math:`d/d'` is held to at most 2, which only a :math:`\beta_2 < 1/3` reaches, so that it
-    never grows). The held params are one step behind after an update that landed nothing
+    never grows; where the correction is not finite — denominators past fp32's range, params
+    written non-finite — it is dropped, and without a momentum term, :math:`\beta_1' = 0`, or
+    without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). The held params are one step behind after an update that landed nothing
     (the first, or an exact one): that landing is off by :math:`1-d/d'` of a step. In place on
     ``qs`` and ``params``, in groups of at most ``_LAND_GROUP`` elements with one temporary of
     that size in the params' dtype."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
-    # v_t / bc2_t = q * recover; with beta2' = 0, q holds nothing of v_t: the momentum term
-    # keeps the base's denominator (1 - d/d' taken as 0)
-    recover = bc2 / (h2.beta2 * (1 - h.beta2 ** h.step)) if h2.beta2 else None
+    # v_t / bc2_t = q * recover. Without a momentum term (beta1' = 0) there is nothing to bring
+    # over; with beta2' = 0, q holds nothing of v_t: the base stands as it is
+    correct = h2.beta1 != 0 and h2.beta2 != 0
+    recover = bc2 / (h2.beta2 * (1 - h.beta2 ** h.step)) if correct else 0.0
     decay = 1 - h2.lr * h2.weight_decay if h2.decoupled else 1.0
     for part in batches(params, _LAND_GROUP):
         p, b, q, g = params[part], bases[part], qs[part], grads[part]
         if not h2.decoupled and h2.weight_decay != 0:
             g = torch._foreach_add(g, p, alpha=h2.weight_decay)  # the params before they change
-        ratio = None if recover is None else torch._foreach_mul(q, recover)
-        if ratio is not None:
+        if correct:
+            ratio = torch._foreach_mul(q, recover)
             torch._foreach_sqrt_(ratio)
             torch._foreach_add_(ratio, h2.eps)  # d
         torch._foreach_addcmul_(q, g, g, (1 - h2.beta2) / bc2)
         torch._foreach_sqrt_(q)
         torch._foreach_add_(q, h2.eps)  # d'
-        if ratio is None:
-            torch._foreach_zero_(p)
-        else:
+        if correct:
             torch._foreach_div_(ratio, q)  # d / d'
             torch._foreach_clamp_max_(ratio, 2.0)  # |1 - d/d'| <= 1: the error never grows
             torch._foreach_mul_(p, decay)
             torch._foreach_sub_(p, b)  # the momentum term over d (and the held params' error)
             torch._foreach_mul_(ratio, p)
             torch._foreach_sub_(p, ratio)  # ... times 1 - d/d'
+            for x in p:  # overflowed denominators, non-finite held params: no correction
+                torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+        else:
+            torch._foreach_zero_(p)
         torch._foreach_addcdiv_(p, g, q, -h2.lr * (1 - h2.beta1) / bc1)
         torch._foreach_add_(p, b)
 

@@ -261,14 +261,19 @@ class TorchOptimizer(torch.optim.Optimizer):
     def sync_masters(self) -> None:
         """Set every master from its param's current value, after the params were changed
         outside the optimizer (e.g. ``model.load_state_dict`` mid-run); without it the next step
-        would write the masters' values back over the change. A failed state is refused: load a
-        checkpoint into it instead."""
+        would write the masters' values back over the change. A delayed step in flight is
+        landed first, under the change (the params are copied for that while). A failed state
+        is refused: load a checkpoint into it instead."""
         self._states.check_marks(self.param_groups, "sync masters")
-        self.flush()
         with torch.no_grad():
             for slot in self._states.slots:
                 if slot.state is None:
                     continue
+                if slot.state.params.pending is not None:  # its landing would undo the change
+                    changed = [local(p).clone() for p in slot.params]
+                    flush(slot.state)
+                    for p, c in zip(slot.params, changed):
+                        local(p).copy_(c)
                 for j, p in enumerate(slot.params):
                     master = slot.state.master[slot.keys[j]]
                     if master is not None:
