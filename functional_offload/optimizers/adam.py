@@ -117,9 +117,6 @@ def ahead_scalars(h: AdamHyper, h2: AdamHyper) -> list[float]:
             -(h2.lr / (1 - h2.beta1 ** h2.step)), h2.beta2 / (1 - h2.beta2 ** h2.step)]
 
 
-_LAND_GROUP = 1 << 26  # elements a landing's temporary covers at once (128 MiB in bf16)
-
-
 @torch.no_grad()
 def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
                h2: AdamHyper) -> None:
@@ -142,17 +139,17 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     (:math:`d/d'` is held to at most 2, which only a :math:`\beta_2 < 1/3` reaches, so that it
     never grows; where the correction is not finite — denominators past fp32's range, params
     written non-finite — it is dropped, and without a momentum term, :math:`\beta_1' = 0`, or
-    without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). The held params are one step behind after an update that landed nothing
-    (the first, or an exact one): that landing is off by :math:`1-d/d'` of a step. In place on
-    ``qs`` and ``params``, in groups of at most ``_LAND_GROUP`` elements with one temporary of
-    that size in the params' dtype."""
+    without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). The held params
+    are one step behind after an update that landed nothing (the first, or an exact one): that
+    landing is off by :math:`1-d/d'` of a step. In place on ``qs`` and ``params``, in groups of
+    at most ``spec.BATCH`` elements with one temporary of that size in the params' dtype."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
     # v_t / bc2_t = q * recover. Without a momentum term (beta1' = 0) there is nothing to bring
     # over; with beta2' = 0, q holds nothing of v_t: the base stands as it is
     correct = h2.beta1 != 0 and h2.beta2 != 0
     recover = bc2 / (h2.beta2 * (1 - h.beta2 ** h.step)) if correct else 0.0
     decay = 1 - h2.lr * h2.weight_decay if h2.decoupled else 1.0
-    for part in batches(params, _LAND_GROUP):
+    for part in batches(params):
         p, b, q, g = params[part], bases[part], qs[part], grads[part]
         if not h2.decoupled and h2.weight_decay != 0:
             g = torch._foreach_add(g, p, alpha=h2.weight_decay)  # the params before they change

@@ -45,9 +45,9 @@ class Delay(NamedTuple):
         rounding; Adam's and AdamW's but for a fraction (1 - d/d', the ratio of the two
         steps' denominators) of the error of the params the last forward read, so that after
         a landing from params one step behind (the first update's, an exact one's) the
-        error dies out within a few steps. Costs a second value per element through the host step's copies up
-        (2 bytes per bf16 param: pinned writes, PCIe and device memory) and a few element-wise
-        ops on the device per update; nothing in the state or its checkpoints.
+        error dies out within a few steps. Costs a second value per element through the host
+        step's copies up (2 bytes per bf16 param: pinned writes, PCIe and device memory) and
+        element-wise ops on the device per update; nothing in the state or its checkpoints.
       warmup: the first ``warmup`` updates of a state are exact (counted by the state's step
         count, so a resumed run goes on where it was).
       exact_when_clipped: an update whose gradients a :func:`~functional_offload.

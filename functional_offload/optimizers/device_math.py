@@ -129,16 +129,13 @@ def _cast(grp: Group, grads: list) -> list:
     return grads
 
 
-_BATCH = 1 << 26  # elements decoded at once: the fp32 copies a batch needs
-
-
 def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], values: list,
                   grads: list, moments: list, hyper: Any, emas: list,
                   ema_decay: Optional[float]) -> None:
-    """``math`` on stored formats: in batches of about ``_BATCH`` elements, the fp32 values of
+    """``math`` on stored formats: in batches of about ``spec.BATCH`` elements, the fp32 values of
     split masters joined and of 8-bit moments dequantized, stepped (a split master's EMA moved),
     written back (split, quantized)."""
-    for part in batches(grads, _BATCH):
+    for part in batches(grads):  # the fp32 copies a batch needs
         vs = [join(v) for v in values[part]] if grp.split else values[part]
         ms = [[blockwise.dequantize(q, g.numel(), sg).view(g.shape)
                for q, g in zip(m[part], grads[part])] if eight else m[part]

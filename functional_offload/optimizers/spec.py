@@ -20,7 +20,8 @@ import torch
 from functional_offload.checks import real
 from functional_offload.typing import ScalarOrSchedule
 
-__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "check_nonneg", "check_positive", "check_beta",
+__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "BATCH", "check_nonneg",
+           "check_positive", "check_beta",
            "check_schedule", "check_representable", "torch_state_names", "STATE_FIELDS"]
 
 STATE_FIELDS = ("count", "master", "ema", "params")  # every terminal state has these
@@ -238,7 +239,10 @@ def _fixed_by_zero(scalars: Callable[[Any], list[float]], hyper: Any, name: str,
     return math.isfinite(v) and abs(v) <= _F32_MAX
 
 
-def batches(tensors: Sequence[torch.Tensor], limit: int) -> Iterator[slice]:
+BATCH = 1 << 26  # elements a device-side pass takes at once: what bounds its temporaries
+
+
+def batches(tensors: Sequence[torch.Tensor], limit: int = BATCH) -> Iterator[slice]:
     """Consecutive slices of ``tensors`` holding at most ``limit`` elements in all (a larger
     tensor alone): the groups a device-side pass takes at once, to bound its temporaries."""
     start = 0
