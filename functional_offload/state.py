@@ -19,6 +19,7 @@ import torch
 
 from functional_offload.base import ParamRefs, StateError, StepCache
 from functional_offload.kernels.remainder import high, is_split
+from functional_offload.quantized import write_params
 from functional_offload.tree import check_grads, flatten_like, local
 from functional_offload.typing import OptState, Params, Updates
 
@@ -182,7 +183,7 @@ def restore_params(state: OptState) -> None:
         params = flatten_like(s.params.tree, s.params.tree, "params")
         for p, m in zip(params, flatten_like(s.master, s.params.tree, "state.master")):
             if m is not None:
-                local(p).copy_(high(m) if is_split(m) else m)
+                write_params([local(p)], [high(m) if is_split(m) else m])
 
 
 @torch.no_grad()

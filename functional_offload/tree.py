@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional, Sequence
 import optree
 import torch
 
+from functional_offload.quantized import is_quantized
+
 __all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "check_grad", "check_grads",
            "GradsOf", "grads_of", "check_float_leaves", "float_leaves", "check_no_aliasing",
            "insertion_order", "local", "is_dtensor", "describe"]
@@ -329,8 +331,14 @@ def check_grads(grads: Any, params: Any, cache: Any = None) -> list[Optional[tor
 def check_no_aliasing(paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> None:
     """Raise ``ValueError`` naming both paths if two leaves share memory (the same tensor twice,
     overlapping views): each would be stepped once per appearance."""
-    spans = []
+    spans, seen = [], {}
     for path, t in zip(paths, leaves):
+        if is_quantized(t):  # no memory of its own to compare: the same tensor twice
+            if id(t) in seen:
+                raise ValueError(f"params {seen[id(t)]!r} and {path!r} are the same tensor; pass "
+                                 "it once so it is not stepped twice")
+            seen[id(t)] = path
+            continue
         if t.device.type == "meta" or t.numel() == 0:
             continue
         start = t.data_ptr()

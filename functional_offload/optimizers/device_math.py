@@ -15,6 +15,7 @@ import torch
 from functional_offload.kernels import blockwise
 from functional_offload.kernels.remainder import high, is_split, join, split_
 from functional_offload.optimizers.spec import batches
+from functional_offload.quantized import write_params
 
 if TYPE_CHECKING:
     from functional_offload.executor.timeline import Timeline
@@ -183,7 +184,7 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
             if cast is not None:
                 cast.release()  # after the math is queued: the stream orders its reuse
         if params:
-            torch._foreach_copy_(params, news)
+            write_params(params, news)
         if emas and not grp.split:
             torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
                                         for v, e in zip(values, emas)], 1 - (ema_decay or 0.0))

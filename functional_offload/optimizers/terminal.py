@@ -29,6 +29,7 @@ from functional_offload.optimizers.spec import OptimizerSpec, check_representabl
 from functional_offload.optimizers.layout import Leaf, decay_flags, layout
 from functional_offload.optimizers.step import TerminalStep
 from functional_offload.placement import Placement, on_host, previewing, record_plan
+from functional_offload.quantized import is_quantized
 from functional_offload.tree import (check_no_aliasing, check_tensor_leaves,
                                      leaves_with_paths, local)
 from functional_offload.typing import Params, ScalarOrSchedule
@@ -40,6 +41,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 SUPPORTED = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 MOMENT_DTYPES = (*SUPPORTED, torch.uint8)  # uint8: block-wise 8-bit (kernels/blockwise.py)
+
+
+def _low(p: torch.Tensor) -> bool:
+    """Whether ``p`` holds fewer bits than the math needs: bf16, fp16 and quantized params
+    (their state is fp32 and their value a master)."""
+    return p.dtype in LOW_PRECISION or is_quantized(p)
 
 
 def _check_dtype(name: str, dt: Optional[torch.dtype]) -> Optional[torch.dtype]:
@@ -154,11 +161,11 @@ class Terminal:
         are few), else fp32 for low-precision params and the param's dtype for others."""
         dt = self.moment_dtypes[name]
         if dt is None or (dt == torch.uint8 and p.numel() <= PACK_MAX):
-            return torch.float32 if p.dtype in LOW_PRECISION else p.dtype
+            return torch.float32 if _low(p) else p.dtype
         return dt
 
     def _value_dtype(self, p: torch.Tensor) -> torch.dtype:
-        return self.master_dtype if p.dtype in LOW_PRECISION else p.dtype
+        return self.master_dtype if _low(p) else p.dtype
 
     def _moment_shape(self, m: Any, p: torch.Tensor) -> Optional[tuple[int, ...]]:
         """The moment's shape for ``p``: its own (factored state), the param's, or a block-wise
@@ -170,17 +177,17 @@ class Terminal:
         return tuple(p.shape)
 
     def _needs_master(self, p: torch.Tensor, host: bool) -> bool:
-        """Whether the leaf's value is a master apart from the param: low-precision params;
-        host state of a GPU param; delayed host leaves (the new param waits in a buffer);
-        strided host params (a contiguous master, written back with a strided copy)."""
-        return p.dtype in LOW_PRECISION or (host and (
+        """Whether the leaf's value is a master apart from the param: low-precision and
+        quantized params; host state of a GPU param; delayed host leaves (the new param waits in
+        a buffer); strided host params (a contiguous master, written back with a strided copy)."""
+        return _low(p) or (host and (
             p.device.type != "cpu" or self.delayed or not p.is_contiguous()))
 
     def _split(self, p: torch.Tensor, host: bool) -> bool:
         """Whether the leaf's master is split (kernels/remainder.py): bf16 params with
         ``store_param_remainders``, but for small host leaves packed with fp32 masters (their
         bytes are few; a pack shares one fp32 arena)."""
-        return (self.store_param_remainders and p.dtype == torch.bfloat16
+        return (self.store_param_remainders and p.dtype == torch.bfloat16 and not is_quantized(p)
                 and not (host and self.spec.elementwise and not self.delayed
                          and p.numel() <= PACK_MAX))
 
@@ -204,7 +211,13 @@ class Terminal:
                                 "be optimized (leave integer buffers out of the params tree)")
             if p.dtype not in SUPPORTED:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; params must be fp32, bf16, "
-                                "fp16 or fp64 (keep fp8 weights as casts of such a param)")
+                                "fp16 or fp64, or a TransformerEngine quantized tensor (fp8 "
+                                "weights from fp8_model_init)")
+            if is_quantized(p) and not self.spec.elementwise:
+                raise TypeError(f"param {path!r} is a quantized {type(p).__name__}, which "
+                                f"{self.spec.name}'s leaf-by-leaf step does not write; use an "
+                                "element-wise optimizer (adamw, adam, sgd, lion) for it, or "
+                                "keep it out of this one with fo.partition")
             eight = [m.option for m in self.spec.moments if self._moment_dtype(m.name, p) == torch.uint8]
             if eight and self._value_dtype(p) != torch.float32:
                 raise TypeError(f"param {path!r} would have a {self._value_dtype(p)} value; "
@@ -224,6 +237,11 @@ class Terminal:
                                  f"{self._value_dtype(p)} value and {sorted(map(str, moment_dtypes))} "
                                  "moments; the native kernel takes fp32 values and fp32, bf16 or "
                                  "block-wise 8-bit moments of one format (use cpu_kernel='auto')")
+            if host and self.delayed and is_quantized(p):
+                raise ValueError(f"param {path!r} is a quantized {type(p).__name__}, which the "
+                                 "delayed update cannot land (it is written whole, through its "
+                                 "quantizer); keep its state on the device with placement.select, "
+                                 "or use delayed=False")
             if host and self.delayed and not p.is_contiguous():
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "
@@ -247,6 +265,8 @@ class Terminal:
             master = None
             if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
                 master = new_split(p, where, pin=not preview and host and p.device.type == "cuda")
+            elif is_quantized(p):  # read through its format: a master apart, always
+                master = p.dequantize(dtype=self._value_dtype(p)).to(where).contiguous()
             elif self._needs_master(p, host):
                 master = p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
             masters.append(master)
@@ -282,7 +302,8 @@ class Terminal:
         masters, moments, emas = self._make_state(locals_, on_host, preview)
         packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
             [i for i, (p, m) in enumerate(zip(locals_, masters))
-             if on_host[i] and m is not None and not is_split(m) and p.numel() <= PACK_MAX],
+             if on_host[i] and m is not None and not is_split(m) and not is_quantized(p)
+             and p.numel() <= PACK_MAX],
             [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
             decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_])
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731

@@ -2,7 +2,7 @@
 :class:`~functional_offload.optimizers.forms.base.HostForm`.
 
 - :class:`InPlace`: element-wise math in place, chunked through the executor (grad streaming,
-  packed small leaves, strided write-back);
+  packed small leaves, strided and quantized params written back);
 - :class:`Speculative`: the same, with leaves fed ahead of an unknown factor into spare buffers;
 - :class:`Delayed`: in the background, landed by the next step;
 - :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time.

@@ -1,7 +1,7 @@
 """Element-wise host math in place, in chunks through the executor: fed leaves start at once
 (grad streaming), the others at finish; small leaves run packed (one host leaf over each
 pack's arenas, their grads gathered and new params scattered by multi-tensor copies), strided
-params get their new values written back after the run."""
+and quantized params get their new values written back after the run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from functional_offload.executor import HostLeaf, Run
 from functional_offload.optimizers.forms.base import HostWork, by_device, raise_run_errors, wait_runs
 from functional_offload.optimizers.packing import Buffers, buffers, span
 from functional_offload.optimizers.packing import runs as runs_of
+from functional_offload.quantized import write_params, writes_in_place
 
 __all__ = ["InPlace"]
 
@@ -27,7 +28,7 @@ class InPlace:
         self.ahead: set[int] = set()
         self.runs: dict[torch.device, Run] = {}  # the streamed runs (fed leaves)
         self.rest_runs: dict[torch.device, Run] = {}  # the runs of what finish hands over
-        self.strided: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
+        self.written_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
         self.packed_out: list[PackedRun] = []
         self.closed = False
 
@@ -46,9 +47,10 @@ class InPlace:
         out: Optional[torch.Tensor]
         if not leaf.has_master:
             out = None  # the value is the param
-        elif not leaf.param.is_contiguous():  # written back after the run (a strided copy)
+        elif not writes_in_place(leaf.param):  # written back after the run (a strided copy,
+            #                                      or whole through a quantized param's quantizer)
             out = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype, device=leaf.param.device)
-            self.strided.append((leaf.param, out))
+            self.written_back.append((leaf.param, out))
         else:
             out = leaf.param.view(-1)
         return self.work.host_leaf(index, g, out)
@@ -83,12 +85,12 @@ class InPlace:
             work.ex.order_after_copies(device)
 
     def commit(self) -> None:
-        """The packed runs' new params scattered to the params, strided params written back."""
+        """The packed runs' new params scattered to the params; strided and quantized params
+        written back."""
         leaves = self.work.leaves
         for members, bufs, first, last in self.packed_out:
             torch._foreach_copy_([leaves[i].param for i in members], bufs.outs[first:last + 1])
-        for param, new in self.strided:
-            param.copy_(new.view(param.shape))
+        write_params([p for p, _ in self.written_back], [new for _, new in self.written_back])
 
     def _packed_leaves(self, gs: list, runs: dict, elements: dict[torch.device, int]) -> list[PackedRun]:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one
@@ -141,7 +143,7 @@ class InPlace:
         return bool(self.ahead)  # whether a run began is timing: handed over counts
 
     def release(self) -> None:
-        self.strided.clear()
+        self.written_back.clear()
         self.packed_out.clear()
         self.runs.clear()
         self.rest_runs.clear()

@@ -12,6 +12,7 @@ from functional_offload.executor import HostLeaf, Run
 from functional_offload.optimizers.forms.base import HostWork, raise_run_errors, wait_runs
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.optimizers.layout import flat_state
+from functional_offload.quantized import write_params, writes_in_place
 
 __all__ = ["Speculative"]
 
@@ -55,7 +56,7 @@ class Speculative(InPlace):
         if out.is_cuda:  # freed on abort while a copy out may still write it
             out.record_stream(self.work.ex.transport(out.device).stream_out)
         # once the step is known to commit: in place
-        settled = self.in_place_leaf(index, g) if leaf.param.is_contiguous() else None
+        settled = self.in_place_leaf(index, g) if writes_in_place(leaf.param) else None
         form = self.work.host_leaf(index, g, out, flat_state(spare[0], spare[1:k]),
                                    spare[k].view(-1) if leaf.ema is not None else None, settled)
         self.forms[id(form)] = index
@@ -99,8 +100,7 @@ class Speculative(InPlace):
         for i in self.scratch:
             by_device.setdefault(leaves[i].param.device, []).append(i)
         for device, idx in by_device.items():
-            torch._foreach_copy_([leaves[i].param for i in idx],  # strided ones too
-                                 [self.scratch[i].view(leaves[i].param.shape) for i in idx])
+            write_params([leaves[i].param for i in idx], [self.scratch[i] for i in idx])
             for i in idx:
                 if device.type == "cuda":
                     self.scratch[i].record_stream(torch.cuda.current_stream(device))

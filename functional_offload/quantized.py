@@ -1,0 +1,43 @@
+"""Params held in a quantized format: TransformerEngine's ``QuantizedTensor`` (fp8 and
+block-scaled weights from ``fp8_model_init`` / ``quantized_model_init``).
+
+Such a param holds its values in fewer bits than the math needs, so the optimizer always keeps
+an fp32 master of it (made from ``param.dequantize(dtype=torch.float32)``), steps the master,
+and writes each new value into the param with the param's own quantizer
+(``param.quantize_(new)``: its scale, amax and scaling mode), as TransformerEngine's
+``FusedAdam(master_weights=True)`` does. A quantized param is written whole, never in chunks:
+its scale may depend on all its values. They are recognised by their methods (``quantize_`` and
+``dequantize``), so TransformerEngine is not imported here.
+
+At the bottom of the package: it imports nothing of it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["is_quantized", "writes_in_place", "write_params"]
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds its values in a quantized format written through ``quantize_``."""
+    return callable(getattr(t, "quantize_", None)) and callable(getattr(t, "dequantize", None))
+
+
+def writes_in_place(param: torch.Tensor) -> bool:
+    """Whether new values may be written into ``param``'s memory piece by piece (a contiguous
+    plain tensor); others take their new values whole, once they are all computed."""
+    return not is_quantized(param) and param.is_contiguous()
+
+
+def write_params(params: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> None:
+    """Each new value into its param: quantized params through their quantizer (from ``new`` as
+    it is, fp32 masters included), the others by one multi-tensor copy."""
+    plain = [(p, n) for p, n in zip(params, news) if not is_quantized(p)]
+    if plain:
+        torch._foreach_copy_([p for p, _ in plain], [n.view(p.shape) for p, n in plain])
+    for p, n in zip(params, news):
+        if is_quantized(p):
+            p.quantize_(n.view(p.shape))
