@@ -12,6 +12,9 @@ a final LayerNorm, an untied head and an fp32 cross-entropy; bf16; ``--tokens`` 
 * ``none``; ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``);
   ``checkpoint`` (``torch.utils.checkpoint`` on every block, non-reentrant);
 * ``ours:K``: ``ActivationOffload(blocks, offload=K)`` with its defaults;
+* ``te:K``: TransformerEngine's ``get_cpu_offload_context(enabled=True, num_layers=K,
+  model_layers=blocks)`` around each block, its sync function after it (needs TE; it offloads
+  the activations of K blocks, asynchronously, for any module);
 * ``budget:B``: ``ActivationOffload(blocks, budget_bytes=...)``, where B is ``ckpt`` (the
   checkpoint system's peak), a fraction of the ``none`` peak (``0.25``) or bytes (``8GiB``).
 
@@ -112,6 +115,18 @@ def run_system(args: argparse.Namespace) -> dict:
                 if kind == "ours" else ActivationOffload(args.blocks, budget_bytes=args.budget,
                                                          min_bytes=1 << 20)
         off.wrap(model.blocks)
+    elif kind == "te":  # TransformerEngine's own: the first K blocks' activations offloaded
+        try:
+            from transformer_engine.pytorch import get_cpu_offload_context
+        except Exception as e:  # no TE (on a CPU-only machine its import raises RuntimeError)
+            raise SystemExit(f"{name} needs TransformerEngine: {type(e).__name__}: {e}") from e
+        te_context, te_sync = get_cpu_offload_context(
+            enabled=True, num_layers=int(name.split(":")[1]), model_layers=args.blocks)
+
+        def te_block(b: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            with te_context:
+                x = b(x)
+            return te_sync(x)
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
@@ -120,6 +135,8 @@ def run_system(args: argparse.Namespace) -> dict:
                 loss = model(tokens)
         elif kind == "checkpoint":
             loss = model(tokens, lambda b, x: torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False))
+        elif kind == "te":
+            loss = model(tokens, te_block)
         elif off is not None:
             with off.record(exclude=model):
                 loss = model(tokens)
