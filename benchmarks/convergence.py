@@ -94,6 +94,9 @@ RUNS: dict[str, Run] = {
     "r8": Run("ours, host, split master + 8-bit moments", "torch"),
     "delayedr8": Run("ours, host, delayed=True (the look-ahead), split master + 8-bit moments",
                      "torch"),
+    "delayedshadow": Run("ours, host, delayed=True, with an exact AdamW beside it on the same "
+                         "grads measuring how far each landing is from the exact step", "torch",
+                         "delayed"),
     "lion_torch": Run("Lion by hand in torch, fp32 masters on the GPU", None),
     "lion": Run("ours, fo.lion, host", "lion_torch"),
     "adafactor_torch": Run("torch.optim.Adafactor, fp32 masters on the GPU", None),
@@ -115,6 +118,7 @@ OURS: dict[str, tuple[str, float, dict]] = {
     "q8": ("plain", 1.0, {"moments": torch.uint8}),
     "r8": ("plain", 1.0, {"moments": torch.uint8, "remainders": True}),
     "delayedr8": ("delayed", 1.0, {"delay": fo.Delay(), "moments": torch.uint8, "remainders": True}),
+    "delayedshadow": ("delayed", 1.0, {"delay": fo.Delay()}),
     "lion": ("plain", 1.0, {"optimizer": "lion"}),
     "adafactor": ("plain", 1.0, {"optimizer": "adafactor"}),
 }
@@ -235,12 +239,13 @@ def _train(name: str, args: argparse.Namespace) -> dict:
                     "params": gpt.count_params(model),
                     "leaves": gpt.count_leaves(model), "data": digest, "steps": args.steps,
                     "tokens_per_step": args.batch * cfg.ctx, "threads": args.threads}
-    ahead = None
+    ahead = shadow = None
     if name in OURS:
         mode, fraction, kw = OURS[name]
         norms: list = []
+        shadow = [] if name == "delayedshadow" else None
         ours = build_ours(mode, params, fraction, clip=CLIP, lr=lr, threads=args.threads,
-                          norms=norms, **kw)
+                          norms=norms, shadow=shadow, **kw)
         step, flush, ahead = ours.step, ours.flush, ours.ahead
         record.update(offloaded=ours.offloaded, host_state_bytes=ours.host_state_bytes)
         delay = kw.get("delay", fo.Delay() if mode == "delayed" else None)
@@ -269,6 +274,8 @@ def _train(name: str, args: argparse.Namespace) -> dict:
                                             for t, c in enumerate(clipped))
         if ahead is not None:
             record["ahead"] = dict(ahead)
+        if shadow:
+            record["shadow"] = torch.stack(shadow).tolist()  # per step: see ours.build_ours
         record["done"] = final
         if args.out:
             with open(os.path.join(args.out, name + ".json"), "w") as f:

@@ -66,7 +66,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                moments: torch.dtype = torch.float32, remainders: bool = False, optimizer: str = "adamw",
                threads: Optional[int] = None, chunk_mb: int = 32,
                slots: int = 4, timeline: Optional[Timeline] = None,
-               norms: Optional[list] = None) -> Ours:
+               norms: Optional[list] = None, shadow: Optional[list] = None) -> Ours:
     """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
     tensors that require grad), with ``fraction`` of the elements' state in host memory.
 
@@ -78,7 +78,12 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     default here; ``delay``: the policy of mode ``delayed`` (default ``fo.Delay()``: every step
     delayed, with the look-ahead);
     ``norms``: a list that plain and delayed steps append their grads' global norm to (a device
-    tensor; no sync)."""
+    tensor; no sync). ``shadow`` (a diagnostic of mode ``delayed``): a list that each step appends
+    a device tensor to, ``[sum |p - m|, sum |bf16(m) - m|, sum |m - m_before|, count(p != bf16(m))]``
+    over all elements, where ``p`` are the params the next forward reads and ``m`` the fp32
+    params of an exact AdamW (``torch.optim.AdamW(fused=True)`` on fp32 copies on the device,
+    the same hyperparameters and schedule) fed the same clipped grads: how far the look-ahead
+    lands from the exact step, against the rounding every bf16 param has and the step itself."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
@@ -109,6 +114,13 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
 
     ahead = {"kept": 0, "redone": 0, "held": 0}
     device = next(iter(params.values())).device
+    if shadow is not None:
+        if mode != "delayed" or optimizer != "adamw":
+            raise ValueError("shadow measures the delayed AdamW's landing")
+        exact = [p.detach().float().clone() for p in params.values()]
+        hyper = {**HYPER, **({"lr": lr} if lr else {})}
+        rate = hyper.pop("lr")
+        shadow_opt = torch.optim.AdamW(exact, lr=0.0, fused=True, **hyper)
 
     def mark() -> Any:  # a point on the compute stream, for the timeline's forward/backward lane
         return timeline.stamp(device) if timeline is not None else None
@@ -129,7 +141,22 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
             grads = {k: p.grad for k, p in params.items()}
             if norms is not None:
                 norms.append(fo.global_norm(grads))
+            if shadow is not None:
+                before = [x.clone() for x in exact]
+                factor = torch.clamp(clip / (fo.global_norm(grads) + 1e-6), max=1.0) if clip else 1.0
+                for x, g in zip(exact, grads.values()):
+                    x.grad = g.float() * factor
+                shadow_opt.param_groups[0]["lr"] = rate(len(shadow)) if callable(rate) else rate
+                shadow_opt.step()
             _, holder[0] = opt.update(grads, holder[0])
+            if shadow is not None:
+                ps = [p.detach().float() for p in params.values()]
+                rounded = [x.bfloat16().float() for x in exact]
+                shadow.append(torch.stack([
+                    sum(torch._foreach_norm(torch._foreach_sub(ps, exact), 1)),
+                    sum(torch._foreach_norm(torch._foreach_sub(rounded, exact), 1)),
+                    sum(torch._foreach_norm(torch._foreach_sub(exact, before), 1)),
+                    sum((p != r).sum() for p, r in zip(ps, rounded)).float()]))
         if timeline is not None:
             timeline.span("GPU fwd/bwd", "forward", t0, t1)
             timeline.span("GPU fwd/bwd", "backward", t1, t2)
