@@ -14,16 +14,39 @@ At the bottom of the package: it imports nothing of it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["is_quantized", "writes_in_place", "write_params"]
+__all__ = ["is_quantized", "memory_key", "same_memory", "writes_in_place", "write_params"]
 
 
 def is_quantized(t: torch.Tensor) -> bool:
     """Whether ``t`` holds its values in a quantized format written through ``quantize_``."""
     return callable(getattr(t, "quantize_", None)) and callable(getattr(t, "dequantize", None))
+
+
+def memory_key(t: torch.Tensor) -> Optional[int]:
+    """The address of the memory holding a quantized tensor's values: its first data tensor's
+    (``get_data_tensors()``, as TransformerEngine's tensors give them), which its views and
+    detached copies share; None where it gives none (then only the same object is the same
+    tensor)."""
+    get = getattr(t, "get_data_tensors", None)
+    if callable(get):
+        data = get()
+        for x in data if isinstance(data, (tuple, list)) else (data,):
+            if isinstance(x, torch.Tensor) and x.numel():
+                return x.untyped_storage().data_ptr()
+    return None
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold their values in the same memory (quantized tensors, which
+    have no address of their own: by :func:`memory_key`, or identity)."""
+    if is_quantized(a) or is_quantized(b):
+        key = memory_key(a)
+        return a is b or (key is not None and key == memory_key(b))
+    return a.data_ptr() == b.data_ptr()
 
 
 def writes_in_place(param: torch.Tensor) -> bool:

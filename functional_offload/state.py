@@ -19,7 +19,7 @@ import torch
 
 from functional_offload.base import ParamRefs, StateError, StepCache
 from functional_offload.kernels.remainder import high, is_split
-from functional_offload.quantized import write_params
+from functional_offload.quantized import is_quantized, write_params
 from functional_offload.tree import check_grads, flatten_like, local
 from functional_offload.typing import OptState, Params, Updates
 
@@ -182,8 +182,12 @@ def restore_params(state: OptState) -> None:
         cache.restore_params, cache.lost_params = False, []
         params = flatten_like(s.params.tree, s.params.tree, "params")
         for p, m in zip(params, flatten_like(s.master, s.params.tree, "state.master")):
-            if m is not None:
-                write_params([local(p)], [high(m) if is_split(m) else m])
+            if m is None:
+                continue
+            p = local(p)
+            if is_quantized(p) and m.device.type == "cpu":  # as a host step writes it: from the value
+                m = m.to(p.dtype)  # copied up in the param's nominal dtype
+            write_params([p], [high(m) if is_split(m) else m])
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ import torch
 from functional_offload.base import Optimizer, Step
 from functional_offload.combine import begin_step
 from functional_offload.executor.shield import shielded
-from functional_offload.quantized import is_quantized
+from functional_offload.quantized import same_memory
 from functional_offload.state import check_usable, params_of
 from functional_offload.tree import flatten_like, leaves_with_paths, local, paths_of
 from functional_offload.typing import Params
@@ -39,7 +39,7 @@ def _live_params(state: Any, params: Any) -> list[torch.Tensor]:
             raise TypeError(f"fo.stream params leaf {path!r} is a {type(b).__name__}, expected "
                             "the live parameter")
         x, y = local(a), local(b)
-        if x.shape != y.shape or (x is not y if is_quantized(x) else x.data_ptr() != y.data_ptr()):
+        if x.shape != y.shape or not same_memory(x, y):
             raise ValueError(f"fo.stream params leaf {path!r} is not the tensor the state "
                              "updates (it must share its memory: pass the model's parameters "
                              "the state was built from)")

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import optree
 import torch
 
-from functional_offload.quantized import is_quantized
+from functional_offload.quantized import is_quantized, memory_key
 
 __all__ = ["leaves_with_paths", "flatten_like", "check_tensor_leaves", "check_grad", "check_grads",
            "GradsOf", "grads_of", "check_float_leaves", "float_leaves", "check_no_aliasing",
@@ -333,11 +333,13 @@ def check_no_aliasing(paths: Sequence[str], leaves: Sequence[torch.Tensor]) -> N
     overlapping views): each would be stepped once per appearance."""
     spans, seen = [], {}
     for path, t in zip(paths, leaves):
-        if is_quantized(t):  # no memory of its own to compare: the same tensor twice
-            if id(t) in seen:
-                raise ValueError(f"params {seen[id(t)]!r} and {path!r} are the same tensor; pass "
-                                 "it once so it is not stepped twice")
-            seen[id(t)] = path
+        if is_quantized(t):  # no address of its own: its data's, else the object's
+            key = memory_key(t)
+            key = ("object", id(t)) if key is None else (str(t.device), key)
+            if key in seen:
+                raise ValueError(f"params {seen[key]!r} and {path!r} hold the same quantized "
+                                 "tensor's data; pass it once so it is not stepped twice")
+            seen[key] = path
             continue
         if t.device.type == "meta" or t.numel() == 0:
             continue

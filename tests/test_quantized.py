@@ -10,6 +10,7 @@ import torch
 
 import functional_offload as fo
 from conftest import KERNELS, step_by
+from functional_offload.testing import fail_host_kernel
 from registry import OPTIMIZERS
 
 ENTRIES = [e for e in OPTIMIZERS if e.name in ("adamw", "adam", "sgd-nesterov", "lion")]
@@ -37,14 +38,22 @@ class Fp8Param(torch.Tensor):
         t.writes = 0
         return t
 
+    fail = False  # set on the class: every quantize_ raises
+
     def quantize_(self, src: torch.Tensor) -> "Fp8Param":
+        if Fp8Param.fail:
+            raise RuntimeError("injected failure of quantize_")
         with torch.no_grad():
             torch.Tensor.copy_(self, fp8(src).to(self.dtype))
         self.writes += 1
         return self
 
     def dequantize(self, *, dtype=None) -> torch.Tensor:
+        self.reads = getattr(self, "reads", 0) + 1
         return self.as_subclass(torch.Tensor).to(dtype or self.dtype, copy=True)
+
+    def get_data_tensors(self) -> tuple:
+        return (self.as_subclass(torch.Tensor),)
 
 
 def _params(quantized: bool) -> dict:
@@ -128,11 +137,89 @@ def test_quantized_checkpoint_round_trip_is_exact(tmp_path):
         assert torch.equal(pa[k].dequantize(), pb[k].dequantize())
 
 
+def test_a_failed_step_is_recovered_as_a_completed_step_writes(tmp_path):
+    """After a host step failed half-way, loading the checkpoint sets each quantized param as a
+    completed host step does: quantized from the value copied up (bf16), not from the fp32
+    master."""
+    params = _params(True)
+    opt = fo.adamw(1e-2, executor=fo.executor.HostExecutor(chunk_bytes=1 << 16))
+    grads = {k: torch.randn(v.shape).bfloat16() for k, v in params.items()}
+    params, state = opt.update(grads, opt.init(params))
+    fo.save(state, tmp_path / "s")
+    saved = {k: v.dequantize() for k, v in params.items()}
+    with fail_host_kernel(after=1), pytest.raises(fo.HostStepError):
+        opt.update(grads, state)
+    state = fo.load(tmp_path / "s", like=state)
+    for k, p in params.items():
+        assert torch.equal(p.dequantize(), saved[k]), k
+        assert torch.equal(p.dequantize(), fp8(state.master[k].bfloat16())), k
+
+
+def test_torch_optimizer_keeps_the_master_of_an_fp32_typed_quantized_param():
+    """``fo.TorchOptimizer``'s state_dict holds the fp32 master of a quantized param also when
+    the param's nominal dtype is fp32 (the param holds fewer bits than its master), and a load
+    continues exactly."""
+    torch.manual_seed(0)
+    make = lambda: Fp8Param(torch.randn(N), torch.float32).requires_grad_()  # noqa: E731
+    grads = [torch.randn(N) * 1e-3 for _ in range(4)]
+
+    def run(round_trip: bool):
+        torch.manual_seed(0)
+        p = make()
+        opt = fo.TorchOptimizer([p], fo.adamw, lr=1e-3)
+        for i, g in enumerate(grads):
+            if i == 2 and round_trip:
+                sd = opt.state_dict()
+                assert "master" in sd["state"][0]
+                q = make()
+                opt = fo.TorchOptimizer([q], fo.adamw, lr=1e-3)
+                opt.load_state_dict(sd)
+                with torch.no_grad():
+                    q.copy_(p.dequantize())
+                p = q
+            p.grad = g.clone()
+            opt.step()
+        return p.dequantize()
+
+    assert torch.equal(run(False), run(True))
+
+
+def test_a_plan_reads_no_quantized_param():
+    params = _params(True)
+    fo.plan(fo.adamw(1e-3), params)
+    assert all(getattr(p, "reads", 0) == 0 for p in params.values())
+
+
 def test_quantized_params_refused_where_they_cannot_be_written():
     params = _params(True)
     with pytest.raises(ValueError, match="'b'.*delayed update cannot land"):
         fo.adamw(lr=1e-3, delayed=True).init(params)
     with pytest.raises(TypeError, match="'b'.*adafactor"):
         fo.adafactor(lr=1e-3).init(params)
-    with pytest.raises(ValueError, match="'a' and 'b' are the same tensor"):
+    with pytest.raises(ValueError, match="'a' and 'b' hold the same quantized tensor's data"):
         fo.adamw(lr=1e-3).init({"a": params["w"], "b": params["w"]})
+    twin = torch.Tensor._make_subclass(Fp8Param, params["w"].as_subclass(torch.Tensor).detach())
+    with pytest.raises(ValueError, match="'a' and 'b' hold the same quantized tensor's data"):
+        fo.adamw(lr=1e-3).init({"a": params["w"], "b": twin})  # another object, the same data
+    with pytest.raises(TypeError, match="'b'.*keep an fp32 master"):
+        fo.adamw(lr=1e-3, master_dtype=torch.float64).init(params)
+    with pytest.raises(TypeError, match="'x'.*nominal dtype torch.float64"):
+        fo.adamw(lr=1e-3).init({"x": Fp8Param(torch.randn(8), torch.float64)})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_quantized_write_on_the_device_marks_the_state_failed():
+    """A device-resident quantized param's write failing after its master was stepped leaves a
+    changed state: it is marked failed (not reset to be stepped again)."""
+    params = {"w": Fp8Param(torch.randn(1000).cuda())}
+    opt = fo.adamw(1e-2, placement=fo.placement.on_device())
+    state = opt.init(params)
+    Fp8Param.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="injected failure of quantize_"):
+            opt.update({"w": torch.randn(1000).bfloat16().cuda()}, state)
+    finally:
+        Fp8Param.fail = False
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.update({"w": torch.randn(1000).bfloat16().cuda()}, state)

@@ -155,11 +155,12 @@ def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], val
 
 def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],
                signed: list[bool], hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
-               timeline: Optional["Timeline"]) -> bool:
+               timeline: Optional["Timeline"], touched: list) -> None:
     """Update each group's leaves that have a grad in ``gs`` (per leaf; ``every_grad``: the
-    grads check found every leaf with one); whether any leaf was updated. ``signed``: per
-    moment, whether it may be negative (its block-wise 8-bit map)."""
-    touched = False
+    grads check found every leaf with one). ``signed``: per moment, whether it may be negative
+    (its block-wise 8-bit map). ``touched`` gets the group's device before a group's state is
+    first changed in place, so that a caller catching an error (a quantized param's write
+    failing after its math ran) knows whether the state changed."""
     for grp in groups:
         grads = [gs[i] for i in grp.idx]
         values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
@@ -170,7 +171,7 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
                 continue
             cast = None
             grads, values, moments, params, news, emas = cut
-        touched = True
+        touched.append(grp.device)
         s0 = timeline.stamp(grp.device) if timeline else None
         h = hyper if grp.decay else hyper_no_decay
         try:
@@ -190,4 +191,3 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
                                         for v, e in zip(values, emas)], 1 - (ema_decay or 0.0))
         if timeline:
             timeline.span("GPU update", f"{len(grads)} leaves", s0, timeline.stamp(grp.device))
-    return touched

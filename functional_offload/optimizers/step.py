@@ -243,13 +243,13 @@ class TerminalStep(StepBase):
         caller's current streams); the new state, or raise after marking this one: failed if
         anything may have been written in place, else as it was."""
         state, t, form = self.state, self.t, self.form
-        touched = False
+        touched: list = []  # the device groups' devices, once their state is being changed
         try:
             form.settle()  # a speculative step's leaves fed ahead must have succeeded first
             spec = t.spec
-            touched = run_groups(self.static.groups, gs, self.every_grad, spec.device or spec.reference,
-                                 [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
-                                 t.ema_decay, t.executor.timeline)
+            run_groups(self.static.groups, gs, self.every_grad, spec.device or spec.reference,
+                       [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
+                       t.ema_decay, t.executor.timeline, touched)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             exact = self._exact()

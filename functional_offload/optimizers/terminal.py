@@ -213,6 +213,11 @@ class Terminal:
                 raise TypeError(f"param {path!r} has dtype {p.dtype}; params must be fp32, bf16, "
                                 "fp16 or fp64, or a TransformerEngine quantized tensor (fp8 "
                                 "weights from fp8_model_init)")
+            if is_quantized(p) and (p.dtype == torch.float64 or self.master_dtype != torch.float32):
+                raise TypeError(f"param {path!r} is a quantized {type(p).__name__} of nominal dtype "
+                                f"{p.dtype}: quantized params keep an fp32 master (their formats "
+                                "dequantize to fp32 at most); use master_dtype=torch.float32 and "
+                                "an fp32, bf16 or fp16 params_dtype")
             if is_quantized(p) and not self.spec.elementwise:
                 raise TypeError(f"param {path!r} is a quantized {type(p).__name__}, which "
                                 f"{self.spec.name}'s leaf-by-leaf step does not write; use an "
@@ -265,6 +270,8 @@ class Terminal:
             master = None
             if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
                 master = new_split(p, where, pin=not preview and host and p.device.type == "cuda")
+            elif is_quantized(p) and preview:
+                master = torch.empty(p.shape, dtype=self._value_dtype(p), device=where)
             elif is_quantized(p):  # read through its format: a master apart, always
                 master = p.dequantize(dtype=self._value_dtype(p)).to(where).contiguous()
             elif self._needs_master(p, host):

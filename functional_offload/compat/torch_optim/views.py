@@ -24,6 +24,7 @@ from functional_offload.base import StateError
 from functional_offload.state import BUSY, CONSUMED, FAILED, flush
 from functional_offload.checks import real
 from functional_offload.optimizers.spec import torch_state_names
+from functional_offload.quantized import is_quantized
 from functional_offload.tree import local
 
 __all__ = ["Slot", "Copy", "Expect", "apply_copies", "param_label", "scalar_dtype", "tree_of",
@@ -155,16 +156,16 @@ class Slot:
         """``(torch key, leaf, shown in the view)`` of param ``j``: moments, master, EMA. A
         moment the param does not have (Adafactor's ``variance`` of a matrix) is left out, as
         torch leaves it out. A master is shown where it holds more than the param does (a
-        low-precision param); an fp32 param's host copy equals the param after every step and
-        is not."""
+        low-precision or quantized param); an fp32 param's host copy equals the param after every
+        step and is not."""
         key, out = keys[j], []
         for field, name in torch_state_names(state).items():
             tree = getattr(state, field)
             if not (isinstance(tree, tuple) and not tree) and tree[key] is not None:
                 out.append((name, tree[key], True))
-        master = state.master[key]
+        master, p = state.master[key], local(params[j])
         if master is not None:
-            out.append((MASTER, master, master.dtype != local(params[j]).dtype))
+            out.append((MASTER, master, master.dtype != p.dtype or is_quantized(p)))
         if not (isinstance(state.ema, tuple) and not state.ema):
             out.append((EMA, state.ema[key], True))
         return out
