@@ -58,6 +58,7 @@ from functional_offload.executor import physical_cores  # noqa: E402
 MODELS = {  # name -> (config, AdamW's peak learning rate)
     "117m": (gpt.GPTConfig(d=896, layers=12, heads=14, vocab=256, ctx=1024), 6e-4),
     "small": (gpt.GPTConfig(d=128, layers=4, heads=4, vocab=256, ctx=128), 3e-3),
+    "mid": (gpt.GPTConfig(d=256, layers=6, heads=8, vocab=256, ctx=256), 1.5e-3),  # 4.9 M: CPU, longer
     "smoke": (gpt.GPTConfig(d=160, layers=1, heads=2, vocab=256, ctx=32), 6e-4),  # leaves past 2^16: 8-bit
 }
 CLIP = 1.0

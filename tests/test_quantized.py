@@ -207,6 +207,20 @@ def test_quantized_params_refused_where_they_cannot_be_written():
         fo.adamw(lr=1e-3).init({"x": Fp8Param(torch.randn(8), torch.float64)})
 
 
+def test_a_failed_quantized_write_on_the_host_names_the_param_and_marks_the_state_failed():
+    params = _params(True)
+    opt = fo.adamw(1e-2)
+    state = opt.init(params)
+    Fp8Param.fail = True
+    try:
+        with pytest.raises(RuntimeError, match="param 'b' failed: RuntimeError: injected failure"):
+            opt.update({k: torch.randn(v.shape).bfloat16() for k, v in params.items()}, state)
+    finally:
+        Fp8Param.fail = False
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.update({k: torch.randn(v.shape).bfloat16() for k, v in params.items()}, state)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_failed_quantized_write_on_the_device_marks_the_state_failed():

@@ -28,7 +28,7 @@ class InPlace:
         self.ahead: set[int] = set()
         self.runs: dict[torch.device, Run] = {}  # the streamed runs (fed leaves)
         self.rest_runs: dict[torch.device, Run] = {}  # the runs of what finish hands over
-        self.written_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its new values)
+        self.written_back: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (path, param, new)
         self.packed_out: list[PackedRun] = []
         self.closed = False
 
@@ -50,7 +50,7 @@ class InPlace:
         elif not writes_in_place(leaf.param):  # written back after the run (a strided copy,
             #                                      or whole through a quantized param's quantizer)
             out = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype, device=leaf.param.device)
-            self.written_back.append((leaf.param, out))
+            self.written_back.append((leaf.path, leaf.param, out))
         else:
             out = leaf.param.view(-1)
         return self.work.host_leaf(index, g, out)
@@ -90,7 +90,12 @@ class InPlace:
         leaves = self.work.leaves
         for members, bufs, first, last in self.packed_out:
             torch._foreach_copy_([leaves[i].param for i in members], bufs.outs[first:last + 1])
-        write_params([p for p, _ in self.written_back], [new for _, new in self.written_back])
+        for path, param, new in self.written_back:
+            try:
+                write_params([param], [new])
+            except Exception as e:  # a quantizer's error (out of memory...): name the param
+                raise RuntimeError(f"writing the new values of param {path!r} failed: "
+                                   f"{type(e).__name__}: {e}") from e
 
     def _packed_leaves(self, gs: list, runs: dict, elements: dict[torch.device, int]) -> list[PackedRun]:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one
