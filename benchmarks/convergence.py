@@ -73,6 +73,8 @@ class Run(NamedTuple):
 
 RUNS: dict[str, Run] = {
     "torch": Run("torch.optim.AdamW(fused=True), fp32 masters on the GPU", None),
+    "jitter": Run("torch.optim.AdamW(fused=True) as torch, its params rounded twice: bf16(bf16(m) + "
+                  "step), the double rounding of the look-ahead's landing (a diagnostic)", "torch"),
     "torch_foreach": Run("torch.optim.AdamW(foreach=True), fp32 masters on the GPU: torch's other "
                          "kernel, which rounds differently (the spread of exact runs)", "torch"),
     "device": Run("ours, all state on the GPU", "torch"),
@@ -154,6 +156,22 @@ class Reference(NamedTuple):
     norms: list
 
 
+def _bases(opt: torch.optim.AdamW, masters: list, rate: float) -> list:
+    """The look-ahead's bases for the step about to run (``jitter``): each master decayed, less
+    its momentum term over the last step's denominator (``optimizers/adam.py``'s ``ahead``)."""
+    b1, b2 = HYPER["betas"]
+    out = []
+    for m in masters:
+        st = opt.state.get(m)
+        x = m * (1 - rate * HYPER["weight_decay"])
+        if st:
+            k = int(st["step"])  # steps taken: the next is k + 1
+            d = (st["exp_avg_sq"] / (1 - b2 ** k)).sqrt() + HYPER["eps"]
+            x = x - rate / (1 - b1 ** (k + 1)) * b1 * st["exp_avg"] / d
+        out.append(x)
+    return out
+
+
 def reference(name: str, model: torch.nn.Module, lr: Callable[[int], float]) -> Reference:
     """A torch optimizer on fp32 masters beside the model's params: ``clip_grad_norm_`` on the
     params' grads (as ``fo.clip_by_global_norm`` in front of ours), the grads copied to the
@@ -163,8 +181,8 @@ def reference(name: str, model: torch.nn.Module, lr: Callable[[int], float]) -> 
     for m in masters:
         m.grad = torch.empty_like(m)
     wd = HYPER["weight_decay"]
-    if name in ("torch", "torch_foreach"):
-        kernel = {"fused": True} if name == "torch" else {"foreach": True}
+    if name in ("torch", "torch_foreach", "jitter"):
+        kernel = {"foreach": True} if name == "torch_foreach" else {"fused": True}
         opt = torch.optim.AdamW(masters, lr=lr(0), betas=HYPER["betas"], eps=HYPER["eps"],
                                 weight_decay=wd, **kernel)
     elif name == "adafactor_torch":
@@ -189,10 +207,14 @@ def reference(name: str, model: torch.nn.Module, lr: Callable[[int], float]) -> 
                     m.add_(torch.sign(mom * b1 + m.grad * (1 - b1)), alpha=-rate)
                     mom.mul_(b2).add_(m.grad, alpha=1 - b2)
             else:
+                bases = _bases(opt, masters, rate) if name == "jitter" else None
                 for group in opt.param_groups:
                     group["lr"] = rate
                 opt.step()
-            torch._foreach_copy_(ps, masters)
+            if name == "jitter":  # rounded twice, as a look-ahead's exact landing would be
+                torch._foreach_copy_(ps, [b.bfloat16().float() + (m - b) for m, b in zip(masters, bases)])
+            else:
+                torch._foreach_copy_(ps, masters)
         for p in ps:
             p.grad = None
         t[0] += 1
