@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import end_rank
+
 pytest.importorskip("torch.distributed.fsdp")
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
 
@@ -66,7 +68,7 @@ def rank_main(rank, store):
         dist.barrier()  # both done before either tears the group down: gloo aborts a peer still
         #                 in a collective ("terminate called without an active exception")
     finally:
-        dist.destroy_process_group()
+        end_rank()
 
 
 def test_fsdp2_two_ranks_gloo(tmp_path):

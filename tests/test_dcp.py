@@ -2,7 +2,6 @@
 another straight into the state's tensors, training continuing on the same trajectory."""
 
 import functools
-import gc
 import traceback
 from datetime import timedelta
 from typing import NamedTuple
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import functional_offload as fo
+from conftest import end_rank
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 import functional_offload.dcp  # noqa: E402,F401  (fo.dcp)
@@ -95,16 +95,6 @@ def resume(path, mesh=None, make=make_opt):
     dcp.load(sd, checkpoint_id=path, planner=fo.dcp.StrictLoadPlanner())
     set_model_state_dict(model, sd["model"])
     return model, opt, like
-
-
-def end_rank() -> None:
-    """A spawned rank's end: its process group destroyed, then its garbage collected while the
-    interpreter is whole. Left to the interpreter's teardown, the cycles holding this rank's
-    sharded models and states went in an order that aborted the process now and then
-    ("terminate called without an active exception": 5 of 34 runs of this module with
-    CUBLAS_WORKSPACE_CONFIG set, as test_convergence's import sets it; 0 of 30 with this)."""
-    dist.destroy_process_group()
-    gc.collect()
 
 
 def two_ranks(rank: int, folder: str) -> None:
