@@ -139,11 +139,12 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
             loss.backward()
             t2 = mark()
             grads = {k: p.grad for k, p in params.items()}
+            norm = fo.global_norm(grads) if norms is not None or shadow is not None else None
             if norms is not None:
-                norms.append(fo.global_norm(grads))
+                norms.append(norm)
             if shadow is not None:
                 before = [x.clone() for x in exact]
-                factor = torch.clamp(clip / (fo.global_norm(grads) + 1e-6), max=1.0) if clip else 1.0
+                factor = torch.clamp(clip / (norm + 1e-6), max=1.0) if clip else 1.0
                 for x, g in zip(exact, grads.values()):
                     x.grad = g.float() * factor
                 shadow_opt.param_groups[0]["lr"] = rate(len(shadow)) if callable(rate) else rate

@@ -56,11 +56,16 @@ def writes_in_place(param: torch.Tensor) -> bool:
 
 
 def write_params(params: Sequence[torch.Tensor], news: Sequence[torch.Tensor]) -> None:
-    """Each new value into its param: quantized params through their quantizer (from ``new`` as
-    it is, fp32 masters included), the others by one multi-tensor copy."""
-    plain = [(p, n) for p, n in zip(params, news) if not is_quantized(p)]
+    """Each new value (of its param's shape) into its param: quantized params through their
+    quantizer (from ``new`` as it is, fp32 masters included), the others by one multi-tensor
+    copy."""
+    quantized = [is_quantized(p) for p in params]
+    if not any(quantized):
+        torch._foreach_copy_(params, news)
+        return
+    plain = [k for k, q in enumerate(quantized) if not q]
     if plain:
-        torch._foreach_copy_([p for p, _ in plain], [n.view(p.shape) for p, n in plain])
-    for p, n in zip(params, news):
-        if is_quantized(p):
-            p.quantize_(n.view(p.shape))
+        torch._foreach_copy_([params[k] for k in plain], [news[k] for k in plain])
+    for p, n, q in zip(params, news, quantized):
+        if q:
+            p.quantize_(n)

@@ -92,7 +92,7 @@ class InPlace:
             torch._foreach_copy_([leaves[i].param for i in members], bufs.outs[first:last + 1])
         for path, param, new in self.written_back:
             try:
-                write_params([param], [new])
+                write_params([param], [new.view(param.shape)])
             except Exception as e:  # a quantizer's error (out of memory...): name the param
                 raise RuntimeError(f"writing the new values of param {path!r} failed: "
                                    f"{type(e).__name__}: {e}") from e

@@ -100,7 +100,8 @@ class Speculative(InPlace):
         for i in self.scratch:
             by_device.setdefault(leaves[i].param.device, []).append(i)
         for device, idx in by_device.items():
-            write_params([leaves[i].param for i in idx], [self.scratch[i] for i in idx])
+            write_params([leaves[i].param for i in idx],  # strided ones too
+                         [self.scratch[i].view(leaves[i].param.shape) for i in idx])
             for i in idx:
                 if device.type == "cuda":
                     self.scratch[i].record_stream(torch.cuda.current_stream(device))
