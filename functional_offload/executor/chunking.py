@@ -42,8 +42,10 @@ class HostLeaf(NamedTuple):
     high: Optional[torch.Tensor] = None  # 1-D, pinned: where the kernel writes the new param's
     #   bits (a split master's high half); a device ``out`` is copied up from here, not the slot
     ahead: Optional[torch.Tensor] = None  # 1-D, like ``out``: a look-ahead's rate (``out`` then
-    #   gets its base; kernels/host.py); its run is opened with ``outputs=2``
+    #   gets its base; kernels/host.py); its run is opened with ``ahead=True``
     ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
+    residual: Optional[torch.Tensor] = None  # 1-D int8, with ``ahead`` for bf16 grads: the base's
+    #   rounding residual (kernels/remainder.py, ``split_base``)
 
 
 class Segment(NamedTuple):

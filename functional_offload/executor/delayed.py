@@ -12,9 +12,11 @@ caller's thread is interrupted (the caller runs it through
 
 With a look-ahead (``ahead``, the optimizer's device side of it) the run leaves two values per
 element in place of the new param, the look-ahead's *base* and *rate* (``kernels/host.py``): the
-rates take a second region of the buffer (the grads' bytes again). Landed with the next step's
-grads, each param becomes ``ahead(params, bases, rates, grads, ...)``: about the value that step
-will compute, so the forward after it reads what the step it feeds applies its grads to. Landed
+rates take a second region of the buffer (the grads' bytes again), and a bf16 base's one-byte
+rounding residual a third (``kernels/remainder.py``, ``split_base``). Landed with the next
+step's grads, each param becomes ``ahead(params, bases, residuals, rates, grads, ...)``: about
+the value that step will compute, rounded once, so the forward after it reads what the step it
+feeds applies its grads to. Landed
 without them (a flush, a checkpoint, a failed run) or for a param without a grad, the params are
 set from the new values themselves (fp32 masters, rounded as the step rounds them): exactly.
 """
@@ -36,16 +38,18 @@ __all__ = ["Landing"]
 def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor]],
              device: torch.device, ahead: bool) -> tuple[torch.Tensor, list[torch.Tensor],
                                                          list[Optional[torch.Tensor]],
+                                                         list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]]]:
     """One buffer on ``device``: per leaf a region for its grad, one for its new param (or
-    look-ahead base) and, with ``ahead``, one for its look-ahead rate (the grad's dtype); the
-    first two share their bytes when the dtypes have one size (chunk ``k``'s params are copied
-    up only after its grads were copied down)."""
+    look-ahead base) and, with ``ahead``, one for its look-ahead rate (the grad's dtype) and,
+    for a bf16 grad, one for its base's residual (``int8``); the first two share their bytes
+    when the dtypes have one size (chunk ``k``'s params are copied up only after its grads were
+    copied down)."""
     size = 0
 
-    def take(nbytes: int) -> int:
+    def take(nbytes: int, align: int = ALIGN) -> int:
         nonlocal size
-        at, size = size, size + -(-nbytes // ALIGN) * ALIGN
+        at, size = size, size + -(-nbytes // align) * align
         return at
 
     spans = []
@@ -57,18 +61,22 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor
     # the rates after every param: the leaves' rates lie end to end, as in a slot (one copy)
     rate_at = [take(leaf.grad.numel() * leaf.grad.element_size()) if ahead and target is not None
                else None for leaf, target in zip(leaves, targets)]
+    # the residuals end to end as in a slot too, where a bf16 segment's lie at half its offset
+    res_at = [take(leaf.grad.numel(), ALIGN // 2) if r is not None and leaf.grad.dtype == torch.bfloat16
+              else None for leaf, r in zip(leaves, rate_at)]
     buf = torch.empty(size, dtype=torch.uint8, device=device)
 
     def region(at: Optional[int], n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
         return None if at is None else buf[at: at + n * dtype.itemsize].view(dtype)
 
-    grads, params, rates = [], [], []
-    for (g_at, p_at), r_at, leaf, target in zip(spans, rate_at, leaves, targets):
+    grads, params, rates, residuals = [], [], [], []
+    for (g_at, p_at), r_at, e_at, leaf, target in zip(spans, rate_at, res_at, leaves, targets):
         n, dtype = leaf.grad.numel(), leaf.grad.dtype
         grads.append(region(g_at, n, dtype))
         params.append(None if target is None else region(p_at, n, target.dtype))
         rates.append(region(r_at, n, dtype))
-    return buf, grads, params, rates
+        residuals.append(region(e_at, n, torch.int8))
+    return buf, grads, params, rates, residuals
 
 
 def _value(leaf: HostLeaf) -> torch.Tensor:
@@ -80,8 +88,9 @@ def _value(leaf: HostLeaf) -> torch.Tensor:
 class Landing:
     """A delayed host step of ``leaves`` (their ``param`` ignored): ``targets[i]`` is leaf
     ``i``'s param (1-D), or None when its value is the param itself. ``ahead``: the device side
-    of a look-ahead, ``ahead(params, bases, rates, grads, hyper, next_hyper)``, for leaves that
-    carry the next step's hyperparameters (``HostLeaf.ahead_hyper``); see the module."""
+    of a look-ahead, ``ahead(params, bases, residuals, rates, grads, hyper, next_hyper)``, for
+    leaves that carry the next step's hyperparameters (``HostLeaf.ahead_hyper``); see the
+    module."""
 
     def __init__(self, executor: HostExecutor, leaves: Sequence[HostLeaf], kernel: Kernel,
                  targets: Sequence[Optional[torch.Tensor]], threads: Optional[int] = None,
@@ -90,8 +99,8 @@ class Landing:
         self.device = leaves[0].grad.device
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
-        buf, grads, self._up, self._rates = _regions(leaves, self.targets, self.device,
-                                                     ahead is not None)
+        buf, grads, self._up, self._rates, self._residuals = _regions(
+            leaves, self.targets, self.device, ahead is not None)
         torch._foreach_copy_(grads, [leaf.grad for leaf in leaves])  # the caller's grads are free now
         t = executor.transport(self.device)
         for stream in (t.stream_in, t.stream_out):
@@ -104,9 +113,11 @@ class Landing:
         done = self._done  # (not self: no cycle through the run keeps the buffer past its step)
         self.run = executor.open(self.device, kernel, threads,
                                  chunk_done=lambda _, segs: done.extend(segs or ()),
-                                 outputs=1 if ahead is None else 2)
-        self.run.add_all([leaf._replace(grad=g, out=p, ahead=r, high=leaf.high if r is None else None)
-                          for leaf, g, p, r in zip(leaves, grads, self._up, self._rates)], ready)
+                                 ahead=ahead is not None)
+        self.run.add_all([leaf._replace(grad=g, out=p, ahead=r, residual=e,
+                                        high=leaf.high if r is None else None)
+                          for leaf, g, p, r, e in zip(leaves, grads, self._up, self._rates,
+                                                      self._residuals)], ready)
         self.run.close()
 
     @property
@@ -146,13 +157,13 @@ class Landing:
                 groups.setdefault(tuple(id(h) for h in self._hypers[i]), []).append(i)
             for idx in groups.values():
                 self.ahead([self.targets[i] for i in idx], [self._up[i] for i in idx],
-                           [self._rates[i] for i in idx], [grads[i].reshape(-1) for i in idx],
-                           *self._hypers[idx[0]])
+                           [self._residuals[i] for i in idx], [self._rates[i] for i in idx],
+                           [grads[i].reshape(-1) for i in idx], *self._hypers[idx[0]])
             landed = set(moved)
             use = [i for i in use if i not in landed]
         for i in use:
             self.targets[i].copy_(self._values[i])
-        self._up = self._rates = self._values = self._hypers = []
+        self._up = self._rates = self._residuals = self._values = self._hypers = []
 
     @torch.no_grad()
     def _land(self, ready: Any) -> None:

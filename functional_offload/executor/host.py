@@ -221,21 +221,21 @@ class HostExecutor:
 
     def open(self, device: torch.device, kernel: Kernel, threads: Optional[int] = None,
              chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-             elements: Optional[int] = None, outputs: int = 1) -> Run:
+             elements: Optional[int] = None, ahead: bool = False) -> Run:
         """Start a run for leaves whose grads are on ``device``; feed it with ``add``.
 
         ``elements``: the run's total elements, when every leaf is handed over and the run
         closed before ``wait``. It then gets a worker per ``worker_elements`` elements at most,
         and, opened in a step's shielded work (:func:`~functional_offload.executor.shield.shielded`),
         runs in the step's thread (see :class:`~functional_offload.executor.run.Run`): a small run
-        starts no thread at all. ``outputs``: 2 for leaves with a look-ahead (``HostLeaf.ahead``).
+        starts no thread at all. ``ahead``: for leaves with a look-ahead (``HostLeaf.ahead``).
         """
         self.reserve(device)
         n = min(threads or self.threads, self.threads)
         if elements is not None:
             n = max(1, min(n, -(-elements // self.worker_elements)))
         return Run(self, device, kernel, n, chunk_done, inline=elements is not None and shielding(),
-                   outputs=outputs)
+                   ahead=ahead)
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
         """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered

@@ -16,8 +16,9 @@ A lander thread marks each chunk ready once its grads have landed and its slot's
 free. A slot's grad half is refilled only once every block of its chunk ran, its output half
 only after the copy out that read it completed. Grads already in host memory are read where
 they are, and host params are written in place: no staging, no copies. A run with two outputs
-per element (a look-ahead's base and rate) cuts chunks of half the grad bytes: the output half
-holds the bases, then the rates.
+per element (a look-ahead's base and rate, and for bf16 grads the base's one-byte residual) cuts
+chunks of two fifths of the grad bytes: the output half holds the bases, then the rates, then
+the residuals.
 
 A run whose leaves are all handed over before it starts may be ``inline``: :meth:`Run.wait`
 drives it in the calling thread (a step's shielded work, which no interrupt cuts), and a run
@@ -71,13 +72,14 @@ class Run:
 
     def __init__(self, executor: Any, device: torch.device, kernel: Kernel, threads: int,
                  chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-                 inline: bool = False, outputs: int = 1):
+                 inline: bool = False, ahead: bool = False):
         self.ex, self.device, self.kernel, self.threads = executor, device, kernel, threads
         self.chunk_done = chunk_done
         self.inline = inline
-        # grad bytes per chunk: a slot half, or (two outputs per element: a look-ahead's) the
-        # aligned half of one, the rates then starting there in the output half
-        self.budget = executor.chunk_bytes if outputs == 1 else executor.chunk_bytes // 2 // ALIGN * ALIGN
+        # grad bytes per chunk: a slot half, or (a look-ahead's outputs: per bf16 grad 2 bytes
+        # of base, 2 of rate, 1 of residual) two fifths of one, the rates starting there in the
+        # output half and the residuals at twice it (:meth:`_Pipeline.at`)
+        self.budget = executor.chunk_bytes * 2 // 5 // ALIGN * ALIGN if ahead else executor.chunk_bytes
         self.started = False
         self.settled = False
         self.switched: list[HostLeaf] = []  # leaves that ran as their ``settled`` form
@@ -193,31 +195,36 @@ class _Pipeline:
         base = (2 * (k % self.S) + which) * self.half + offset
         return self.ring[base: base + nbytes]
 
-    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype, rate: bool = False) -> torch.Tensor:
-        """Segment ``seg``'s bytes in chunk ``k``'s slot half ``which`` (``rate``: a look-ahead's
-        rates, after the chunk's budget of bases in the output half)."""
-        at = seg.offset + (self.run_.budget if rate else 0)
-        return self.slot_bytes(k, which, at, (seg.stop - seg.start) * dtype.itemsize).view(dtype)
+    def at(self, seg: Segment, region: int) -> int:
+        """Where segment ``seg`` lies in a slot half: its grads or new params (``region`` 0),
+        its look-ahead's rates (1) or residuals (2: a byte per element, bf16 grads only)."""
+        if region < 2:
+            return seg.offset + region * self.run_.budget
+        return seg.offset // self.leaves[seg.leaf].grad.element_size() + 2 * self.run_.budget
+
+    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype, region: int = 0) -> torch.Tensor:
+        """Segment ``seg``'s bytes in chunk ``k``'s slot half ``which`` (``region``: :meth:`at`)."""
+        return self.slot_bytes(k, which, self.at(seg, region),
+                               (seg.stop - seg.start) * dtype.itemsize).view(dtype)
 
     def spans(self, k: int, which: int, segs: list[Segment],
-              rate: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+              region: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(device tensor, slot tensor)`` pairs to copy for ``segs`` of chunk ``k``: their
-        grads (``which`` 0) or new params (1; ``rate``: their look-ahead's rates). Segments that
-        lie end to end in one storage as they do in the slot (a delayed step's buffer) are
-        copied as one range of bytes: a copy per small leaf costs a call each, and a small copy
-        up waits behind a long kernel."""
+        grads (``which`` 0) or new params (1; ``region`` 1 and 2: their look-ahead's rates and
+        residuals). Segments that lie end to end in one storage as they do in the slot (a
+        delayed step's buffer) are copied as one range of bytes: a copy per small leaf costs a
+        call each, and a small copy up waits behind a long kernel."""
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         last = None  # (storage address, byte after the last span there, byte after it in the slot)
-        shift = self.run_.budget if rate else 0
         for seg in segs:
             leaf = self.leaves[seg.leaf]
-            x = leaf.grad if which == 0 else leaf.ahead if rate else leaf.out
+            x = leaf.grad if which == 0 else (leaf.out, leaf.ahead, leaf.residual)[region]
             if x.stride(0) != 1:  # a strided 1-D view: copied as itself
-                out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype, rate)))
+                out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype, region)))
                 last = None
                 continue
             storage, size = x.untyped_storage(), x.element_size()
-            at, offset, nbytes = ((x.storage_offset() + seg.start) * size, seg.offset + shift,
+            at, offset, nbytes = ((x.storage_offset() + seg.start) * size, self.at(seg, region),
                                   (seg.stop - seg.start) * size)
             if last == (storage.data_ptr(), at, offset):  # extends the last span
                 before = out.pop()[0].numel()
@@ -281,20 +288,22 @@ class _Pipeline:
             def part(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
                 return x if whole or x is None else x[cut_]
 
-            out = rate = None
+            out = rate = residual = None
             if self.staged_out(leaf):
                 out = self.view(k, 1, seg, leaf.out.dtype)
                 if leaf.ahead is not None:
-                    rate = self.view(k, 1, seg, leaf.ahead.dtype, rate=True)
-            elif leaf.out is not None and leaf.out.device.type == "cpu":
-                out, rate = part(leaf.out), part(leaf.ahead)  # in place
+                    rate = self.view(k, 1, seg, leaf.ahead.dtype, 1)
+                if leaf.residual is not None:
+                    residual = self.view(k, 1, seg, leaf.residual.dtype, 2)
+            elif leaf.out is not None and leaf.out.device.type == "cpu":  # in place
+                out, rate, residual = part(leaf.out), part(leaf.ahead), part(leaf.residual)
 
             def state(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
                 return xs if whole else tuple(blockwise.part(x, seg.start, seg.stop) for x in xs)
 
             pieces.append(Piece(grads.get(id(seg), part(leaf.grad)), state(leaf.state), out,
                                 leaf.hyper, state(leaf.targets), part(leaf.ema), leaf.ema_decay,
-                                part(leaf.ema_target), rate, leaf.ahead_hyper))
+                                part(leaf.ema_target), rate, leaf.ahead_hyper, residual))
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)
@@ -337,7 +346,9 @@ class _Pipeline:
             high = [seg for seg in out if self.leaves[seg.leaf].high is not None]
             staged = [seg for seg in out if self.leaves[seg.leaf].high is None]
             rates = [seg for seg in staged if self.leaves[seg.leaf].ahead is not None]
-            for dev, host in self.spans(k, 1, staged) + self.spans(k, 1, rates, rate=True):
+            residuals = [seg for seg in rates if self.leaves[seg.leaf].residual is not None]
+            for dev, host in (self.spans(k, 1, staged) + self.spans(k, 1, rates, 1)
+                              + self.spans(k, 1, residuals, 2)):
                 t.copy_out(dev, host)
             for seg in high:  # from the state's high half, where the kernel wrote the param
                 leaf = self.leaves[seg.leaf]

@@ -2,8 +2,9 @@
 
 Both compute a piece's new value and moments (in place, or into ``targets`` so the old state
 stays intact until the caller commits), then the param in the grad's dtype (``out``) — or, for a
-piece with a look-ahead (``ahead``), the look-ahead's base to ``out`` and its rate to ``ahead``
-— and the EMA of the value. The torch kernel runs the spec's reference math on each claimed
+piece with a look-ahead (``ahead``), the look-ahead's base to ``out`` (a bf16 one split, its
+residual to ``residual``: :func:`~functional_offload.kernels.remainder.split_base`) and its rate
+to ``ahead`` — and the EMA of the value. The torch kernel runs the spec's reference math on each claimed
 block.
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from functional_offload.kernels import blockwise, native
-from functional_offload.kernels.remainder import is_split, join_halves, split_halves
+from functional_offload.kernels.remainder import is_split, join_halves, split_base, split_halves
 from functional_offload.kernels.work import Kernel, Work
 
 __all__ = ["host_kernel", "torch_kernel"]
@@ -45,7 +46,10 @@ def torch_kernel(reference: Callable[..., None], signed: Sequence[bool],
             reference([value], [p.grad[a:b]], [[m] for m in moments], p.hyper)
             if p.ahead is not None:  # from the moments as stored (8-bit: before quantizing)
                 (base,), (rate,) = ahead([value], [[m] for m in moments], p.hyper, p.ahead_hyper)
-                p.out[a:b].copy_(base)
+                if p.residual is None:
+                    p.out[a:b].copy_(base)
+                else:
+                    split_base(base, p.out[a:b], p.residual[a:b])
                 p.ahead[a:b].copy_(rate)
             for q, m, sg in zip(stored, moments, signed):
                 if blockwise.is_blockwise(q):

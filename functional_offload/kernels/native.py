@@ -164,6 +164,7 @@ class NativeQueue:
                                [list(p.state) for p in pieces], [list(p.targets) for p in pieces],
                                [_EMPTY if p.out is None else p.out for p in pieces],
                                [_EMPTY if p.ahead is None else p.ahead for p in pieces],
+                               [_EMPTY if p.residual is None else p.residual for p in pieces],
                                [_EMPTY if p.ema is None else p.ema for p in pieces],
                                [_EMPTY if p.ema_target is None else p.ema_target for p in pieces],
                                scalars, k.maps, work.block)

@@ -9,7 +9,7 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
 from functional_offload.optimizers.delay import Delay
-from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of, batches,
+from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of,
                                                 check_beta, check_nonneg, check_schedule)
 from functional_offload.optimizers.terminal import terminal
 from functional_offload.placement import Placement
@@ -120,12 +120,12 @@ def ahead_scalars(h: AdamHyper, h2: AdamHyper) -> list[float]:
 @torch.no_grad()
 def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
                h2: AdamHyper) -> None:
-    r"""The device side of :func:`ahead`: the params of the step after ``h``'s for its grads
-    :math:`g` (plus :math:`\lambda'\theta` for Adam). With :math:`d` the base's denominator
-    (:math:`\sqrt{v_t}/\sqrt{1-\beta_2^t}+\epsilon'`, recovered from :math:`q`),
-    :math:`d'` the next step's (:math:`\sqrt{q + (1-\beta_2')\,g^2/(1-\beta_2'^{t+1})}+\epsilon'`),
-    :math:`\hat\theta` the params the device holds (those the last forward read) and
-    :math:`c = \eta'/(1-\beta_1'^{t+1})`:
+    r"""The device side of :func:`ahead`: the values of the step after ``h``'s for its grads
+    :math:`g` (plus :math:`\lambda'\theta` for Adam), into ``bases`` (fp32). With :math:`d` the
+    base's denominator (:math:`\sqrt{v_t}/\sqrt{1-\beta_2^t}+\epsilon'`, recovered from
+    :math:`q`), :math:`d'` the next step's
+    (:math:`\sqrt{q + (1-\beta_2')\,g^2/(1-\beta_2'^{t+1})}+\epsilon'`), :math:`\hat\theta` the
+    params the device holds (those the last forward read) and :math:`c = \eta'/(1-\beta_1'^{t+1})`:
 
     .. math::
 
@@ -141,38 +141,35 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     written non-finite — it is dropped, and without a momentum term, :math:`\beta_1' = 0`, or
     without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). The held params
     are one step behind after an update that landed nothing (the first, or an exact one): that
-    landing is off by :math:`1-d/d'` of a step. In place on ``qs`` and ``params``, in groups of
-    at most ``spec.BATCH`` elements with one temporary of that size in the params' dtype."""
+    landing is off by :math:`1-d/d'` of a step. The denominators are computed in :math:`q`'s
+    dtype, in place; the sums in fp32 (:func:`~functional_offload.optimizers.spec.land`)."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
     # v_t / bc2_t = q * recover. Without a momentum term (beta1' = 0) there is nothing to bring
     # over; with beta2' = 0, q holds nothing of v_t: the base stands as it is
     correct = h2.beta1 != 0 and h2.beta2 != 0
     recover = bc2 / (h2.beta2 * (1 - h.beta2 ** h.step)) if correct else 0.0
     decay = 1 - h2.lr * h2.weight_decay if h2.decoupled else 1.0
-    for part in batches(params):
-        p, b, q, g = params[part], bases[part], qs[part], grads[part]
-        if not h2.decoupled and h2.weight_decay != 0:
-            g = torch._foreach_add(g, p, alpha=h2.weight_decay)  # the params before they change
-        if correct:
-            ratio = torch._foreach_mul(q, recover)
-            torch._foreach_sqrt_(ratio)
-            torch._foreach_add_(ratio, h2.eps)  # d
-        torch._foreach_addcmul_(q, g, g, (1 - h2.beta2) / bc2)
-        torch._foreach_sqrt_(q)
-        torch._foreach_add_(q, h2.eps)  # d'
-        if correct:
-            torch._foreach_div_(ratio, q)  # d / d'
-            torch._foreach_clamp_max_(ratio, 2.0)  # |1 - d/d'| <= 1: the error never grows
-            torch._foreach_mul_(p, decay)
-            torch._foreach_sub_(p, b)  # the momentum term over d (and the held params' error)
-            torch._foreach_mul_(ratio, p)
-            torch._foreach_sub_(p, ratio)  # ... times 1 - d/d'
-            for x in p:  # overflowed denominators, non-finite held params: no correction
-                torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
-        else:
-            torch._foreach_zero_(p)
-        torch._foreach_addcdiv_(p, g, q, -h2.lr * (1 - h2.beta1) / bc1)
-        torch._foreach_add_(p, b)
+    g = grads
+    if not h2.decoupled and h2.weight_decay != 0:
+        g = torch._foreach_add(g, params, alpha=h2.weight_decay)  # the params before they change
+    if correct:
+        ratio = torch._foreach_mul(qs, recover)
+        torch._foreach_sqrt_(ratio)
+        torch._foreach_add_(ratio, h2.eps)  # d
+    torch._foreach_addcmul_(qs, g, g, (1 - h2.beta2) / bc2)
+    torch._foreach_sqrt_(qs)
+    torch._foreach_add_(qs, h2.eps)  # d'
+    if correct:
+        torch._foreach_div_(ratio, qs)  # d / d'
+        torch._foreach_clamp_max_(ratio, 2.0)  # |1 - d/d'| <= 1: the error never grows
+        torch._foreach_neg_(ratio)
+        torch._foreach_add_(ratio, 1.0)  # 1 - d/d'
+        w = torch._foreach_add(bases, params, alpha=-decay)  # base - held*decay: the momentum
+        torch._foreach_mul_(w, ratio)  # term over d (and the held params' error), x (1 - d/d')
+        for x in w:  # overflowed denominators, non-finite held params: no correction
+            torch.nan_to_num_(x, nan=0.0, posinf=0.0, neginf=0.0)
+        torch._foreach_sub_(bases, w)
+    torch._foreach_addcdiv_(bases, g, qs, -h2.lr * (1 - h2.beta1) / bc1)
 
 
 def scalars(h: AdamHyper) -> list[float]:

@@ -12,11 +12,12 @@ for any gradient ``g`` — for SGD ``base - rate * g``; for AdamW the same with 
 over the next step's denominator, which the device completes with ``g**2``, and the base's
 momentum term brought over to that denominator through the params the device holds (those the
 last look-ahead gave). Both go up in place
-of the param (two values per element where one went), and when the next ``update`` lands the
-step it sets each param from them and that update's own (clipped) gradients, on the device. The
-forward after it then reads, to within the rounding (and, for Adam, a fraction of the last
-landing's error), the params the step it feeds will apply its gradient to — as without
-``delayed``. The master, the moments and
+of the param (two values per element where one went; a bf16 base with a byte of its rounding
+residual, so that the landing rounds once, as the step rounds its master), and when the next
+``update`` lands the step it sets each param from them and that update's own (clipped)
+gradients, on the device. The forward after it then reads, to within the rounding (and, for
+Adam, a fraction of the last landing's error), the params the step it feeds will apply its
+gradient to — as without ``delayed``. The master, the moments and
 every update's math stay exact; only the params the forwards read are predicted. A flush, a
 checkpoint or a param without a gradient lands the exact params (each master rounded), as
 without the look-ahead. With hyperparameters that a scheduler writes into the state at each
@@ -45,9 +46,10 @@ class Delay(NamedTuple):
         rounding; Adam's and AdamW's but for a fraction (1 - d/d', the ratio of the two
         steps' denominators) of the error of the params the last forward read, so that after
         a landing from params one step behind (the first update's, an exact one's) the
-        error dies out within a few steps. Costs a second value per element through the host
-        step's copies up (2 bytes per bf16 param: pinned writes, PCIe and device memory) and
-        element-wise ops on the device per update; nothing in the state or its checkpoints.
+        error dies out within a few steps. Costs a second value and the base's residual per
+        element through the host step's copies up (3 bytes per bf16 param: pinned writes,
+        PCIe and device memory) and element-wise ops on the device per update; nothing in the
+        state or its checkpoints.
       warmup: the first ``warmup`` updates of a state are exact (counted by the state's step
         count, so a resumed run goes on where it was).
       exact_when_clipped: an update whose gradients a :func:`~functional_offload.

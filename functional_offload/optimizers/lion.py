@@ -54,7 +54,8 @@ def ahead(params: list, moments: list, h: LionHyper, h2: LionHyper) -> tuple[lis
     r"""The look-ahead of the step after ``h``'s (``h2``'s, primed): the decayed values
     :math:`\theta_t (1 - \eta'\lambda')` and :math:`\beta_1' m_t`, from which
     :func:`land_ahead` makes that step for its grads exactly as the step does (but for the
-    rounding of the two to the params' dtype). Op for op as the native op's ``ahead``."""
+    rounding of the momentum term to the params' dtype and of the base to within
+    :math:`2^{-8}` of a bf16 step: :func:`~functional_offload.kernels.remainder.split_base`). Op for op as the native op's ``ahead``."""
     (mus,) = moments
     m = as_dtypes_of(mus, params)
     return torch._foreach_mul(params, 1 - h2.lr * h2.weight_decay), torch._foreach_mul(m, h2.beta1)
@@ -62,13 +63,12 @@ def ahead(params: list, moments: list, h: LionHyper, h2: LionHyper) -> tuple[lis
 
 def land_ahead(params: list, bases: list, moms: list, grads: list, h: LionHyper,
                h2: LionHyper) -> None:
-    r"""The device side of :func:`ahead`: :math:`\theta = \text{base} - \eta'\,
+    r"""The device side of :func:`ahead`: each base (fp32) made :math:`\text{base} - \eta'\,
     \mathrm{sign}(\beta_1' m_t + (1-\beta_1')\, g)` for the grads :math:`g`."""
     c = torch._foreach_mul(grads, 1 - h2.beta1)
     torch._foreach_add_(c, moms)
     torch._foreach_sign_(c)
-    torch._foreach_copy_(params, bases)
-    torch._foreach_add_(params, c, alpha=-h2.lr)
+    torch._foreach_add_(bases, c, alpha=-h2.lr)
 
 
 def _hyper(v: Mapping[str, float], step: int) -> LionHyper:

@@ -100,9 +100,9 @@ def ahead(params: list, moments: list, h: SGDHyper, h2: SGDHyper) -> tuple[list,
 
 def land_ahead(params: list, bases: list, rates: list, grads: list, h: SGDHyper,
                h2: SGDHyper) -> None:
-    """The device side of :func:`ahead`: each param ``base - rate * g`` for its grad ``g``."""
-    torch._foreach_copy_(params, bases)
-    torch._foreach_addcmul_(params, rates, grads, value=-1)
+    """The device side of :func:`ahead`: each base (fp32) made ``base - rate * g`` for its
+    grad ``g``."""
+    torch._foreach_addcmul_(bases, rates, grads, value=-1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,9 +18,10 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Seque
 import torch
 
 from functional_offload.checks import real
+from functional_offload.kernels.remainder import join_base
 from functional_offload.typing import ScalarOrSchedule
 
-__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "BATCH", "check_nonneg",
+__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "BATCH", "land", "check_nonneg",
            "check_positive", "check_beta",
            "check_schedule", "check_representable", "torch_state_names", "STATE_FIELDS"]
 
@@ -54,7 +55,8 @@ MathFn = Callable[[list, list, list, Any], None]
 # next step's values for any grad ``g`` being a function of base, rate and ``g``.
 AheadFn = Callable[[list, list, Any, Any], tuple[list, list]]
 # Its device side: (params, bases, rates, the next step's grads, hyper, next hyper) -> None,
-# the params set to the next step's values for those grads (read before they change).
+# the bases (fp32, the function's to change) set to the next step's values for those grads; the
+# params are the ones the device holds, read only (:func:`land`).
 LandAheadFn = Callable[[list, list, list, list, Any, Any], None]
 
 
@@ -253,3 +255,17 @@ def batches(tensors: Sequence[torch.Tensor], limit: int = BATCH) -> Iterator[sli
             stop += 1
         yield slice(start, stop)
         start = stop
+
+
+@torch.no_grad()
+def land(fn: LandAheadFn, params: list, bases: list, residuals: list, rates: list, grads: list,
+         hyper: Any, next_hyper: Any) -> None:
+    """A look-ahead's landing (:class:`~functional_offload.executor.delayed.Landing`): in
+    :func:`batches`, ``fn`` makes the next step's values in fp32 from the bases — a bf16 base
+    joined with its residual (``residuals[i]``, or None; :func:`~functional_offload.kernels.
+    remainder.join_base`) — and each param is set from them, rounded to its dtype once, as the
+    step rounds its master."""
+    for part in batches(params):
+        b = [x.float() if e is None else join_base(x, e) for x, e in zip(bases[part], residuals[part])]
+        fn(params[part], b, rates[part], grads[part], hyper, next_hyper)
+        torch._foreach_copy_(params[part], b)

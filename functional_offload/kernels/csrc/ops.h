@@ -33,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -58,6 +59,7 @@ struct Block {
   void* moments[kMaxMoments];
   void* out;  // the param in the grad's dtype (with a look-ahead: its base), or nullptr
   void* ahead;  // a look-ahead's rate in the grad's dtype, or nullptr
+  int8_t* residual;  // a bf16 look-ahead base's rounding residual, or nullptr
   int64_t n;
   const float* scalars;
   const float* ahead_scalars;  // the next step's scalars of the look-ahead
@@ -96,11 +98,15 @@ const Op& find_op(const std::string& name);
 
 // The new value `pi` of element `i` stored by OUT: 0 the value in place, 1 also the param in the
 // grad's dtype to `o`, 2 a split master (high half and remainder in place; `o`, if given, gets the
-// high half). AHEAD (with OUT 1 or 2): `o` gets the look-ahead's base and `r` its rate instead.
+// high half). AHEAD (with OUT 1 or 2): `o` gets the look-ahead's base and `r` its rate instead;
+// a bf16 base is its fp32 value's high half as a split master's (`split_value`) and `e` gets the
+// remainder's high byte, its *residual*: the device joins the two into the base within 2^-8 of
+// a bf16 step and rounds its landing once (kernels/remainder.py, `join_base`).
 template <class G, int OUT, bool AHEAD>
 inline void store_value(float pi, float base, float rate, int64_t i, float* __restrict p,
                         uint16_t* __restrict hi, int16_t* __restrict lo,
-                        typename G::T* __restrict o, typename G::T* __restrict r) {
+                        typename G::T* __restrict o, typename G::T* __restrict r,
+                        int8_t* __restrict e) {
   if (OUT == 2) {
     uint16_t h;
     int16_t l;
@@ -112,8 +118,16 @@ inline void store_value(float pi, float base, float rate, int64_t i, float* __re
     p[i] = pi;
   }
   if (OUT == 1 && !AHEAD) o[i] = G::st(pi);
-  if (AHEAD) {
-    o[i] = G::st(base);
+  if constexpr (AHEAD) {
+    if constexpr (std::is_same_v<G, BF16>) {
+      uint16_t h;
+      int16_t l;
+      split_value(base, h, l);
+      o[i] = h;
+      e[i] = int8_t(l >> 8);
+    } else {
+      o[i] = G::st(base);
+    }
     r[i] = G::st(rate);
   }
 }
@@ -135,6 +149,7 @@ __attribute__((noinline)) void run_block(const Block& b) {
   typename M::T* __restrict m1 = static_cast<typename M::T*>(b.moments[1]);
   typename G::T* __restrict o = static_cast<typename G::T*>(b.out);
   typename G::T* __restrict r = static_cast<typename G::T*>(b.ahead);
+  int8_t* __restrict e = b.residual;
   const int64_t n = b.n;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
@@ -145,7 +160,7 @@ __attribute__((noinline)) void run_block(const Block& b) {
     if (O::kMoments > 1) m1[i] = M::st(b);
     float base = 0.f, rate = 0.f;  // from the moments as stored (as the torch kernel reads them)
     if constexpr (AHEAD) O::ahead(pi, M::ld(M::st(a)), M::ld(M::st(b)), s, sa, base, rate);
-    store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r);
+    store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r, e);
   }
 }
 
@@ -394,6 +409,7 @@ __attribute__((noinline)) void run_block_q8(const Block& b) {
   const typename G::T* __restrict g = static_cast<const typename G::T*>(b.grad);
   typename G::T* __restrict o = static_cast<typename G::T*>(b.out);
   typename G::T* __restrict r = static_cast<typename G::T*>(b.ahead);
+  int8_t* __restrict e = b.residual;
   const QMap q0(b.maps[0]), q1(b.maps[1]);
   alignas(64) float f0[kQBlock], f1[kQBlock];
   for (int64_t k0 = 0; k0 < b.n; k0 += kQBlock) {
@@ -412,7 +428,7 @@ __attribute__((noinline)) void run_block_q8(const Block& b) {
       if (O::kMoments > 1) f1[j] = v;
       float base = 0.f, rate = 0.f;
       if constexpr (AHEAD) O::ahead(pi, m, v, s, sa, base, rate);
-      store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r);
+      store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r, e);
     }
     if (O::kMoments > 0) q_quantize(q0, f0, len, c0);
     if (O::kMoments > 1) q_quantize(q1, f1, len, c1);

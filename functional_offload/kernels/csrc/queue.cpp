@@ -15,7 +15,7 @@
 // loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
 // then gets the new high half. With `ahead` (the op's look-ahead, ops.h), `out` gets the
 // look-ahead's base and `ahead` its second value, both in the grad's dtype, instead of the
-// param. A block-wise 8-bit moment (uint8: per 256 elements their codes,
+// param, and for bf16 grads `residual` (int8) the base's rounding residual (ops.h). A block-wise 8-bit moment (uint8: per 256 elements their codes,
 // then their absmax) is addressed by its blocks; a piece's blocks start on them. Blocks are
 // processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
@@ -131,7 +131,7 @@ __attribute__((noinline)) void join(const uint16_t* __restrict hi, const int16_t
 }
 
 struct Piece {
-  at::Tensor grad, out, ahead, ema, ema_target;  // ema_target undefined: in place
+  at::Tensor grad, out, ahead, residual, ema, ema_target;  // ema_target undefined: in place
   std::vector<at::Tensor> state, targets;  // (value, moments...); targets empty: in place
   bool split = false;  // state: (high half, remainder, moments...) of a split master
   BlockFn fn;
@@ -185,6 +185,7 @@ struct Chunk {
       for (size_t j = 0; j < size_t(kMaxMoments); ++j) b.moments[j] = j + v0 < nt ? where[j + v0] : nullptr;
       b.out = p.out.defined() ? static_cast<char*>(p.out.data_ptr()) + off * p.out.element_size() : nullptr;
       b.ahead = p.ahead.defined() ? static_cast<char*>(p.ahead.data_ptr()) + off * p.ahead.element_size() : nullptr;
+      b.residual = p.residual.defined() ? p.residual.data_ptr<int8_t>() + off : nullptr;
       b.n = n;
       b.scalars = p.scalars.data();
       b.ahead_scalars = p.scalars.data() + p.ahead_at;
@@ -214,7 +215,7 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
                                   std::vector<std::vector<at::Tensor>> states,
                                   std::vector<std::vector<at::Tensor>> targets,
                                   std::vector<at::Tensor> outs, std::vector<at::Tensor> aheads,
-                                  std::vector<at::Tensor> emas, std::vector<at::Tensor> ema_targets,
+                                  std::vector<at::Tensor> residuals, std::vector<at::Tensor> emas, std::vector<at::Tensor> ema_targets,
                                   const at::Tensor& scalars, const at::Tensor& maps, int64_t block) {
   const Op& op = find_op(name);
   const size_t np = grads.size();
@@ -223,8 +224,8 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
               maps.dim() == 2 && maps.size(0) == kMaxMoments && maps.size(1) == kMapFloats,
               "maps must be a contiguous float32 [", kMaxMoments, ", ", kMapFloats, "] tensor");
   TORCH_CHECK(states.size() == np && targets.size() == np && outs.size() == np && aheads.size() == np &&
-              emas.size() == np && ema_targets.size() == np,
-              "grad, state, target, out, ahead and ema lists differ in length");
+              residuals.size() == np && emas.size() == np && ema_targets.size() == np,
+              "grad, state, target, out, ahead, residual and ema lists differ in length");
   const int64_t row = op.scalars + op.ahead_scalars + 1;  // the op's, the look-ahead's, the EMA's decay
   TORCH_CHECK(scalars.device().is_cpu() && scalars.scalar_type() == at::kDouble && scalars.is_contiguous() &&
               scalars.dim() == 2 && scalars.size(0) == int64_t(np) && scalars.size(1) == row,
@@ -276,6 +277,14 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
       check(aheads[i], "ahead", n);
       TORCH_CHECK(aheads[i].scalar_type() == p.grad.scalar_type(), "ahead dtype must be the grad dtype");
       p.ahead = aheads[i];
+    }
+    const bool residual = ahead && p.grad.scalar_type() == at::kBFloat16;  // (ops.h, store_value)
+    TORCH_CHECK((residuals[i].numel() != 0) == residual,
+                residual ? "a look-ahead with bf16 grads needs a residual" : "a residual needs a bf16 look-ahead");
+    if (residual) {
+      check(residuals[i], "residual", n);
+      TORCH_CHECK(residuals[i].scalar_type() == at::kChar, "residual must be int8");
+      p.residual = residuals[i];
     }
     if (emas[i].numel() != 0) {
       check(emas[i], "ema", n);
@@ -405,10 +414,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("add", [](Queue& q, const std::string& op, std::vector<at::Tensor> grads,
                      std::vector<std::vector<at::Tensor>> states, std::vector<std::vector<at::Tensor>> targets,
                      std::vector<at::Tensor> outs, std::vector<at::Tensor> aheads,
-                     std::vector<at::Tensor> emas, std::vector<at::Tensor> ema_targets,
-                     at::Tensor scalars, at::Tensor maps, int64_t block) {
+                     std::vector<at::Tensor> residuals, std::vector<at::Tensor> emas,
+                     std::vector<at::Tensor> ema_targets, at::Tensor scalars, at::Tensor maps,
+                     int64_t block) {
         return q.add(fo::make_chunk(op, std::move(grads), std::move(states), std::move(targets),
-                                    std::move(outs), std::move(aheads), std::move(emas),
+                                    std::move(outs), std::move(aheads), std::move(residuals),
+                                    std::move(emas),
                                     std::move(ema_targets), scalars, maps, block));
       })
       .def("ready", &Queue::ready)

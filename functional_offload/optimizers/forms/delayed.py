@@ -5,6 +5,7 @@ executor.delayed.Landing`); the next step, a flush or a checkpoint lands them
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional
 
 import torch
@@ -14,6 +15,7 @@ from functional_offload.state import mark_failed
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import AtFinish, HostWork
+from functional_offload.optimizers.spec import land
 
 __all__ = ["Delayed", "Pending"]
 
@@ -77,7 +79,7 @@ class Delayed(AtFinish):
         landing = Landing(work.ex, [work.host_leaf(i, gs[i], None) for i in rest], work.kernel(),
                           [work.leaves[i].param.view(-1) if work.leaves[i].has_master else None
                            for i in rest], work.t.threads,
-                          ahead=None if work.ahead is None else work.t.spec.land_ahead)
+                          ahead=None if work.ahead is None else partial(land, work.t.spec.land_ahead))
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         return landing
 
