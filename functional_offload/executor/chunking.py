@@ -44,8 +44,8 @@ class HostLeaf(NamedTuple):
     ahead: Optional[torch.Tensor] = None  # 1-D, like ``out``: a look-ahead's rate (``out`` then
     #   gets its base; kernels/host.py); its run is opened with ``ahead=True``
     ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
-    residual: Optional[torch.Tensor] = None  # 1-D int8, with ``ahead`` for bf16 grads: the base's
-    #   rounding residual (kernels/remainder.py, ``split_base``)
+    residual: Optional[torch.Tensor] = None  # 1-D int8, with ``ahead`` for bf16 grads: the byte
+    #   of each base's fp32 bits below its bf16 (kernels/remainder.py, ``split_base``)
 
 
 class Segment(NamedTuple):

@@ -12,8 +12,8 @@ caller's thread is interrupted (the caller runs it through
 
 With a look-ahead (``ahead``, the optimizer's device side of it) the run leaves two values per
 element in place of the new param, the look-ahead's *base* and *rate* (``kernels/host.py``): the
-rates take a second region of the buffer (the grads' bytes again), and a bf16 base's one-byte
-rounding residual a third (``kernels/remainder.py``, ``split_base``). Landed with the next
+rates take a second region of the buffer (the grads' bytes again), and for a bf16 base the byte
+of its fp32 bits below it a third (``kernels/remainder.py``, ``split_base``). Landed with the next
 step's grads, each param becomes ``ahead(params, bases, residuals, rates, grads, ...)``: about
 the value that step will compute, rounded once, so the forward after it reads what the step it
 feeds applies its grads to. Landed

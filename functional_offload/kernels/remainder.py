@@ -24,11 +24,11 @@ with bit 15 set). The library keeps no other ``int16`` state: an ``int16`` maste
 Checkpoints hold the fp32 master in either format (:func:`join` on save, :func:`split_` on
 load), so a checkpoint of one format loads into the other.
 
-The delayed update's look-ahead sends its bf16 *bases* the same way, with one byte of the
-remainder: :func:`split_base` keeps the remainder's high byte (its *residual*, ``int8``), and
-:func:`join_base` makes an fp32 base from the two within :math:`2^{-8}` of a bf16 step (the
-remainder's low byte taken as zero: toward zero, infinities and NaNs kept), so the landing that
-adds the next step's grad term to it rounds to bf16 once, as the exact step does.
+The delayed update's look-ahead sends its bf16 *bases* with one more byte of their fp32 bits:
+:func:`split_base` writes the high half (truncated) and the byte below it (the *residual*,
+``int8``), and :func:`join_base` makes an fp32 base of the two, exact but for its low byte
+(within :math:`2^{-8}` of a bf16 step, toward zero; infinities and NaNs kept), so the landing
+that adds the next step's grad term to it rounds to bf16 once, as the exact step does.
 """
 
 from __future__ import annotations
@@ -101,16 +101,21 @@ def split_halves(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> Non
 
 
 def split_base(base: torch.Tensor, hi: torch.Tensor, residual: torch.Tensor) -> None:
-    """Write the fp32 ``base`` as its high half ``hi`` (bf16, as :func:`split_halves`) and its
-    remainder's high byte ``residual`` (``int8``)."""
-    pairs = base.contiguous().view(torch.int16).view(*base.shape, 2)
-    low = pairs[..., 0]
-    torch.add(pairs[..., 1], (low < 0).to(torch.int16), out=hi.view(torch.int16))
-    residual.copy_(torch.bitwise_right_shift(low, 8))  # arithmetic: the sign stays
+    """Write the fp32 ``base`` as the high half of its bits ``hi`` (bf16) and the byte below
+    it ``residual`` (``int8``)."""
+    quads = base.contiguous().view(torch.uint8).view(*base.shape, 4)  # little-endian bytes
+    hi.view(torch.uint8).view(*base.shape, 2).copy_(quads[..., 2:])
+    residual.view(torch.uint8).copy_(quads[..., 1])
 
 
 def join_base(hi: torch.Tensor, residual: torch.Tensor,
               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The fp32 bases of bf16 ``hi`` and ``int8`` ``residual`` (:func:`split_base`), into
-    ``out`` (fp32, their shape) if given."""
-    return join_halves(hi.view(torch.int16), residual.to(torch.int16) * 256, out)
+    """The fp32 bases of bf16 ``hi`` and ``int8`` ``residual`` (:func:`split_base`), their low
+    byte zero, into ``out`` (fp32, their shape) if given."""
+    if out is None:
+        out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
+    quads = out.view(torch.uint8).view(*hi.shape, 4)
+    quads[..., 0].zero_()
+    quads[..., 1].copy_(residual.view(torch.uint8))
+    quads[..., 2:].copy_(hi.view(torch.uint8).view(*hi.shape, 2))
+    return out

@@ -33,7 +33,7 @@ class Piece(NamedTuple):
     ema_target: Optional[torch.Tensor] = None  # the new EMA goes here; None = in place
     ahead: Optional[torch.Tensor] = None  # a look-ahead's rate (``out`` then gets its base)
     ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
-    residual: Optional[torch.Tensor] = None  # int8: a bf16 base's rounding residual (remainder.py)
+    residual: Optional[torch.Tensor] = None  # int8: the byte below a bf16 base (remainder.py)
 
 
 class Work:

@@ -59,7 +59,7 @@ struct Block {
   void* moments[kMaxMoments];
   void* out;  // the param in the grad's dtype (with a look-ahead: its base), or nullptr
   void* ahead;  // a look-ahead's rate in the grad's dtype, or nullptr
-  int8_t* residual;  // a bf16 look-ahead base's rounding residual, or nullptr
+  int8_t* residual;  // a bf16 look-ahead base's residual (the byte below it), or nullptr
   int64_t n;
   const float* scalars;
   const float* ahead_scalars;  // the next step's scalars of the look-ahead
@@ -99,9 +99,9 @@ const Op& find_op(const std::string& name);
 // The new value `pi` of element `i` stored by OUT: 0 the value in place, 1 also the param in the
 // grad's dtype to `o`, 2 a split master (high half and remainder in place; `o`, if given, gets the
 // high half). AHEAD (with OUT 1 or 2): `o` gets the look-ahead's base and `r` its rate instead;
-// a bf16 base is its fp32 value's high half as a split master's (`split_value`) and `e` gets the
-// remainder's high byte, its *residual*: the device joins the two into the base within 2^-8 of
-// a bf16 step and rounds its landing once (kernels/remainder.py, `join_base`).
+// a bf16 base is the high half of its fp32 bits and `e` gets their next byte, its *residual*:
+// the device joins the two into the base but for the low byte and rounds its landing once
+// (kernels/remainder.py, `join_base`).
 template <class G, int OUT, bool AHEAD>
 inline void store_value(float pi, float base, float rate, int64_t i, float* __restrict p,
                         uint16_t* __restrict hi, int16_t* __restrict lo,
@@ -120,11 +120,10 @@ inline void store_value(float pi, float base, float rate, int64_t i, float* __re
   if (OUT == 1 && !AHEAD) o[i] = G::st(pi);
   if constexpr (AHEAD) {
     if constexpr (std::is_same_v<G, BF16>) {
-      uint16_t h;
-      int16_t l;
-      split_value(base, h, l);
-      o[i] = h;
-      e[i] = int8_t(l >> 8);
+      uint32_t u;
+      std::memcpy(&u, &base, 4);
+      o[i] = uint16_t(u >> 16);
+      e[i] = int8_t(uint8_t(u >> 8));
     } else {
       o[i] = G::st(base);
     }

@@ -15,7 +15,7 @@
 // loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
 // then gets the new high half. With `ahead` (the op's look-ahead, ops.h), `out` gets the
 // look-ahead's base and `ahead` its second value, both in the grad's dtype, instead of the
-// param, and for bf16 grads `residual` (int8) the base's rounding residual (ops.h). A block-wise 8-bit moment (uint8: per 256 elements their codes,
+// param, and for bf16 grads `residual` (int8) the byte of the base below its bf16 (ops.h). A block-wise 8-bit moment (uint8: per 256 elements their codes,
 // then their absmax) is addressed by its blocks; a piece's blocks start on them. Blocks are
 // processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
