@@ -311,6 +311,8 @@ def test_executor_arguments():
     assert physical_cores() >= 1
     with pytest.raises(ValueError, match="chunk_bytes"):
         HostExecutor(chunk_bytes=10)
+    with pytest.raises(ValueError, match="multiple of 64.*chunk_bytes=4097"):
+        HostExecutor(chunk_bytes=4097)  # a ring region would start inside an element
     with pytest.raises(ValueError, match="threads"):
         HostExecutor(threads=0)
     with pytest.raises(ValueError, match="cpu_kernel"):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from functional_offload.executor.chunking import HostLeaf, Segment
+from functional_offload.executor.chunking import ALIGN, HostLeaf, Segment
 from functional_offload.executor.run import Run
 from functional_offload.executor.shield import shielding
 from functional_offload.executor.timeline import Timeline
@@ -77,7 +77,8 @@ class HostExecutor:
     """Runs the host part of updates; owns the staging rings and the worker threads.
 
     Args:
-      chunk_bytes: grad bytes per chunk (and per ring-slot half); MBs to tens of MBs.
+      chunk_bytes: grad bytes per chunk (and per ring-slot half), a multiple of 64; MBs to tens
+        of MBs.
       slots: ring slots; ``slots - 1`` chunks of grads copy in ahead of the kernel.
       threads: worker threads (default: physical cores).
       cpus: pin worker ``i`` to CPU ``cpus[i % len(cpus)]`` (default: no pinning).
@@ -94,8 +95,9 @@ class HostExecutor:
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
                  cpus: Optional[Sequence[int]] = None, timeline: Optional[Timeline] = None,
                  stage_host_grads: bool = False, worker_elements: int = 1 << 17):
-        if chunk_bytes < 4096 or slots < 2:
-            raise ValueError(f"executor needs chunk_bytes >= 4096 and slots >= 2, got "
+        if chunk_bytes < 4096 or chunk_bytes % ALIGN or slots < 2:
+            raise ValueError(f"executor needs chunk_bytes >= 4096 and a multiple of {ALIGN} (the "
+                             f"ring's regions hold elements of every size), and slots >= 2, got "
                              f"chunk_bytes={chunk_bytes}, slots={slots}")
         if threads is not None and threads < 1:
             raise ValueError(f"executor threads must be >= 1, got {threads}")

@@ -101,8 +101,10 @@ def ahead(params: list, moments: list, h: SGDHyper, h2: SGDHyper) -> tuple[list,
 def land_ahead(params: list, bases: list, rates: list, grads: list, h: SGDHyper,
                h2: SGDHyper) -> None:
     """The device side of :func:`ahead`: each base (fp32) made ``base - rate * g`` for its
-    grad ``g``."""
-    torch._foreach_addcmul_(bases, rates, grads, value=-1)
+    grad ``g``, the rate taken from ``h2`` in double: the same for every element, where the
+    ``rates`` that went up hold it rounded to the params' dtype (its error, a bf16 rounding
+    of the whole step, would move the landed params of a large step off the exact ones)."""
+    torch._foreach_add_(bases, grads, alpha=-ahead_scalars(h, h2, False)[-1])
 
 
 @functools.lru_cache(maxsize=None)
