@@ -269,7 +269,7 @@ def _adam_by_hand(x, m, v, g, p_before, k, lr, b1, b2, eps, wd, decoupled):
     the device holds: the base (the momentum term over the denominator of ``v``) corrected
     to the next denominator through the held params, the grad's term over the next
     denominator (Adam's grad plus the L2 term of ``p_before``)."""
-    x, m, v, g, p_before = (t.double() for t in (x, m, v, g, p_before))
+    x, m, v, g, p_before = (t.double().cpu() for t in (x, m, v, g, p_before))  # (moments: host)
     if not decoupled:
         g = g + wd * p_before
     c = lr / (1 - b1 ** (k + 1))
@@ -315,7 +315,7 @@ def test_the_adam_lookahead_is_the_next_step_by_hand(decoupled, kernel, device):
         for at in (lambda t: t["layer1"]["weight"], lambda t: t["scale"]):
             want = _adam_by_hand(at(last), at(m), at(v), at(grads[k]), at(before), k, lr, b1, b2,
                                  eps, wd, decoupled)
-            torch.testing.assert_close(at(pk).double(), want, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(at(pk).double().cpu(), want, rtol=1e-5, atol=1e-6)
         err = sum(float((a - b).norm()) for a, b in zip(optree.tree_leaves(pk), optree.tree_leaves(qk)))
         step = sum(float((a - b).norm()) for a, b in zip(optree.tree_leaves(qk), optree.tree_leaves(last)))
         closer.append(err / step)
