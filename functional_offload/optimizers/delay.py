@@ -64,8 +64,9 @@ class Delay(NamedTuple):
     delayed with the look-ahead ended 0.001 above ``torch.optim.AdamW``'s validation loss (our
     exact run: -0.007); without a look-ahead, every step stale 0.63, and
     ``Delay(lookahead=False, warmup=100, exact_when_clipped=True)`` 0.12. On a 117 M one over
-    2,000 steps (one seed) the look-ahead ended 0.059 above it (our exact run: -0.017), every
-    step stale 1.19, ``Delay(lookahead=False, warmup=100, exact_when_clipped=True)`` 0.30.
+    2,000 steps (one seed) the look-ahead ended 0.007 below it (our exact run: -0.017), every
+    step stale 1.19 above, ``Delay(lookahead=False, warmup=100, exact_when_clipped=True)``
+    0.30 above.
 
     Example::
 
