@@ -82,8 +82,9 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     a device tensor to, ``[sum |p - m|, sum |bf16(m) - m|, sum |m - m_before|, count(p != bf16(m))]``
     over all elements, where ``p`` are the params the next forward reads and ``m`` the fp32
     params of an exact AdamW (``torch.optim.AdamW(fused=True)`` on fp32 copies on the device,
-    the same hyperparameters and schedule) fed the same clipped grads: how far the look-ahead
-    lands from the exact step, against the rounding every bf16 param has and the step itself."""
+    the same hyperparameters and schedule) fed the same clipped grads (scaled in the grads'
+    dtype, as our clip scales them): how far the look-ahead lands from the exact step, against
+    the rounding every bf16 param has and the step itself."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     delayed = mode == "delayed"
@@ -145,8 +146,8 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
             if shadow is not None:
                 before = [x.clone() for x in exact]
                 factor = torch.clamp(clip / (norm + 1e-6), max=1.0) if clip else 1.0
-                for x, g in zip(exact, grads.values()):
-                    x.grad = g.float() * factor
+                for x, g in zip(exact, grads.values()):  # scaled in the grads' dtype, as ours
+                    x.grad = (g * factor).float()
                 shadow_opt.param_groups[0]["lr"] = rate(len(shadow)) if callable(rate) else rate
                 shadow_opt.step()
             _, holder[0] = opt.update(grads, holder[0])
