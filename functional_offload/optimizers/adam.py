@@ -250,15 +250,16 @@ def adamw(lr: ScalarOrSchedule = 1e-3, betas: tuple[ScalarOrSchedule, ScalarOrSc
       cpu_kernel: ``"auto"`` (the native one-pass kernel when it builds and fits the dtypes),
         ``"native"`` or ``"torch"``.
       delayed: ZeRO-Offload's delayed parameter update for the host-resident leaves:
-        ``update`` starts their host step in the background and returns at once; the new
-        params land at the *next* ``update`` (or :func:`~functional_offload.flush`), so the
-        gradient applied was computed at the params of one step earlier:
+        ``update`` starts their host step in the background and returns at once; the step
+        lands at the *next* ``update`` (or :func:`~functional_offload.flush`). ``True`` is
+        ``fo.Delay()``: every update delayed, each with its look-ahead, which lands the params
+        as the next step's values for that update's own grads, so the forwards read about the
+        params they read without ``delayed`` (:class:`~functional_offload.Delay`; the first
+        update lands nothing). Without it (``fo.Delay(lookahead=False)``) the gradient applied
+        was computed at the params of one step earlier:
         :math:`\theta_{t+1} = \theta_t - \eta\,\Delta(\nabla L(\theta_{t-1}))`. Device-resident
-        leaves update at once. Which updates are exact instead (landed before ``update``
-        returns) is a :class:`~functional_offload.Delay`: with ``True``, the first 100 and
-        those a ``clip_by_global_norm`` of the same chain scales; ``fo.Delay(warmup=0,
-        exact_when_clipped=False)`` delays every one (the first then leaves these params
-        unchanged).
+        leaves update at once. The look-ahead refuses fp16 params (use bf16, or
+        ``lookahead=False``).
       store_param_remainders: keep the fp32 master of each bf16 param as the param's bits (the
         master's high 16 bits, rounded) plus an ``int16`` remainder (its low 16 bits), as
         Megatron's and TransformerEngine's option of that name

@@ -155,8 +155,9 @@ def sgd(lr: ScalarOrSchedule = 1e-3, momentum: float = 0.0, nesterov: bool = Fal
       nesterov: Nesterov momentum (needs ``momentum > 0``).
       weight_decay: :math:`\lambda`, coupled as L2; a float or a schedule.
       placement, master_dtype, weight_decay_mask, ema_decay, executor, cpu_kernel, delayed,
-        store_param_remainders: as in :func:`adamw` (delayed plain SGD:
-        :math:`\theta_{t+1} = \theta_t - \eta\nabla L(\theta_{t-1})`).
+        store_param_remainders: as in :func:`adamw` (delayed plain SGD without the look-ahead:
+        :math:`\theta_{t+1} = \theta_t - \eta\nabla L(\theta_{t-1})`; with it, the forwards
+        read the run without delay's params but for rounding).
       momentum_dtype: dtype of the buffers (default fp32 for low-precision params).
 
     Returns:
