@@ -185,8 +185,8 @@ def restore_params(state: OptState) -> None:
             if m is None:
                 continue
             p = local(p)
-            if is_quantized(p) and m.device.type == "cpu":  # as a host step writes it: from the value
-                m = m.to(p.dtype)  # copied up in the param's nominal dtype
+            if is_quantized(p) and m.device.type == "cpu":  # as a host step writes it: from
+                m = m.to(p.dtype)  # the value copied up in the param's nominal dtype
             write_params([p], [high(m) if is_split(m) else m])
 
 

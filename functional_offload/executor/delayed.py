@@ -62,8 +62,9 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor
     rate_at = [take(leaf.grad.numel() * leaf.grad.element_size()) if ahead and target is not None
                else None for leaf, target in zip(leaves, targets)]
     # the residuals end to end as in a slot too, where a bf16 segment's lie at half its offset
-    res_at = [take(leaf.grad.numel(), ALIGN // 2) if r is not None and leaf.grad.dtype == torch.bfloat16
-              else None for leaf, r in zip(leaves, rate_at)]
+    res_at = [take(leaf.grad.numel(), ALIGN // 2)
+              if r is not None and leaf.grad.dtype == torch.bfloat16 else None
+              for leaf, r in zip(leaves, rate_at)]
     buf = torch.empty(size, dtype=torch.uint8, device=device)
 
     def region(at: Optional[int], n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -79,7 +79,8 @@ class Run:
         # grad bytes per chunk: a slot half, or (a look-ahead's outputs: per bf16 grad 2 bytes
         # of base, 2 of rate, 1 of residual) two fifths of one, the rates starting there in the
         # output half and the residuals at twice it (:meth:`_Pipeline.at`)
-        self.budget = executor.chunk_bytes * 2 // 5 // ALIGN * ALIGN if ahead else executor.chunk_bytes
+        self.budget = (executor.chunk_bytes * 2 // 5 // ALIGN * ALIGN if ahead
+                       else executor.chunk_bytes)
         self.started = False
         self.settled = False
         self.switched: list[HostLeaf] = []  # leaves that ran as their ``settled`` form
@@ -202,7 +203,8 @@ class _Pipeline:
             return seg.offset + region * self.run_.budget
         return seg.offset // self.leaves[seg.leaf].grad.element_size() + 2 * self.run_.budget
 
-    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype, region: int = 0) -> torch.Tensor:
+    def view(self, k: int, which: int, seg: Segment, dtype: torch.dtype,
+             region: int = 0) -> torch.Tensor:
         """Segment ``seg``'s bytes in chunk ``k``'s slot half ``which`` (``region``: :meth:`at`)."""
         return self.slot_bytes(k, which, self.at(seg, region),
                                (seg.stop - seg.start) * dtype.itemsize).view(dtype)

@@ -4,8 +4,8 @@ Both compute a piece's new value and moments (in place, or into ``targets`` so t
 stays intact until the caller commits), then the param in the grad's dtype (``out``) — or, for a
 piece with a look-ahead (``ahead``), the look-ahead's base to ``out`` (a bf16 one split, its
 residual to ``residual``: :func:`~functional_offload.kernels.remainder.split_base`) and its rate
-to ``ahead`` — and the EMA of the value. The torch kernel runs the spec's reference math on each claimed
-block.
+to ``ahead`` — and the EMA of the value. The torch kernel runs the spec's reference math on each
+claimed block.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def ahead(params: list, moments: list, h: LionHyper, h2: LionHyper) -> tuple[lis
     :math:`\theta_t (1 - \eta'\lambda')` and :math:`\beta_1' m_t`, from which
     :func:`land_ahead` makes that step for its grads exactly as the step does (but for the
     rounding of the momentum term to the params' dtype and of the base to within
-    :math:`2^{-8}` of a bf16 step: :func:`~functional_offload.kernels.remainder.split_base`). Op for op as the native op's ``ahead``."""
+    :math:`2^{-8}` of a bf16 step: :func:`~functional_offload.kernels.remainder.split_base`).
+    Op for op as the native op's ``ahead``."""
     (mus,) = moments
     m = as_dtypes_of(mus, params)
     return torch._foreach_mul(params, 1 - h2.lr * h2.weight_decay), torch._foreach_mul(m, h2.beta1)

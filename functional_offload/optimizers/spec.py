@@ -266,6 +266,7 @@ def land(fn: LandAheadFn, params: list, bases: list, residuals: list, rates: lis
     remainder.join_base`) — and each param is set from them, rounded to its dtype once, as the
     step rounds its master."""
     for part in batches(params):
-        b = [x.float() if e is None else join_base(x, e) for x, e in zip(bases[part], residuals[part])]
+        b = [x.float() if e is None else join_base(x, e)
+             for x, e in zip(bases[part], residuals[part])]
         fn(params[part], b, rates[part], grads[part], hyper, next_hyper)
         torch._foreach_copy_(params[part], b)

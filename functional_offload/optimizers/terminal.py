@@ -214,8 +214,8 @@ class Terminal:
                                 "fp16 or fp64, or a TransformerEngine quantized tensor (fp8 "
                                 "weights from fp8_model_init)")
             if is_quantized(p) and (p.dtype == torch.float64 or self.master_dtype != torch.float32):
-                raise TypeError(f"param {path!r} is a quantized {type(p).__name__} of nominal dtype "
-                                f"{p.dtype}: quantized params keep an fp32 master (their formats "
+                raise TypeError(f"param {path!r} is a quantized {type(p).__name__} of nominal "
+                                f"dtype {p.dtype}: quantized params keep an fp32 master (their formats "
                                 "dequantize to fp32 at most); use master_dtype=torch.float32 and "
                                 "an fp32, bf16 or fp16 params_dtype")
             if is_quantized(p) and not self.spec.elementwise:

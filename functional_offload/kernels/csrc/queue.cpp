@@ -15,9 +15,9 @@
 // loop joins each fp32 value from them and splits it back after the step, and `out` (bf16)
 // then gets the new high half. With `ahead` (the op's look-ahead, ops.h), `out` gets the
 // look-ahead's base and `ahead` its second value, both in the grad's dtype, instead of the
-// param, and for bf16 grads `residual` (int8) the byte of the base below its bf16 (ops.h). A block-wise 8-bit moment (uint8: per 256 elements their codes,
-// then their absmax) is addressed by its blocks; a piece's blocks start on them. Blocks are
-// processed in sub-blocks small
+// param, and for bf16 grads `residual` (int8) the byte of the base below its bf16 (ops.h). A
+// block-wise 8-bit moment (uint8: per 256 elements their codes, then their absmax) is addressed
+// by its blocks; a piece's blocks start on them. Blocks are processed in sub-blocks small
 // enough to stay in cache, so the EMA rereads nothing from memory. A sub-block with targets is
 // computed in a per-thread scratch and streamed to them with non-temporal stores: a plain store
 // reads each line of the target before writing it, a third more memory traffic than in place.
@@ -215,7 +215,8 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
                                   std::vector<std::vector<at::Tensor>> states,
                                   std::vector<std::vector<at::Tensor>> targets,
                                   std::vector<at::Tensor> outs, std::vector<at::Tensor> aheads,
-                                  std::vector<at::Tensor> residuals, std::vector<at::Tensor> emas, std::vector<at::Tensor> ema_targets,
+                                  std::vector<at::Tensor> residuals, std::vector<at::Tensor> emas,
+                                  std::vector<at::Tensor> ema_targets,
                                   const at::Tensor& scalars, const at::Tensor& maps, int64_t block) {
   const Op& op = find_op(name);
   const size_t np = grads.size();
@@ -280,7 +281,8 @@ std::unique_ptr<Chunk> make_chunk(const std::string& name, std::vector<at::Tenso
     }
     const bool residual = ahead && p.grad.scalar_type() == at::kBFloat16;  // (ops.h, store_value)
     TORCH_CHECK((residuals[i].numel() != 0) == residual,
-                residual ? "a look-ahead with bf16 grads needs a residual" : "a residual needs a bf16 look-ahead");
+                residual ? "a look-ahead with bf16 grads needs a residual"
+                         : "a residual needs a bf16 look-ahead");
     if (residual) {
       check(residuals[i], "residual", n);
       TORCH_CHECK(residuals[i].scalar_type() == at::kChar, "residual must be int8");

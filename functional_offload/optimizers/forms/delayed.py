@@ -79,7 +79,8 @@ class Delayed(AtFinish):
         landing = Landing(work.ex, [work.host_leaf(i, gs[i], None) for i in rest], work.kernel(),
                           [work.leaves[i].param.view(-1) if work.leaves[i].has_master else None
                            for i in rest], work.t.threads,
-                          ahead=None if work.ahead is None else partial(land, work.t.spec.land_ahead))
+                          ahead=(None if work.ahead is None
+                                 else partial(land, work.t.spec.land_ahead)))
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         return landing
 
