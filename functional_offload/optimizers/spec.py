@@ -21,7 +21,8 @@ from functional_offload.checks import real
 from functional_offload.kernels.remainder import join_base
 from functional_offload.typing import ScalarOrSchedule
 
-__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "BATCH", "land", "check_nonneg",
+__all__ = ["Moment", "OptimizerSpec", "as_dtypes_of", "batches", "BATCH", "land", "LAND_BATCH",
+           "check_nonneg",
            "check_positive", "check_beta",
            "check_schedule", "check_representable", "torch_state_names", "STATE_FIELDS"]
 
@@ -257,16 +258,43 @@ def batches(tensors: Sequence[torch.Tensor], limit: int = BATCH) -> Iterator[sli
         start = stop
 
 
+LAND_BATCH = 1 << 25  # elements of small leaves a landing lays end to end at once
+
+
+def _end_to_end(xs: list, n: int) -> torch.Tensor:
+    """The tensors ``xs`` (one dtype, ``n`` elements in all) laid end to end in a new tensor."""
+    out = torch.empty(n, dtype=xs[0].dtype, device=xs[0].device)
+    torch._foreach_copy_(list(out.split([x.numel() for x in xs])), [x.reshape(-1) for x in xs])
+    return out
+
+
 @torch.no_grad()
 def land(fn: LandAheadFn, params: list, bases: list, residuals: list, rates: list, grads: list,
          hyper: Any, next_hyper: Any) -> None:
-    """A look-ahead's landing (:class:`~functional_offload.executor.delayed.Landing`): in
-    :func:`batches`, ``fn`` makes the next step's values in fp32 from the bases — a bf16 base
-    joined with its residual (``residuals[i]``, or None; :func:`~functional_offload.kernels.
-    remainder.join_base`) — and each param is set from them, rounded to its dtype once, as the
-    step rounds its master."""
-    for part in batches(params):
-        b = [x.float() if e is None else join_base(x, e)
-             for x, e in zip(bases[part], residuals[part])]
-        fn(params[part], b, rates[part], grads[part], hyper, next_hyper)
-        torch._foreach_copy_(params[part], b)
+    """A look-ahead's landing (:class:`~functional_offload.executor.delayed.Landing`): ``fn``
+    makes the next step's values in fp32 from the bases — a bf16 base joined with its residual
+    (``residuals[i]``, or None; :func:`~functional_offload.kernels.remainder.join_base`) — and
+    each param (1-D) is set from them, rounded to its dtype once, as the step rounds its master.
+    Leaves of one kind (dtypes, residual or not) are laid end to end, at most
+    :data:`LAND_BATCH` elements at once (a larger leaf alone), so that each op is one kernel
+    over all of them rather than one per leaf: the landing's ops mix fp32 and bf16, which
+    torch's multi-tensor kernels do not take."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, (p, b, e, q, g) in enumerate(zip(params, bases, residuals, rates, grads)):
+        kinds.setdefault((p.dtype, b.dtype, e is None, q.dtype, g.dtype), []).append(i)
+    for idx in kinds.values():
+        ps = [params[i] for i in idx]
+        for part in batches(ps, LAND_BATCH):
+            mine = idx[part]
+            p, b, e, q, g = ([xs[i] for i in mine] for xs in (params, bases, residuals, rates, grads))
+            if len(mine) > 1:
+                n = sum(x.numel() for x in p)
+                p, b, q, g = ([_end_to_end(xs, n)] for xs in (p, b, q, g))
+                e = [None] if e[0] is None else [_end_to_end(e, n)]
+            b32 = [x.float() if r is None else join_base(x, r) for x, r in zip(b, e)]
+            fn(p, b32, q, g, hyper, next_hyper)
+            if len(mine) > 1:
+                out = b32[0].to(ps[0].dtype)
+                torch._foreach_copy_(ps[part], list(out.split([x.numel() for x in ps[part]])))
+            else:
+                torch._foreach_copy_(ps[part], b32)
