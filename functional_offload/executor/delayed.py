@@ -19,6 +19,9 @@ the value that step will compute, rounded once, so the forward after it reads wh
 feeds applies its grads to. Landed
 without them (a flush, a checkpoint, a failed run) or for a param without a grad, the params are
 set from the new values themselves (fp32 masters, rounded as the step rounds them): exactly.
+The look-ahead reads the params the device holds as the last look-ahead's, a prediction of the
+new values; a *fresh* leaf's (the first delayed step, or one after a flush or an exact step:
+its params are a step behind) are set from the new values first, copied up once.
 """
 
 from __future__ import annotations
@@ -90,13 +93,16 @@ class Landing:
     """A delayed host step of ``leaves`` (their ``param`` ignored): ``targets[i]`` is leaf
     ``i``'s param (1-D), or None when its value is the param itself. ``ahead``: the device side
     of a look-ahead, ``ahead(params, bases, residuals, rates, grads, hyper, next_hyper)``, for
-    leaves that carry the next step's hyperparameters (``HostLeaf.ahead_hyper``); see the
-    module."""
+    leaves that carry the next step's hyperparameters (``HostLeaf.ahead_hyper``); ``fresh[i]``:
+    leaf ``i``'s params are not the last look-ahead's (default: all); see the module."""
 
     def __init__(self, executor: HostExecutor, leaves: Sequence[HostLeaf], kernel: Kernel,
                  targets: Sequence[Optional[torch.Tensor]], threads: Optional[int] = None,
-                 ahead: Optional[Callable[..., None]] = None):
+                 ahead: Optional[Callable[..., None]] = None,
+                 fresh: Optional[Sequence[bool]] = None):
         self.ex, self.targets, self.ahead = executor, list(targets), ahead
+        self._fresh = list(fresh) if fresh is not None else [True] * len(self.targets)
+        self.ahead_landed: list[int] = []  # the leaves landed from their look-ahead
         self.device = leaves[0].grad.device
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
@@ -156,12 +162,15 @@ class Landing:
             groups: dict[tuple[int, int], list[int]] = {}  # leaves of one decay share their hypers
             for i in moved:
                 groups.setdefault(tuple(id(h) for h in self._hypers[i]), []).append(i)
+                if self._fresh[i]:  # a step behind: the look-ahead reads the new values
+                    self.targets[i].copy_(self._values[i])
             for idx in groups.values():
                 self.ahead([self.targets[i] for i in idx], [self._up[i] for i in idx],
                            [self._residuals[i] for i in idx], [self._rates[i] for i in idx],
                            [grads[i].reshape(-1) for i in idx], *self._hypers[idx[0]])
             landed = set(moved)
             use = [i for i in use if i not in landed]
+            self.ahead_landed = moved
         for i in use:
             self.targets[i].copy_(self._values[i])
         self._up = self._rates = self._residuals = self._values = self._hypers = []

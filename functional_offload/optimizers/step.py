@@ -255,6 +255,8 @@ class TerminalStep(StepBase):
             exact = self._exact()
             if not exact:
                 self.work.ahead = self.hyper_next
+                landed = state.params.pending  # the step this update landed, if any
+                self.work.held_ahead = set() if landed is None else landed.ahead_landed()
             landing = form.finish(gs, rest, ready)
             form.commit()
             refs = state.params

@@ -110,13 +110,15 @@ class HostWork:
     """A step's host leaves and what runs them: the leaves' kernel (kept in the state's cache
     with their layout), executor runs opened per device, the host leaves handed to them.
     ``ahead``: the next step's ``(hyper, hyper_no_decay)`` where the leaves are to leave
-    look-aheads (a delayed step, :class:`~functional_offload.Delay`), else None."""
+    look-aheads (a delayed step, :class:`~functional_offload.Delay`), else None; ``held_ahead``:
+    the leaves whose params the device holds are a look-ahead's, landed by this update."""
 
     def __init__(self, t: TerminalLike, leaves: list[Leaf], cache: StepCache,
                  hyper: Any, hyper_no_decay: Any):
         self.t, self.leaves, self.cache = t, leaves, cache
         self.hyper, self.hyper_no_decay = hyper, hyper_no_decay
         self.ahead: Optional[tuple[Any, Any]] = None
+        self.held_ahead: set[int] = set()
         self.ex = t.executor
         self._kernel: Optional[Kernel] = None
         self._views_checked = False

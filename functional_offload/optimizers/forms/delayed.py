@@ -55,6 +55,10 @@ class Pending:
         if interrupt is not None:
             raise interrupt
 
+    def ahead_landed(self) -> set[int]:
+        """The state's leaves whose params its landing set from a look-ahead."""
+        return {self.indices[j] for j in self.landing.ahead_landed}
+
     def settle(self) -> None:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
         _, interrupt = shielded(self.landing.run.wait)
@@ -80,7 +84,8 @@ class Delayed(AtFinish):
                           [work.leaves[i].param.view(-1) if work.leaves[i].has_master else None
                            for i in rest], work.t.threads,
                           ahead=(None if work.ahead is None
-                                 else partial(land, work.t.spec.land_ahead)))
+                                 else partial(land, work.t.spec.land_ahead)),
+                          fresh=[i not in work.held_ahead for i in rest])
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         return landing
 
