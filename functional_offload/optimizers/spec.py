@@ -286,7 +286,8 @@ def land(fn: LandAheadFn, params: list, bases: list, residuals: list, rates: lis
         ps = [params[i] for i in idx]
         for part in batches(ps, LAND_BATCH):
             mine = idx[part]
-            p, b, e, q, g = ([xs[i] for i in mine] for xs in (params, bases, residuals, rates, grads))
+            p, b, e, q, g = ([xs[i] for i in mine]
+                             for xs in (params, bases, residuals, rates, grads))
             if len(mine) > 1:
                 n = sum(x.numel() for x in p)
                 p, b, q, g = ([_end_to_end(xs, n)] for xs in (p, b, q, g))
