@@ -131,6 +131,18 @@ def test_gpu_engine_refuses_cpu_params(delayed):
         opt.init(params)  # (CPU params' state is host-resident whatever the placement)
 
 
+@pytest.mark.parametrize("options, what", [
+    (dict(store_param_remainders=True), "store_param_remainders"),
+    (dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8), "block-wise 8-bit moments")])
+def test_gpu_engine_refuses_the_formats_it_does_not_step(options, what):
+    """The engine was built before the split master and the 8-bit moments: init refuses them,
+    naming the leaf, instead of stepping their bytes as fp32."""
+    params = {"w": torch.randn(70_001).to(torch.bfloat16)}  # above the packed size
+    opt = fo.adamw(lr=1e-2, placement=on_host(), executor=HostExecutor(engine="gpu"), **options)
+    with pytest.raises(ValueError, match=rf"param 'w'.*engine='gpu'.*{what}"):
+        opt.init(params)
+
+
 def test_chunks_cover_the_leaves():
     sizes = [5, 3000, 1, 700, 4096]
     leaves = [with_flat_views(Leaf(
