@@ -90,11 +90,18 @@ class HostExecutor:
         at once) gets one worker per this many elements at most; one worker is then the step's
         own thread (at ~0.3 G elem/s a thread, below ~10^5 elements waking and joining a
         thread costs more than it computes).
+      engine: where plain steps of element-wise optimizers run the math of host-resident
+        leaves: ``"cpu"`` (the host kernel, the default) or ``"gpu"`` (on the params' GPU, the
+        state copied up and back through the ring, at most ``chunk_bytes × slots`` of device
+        buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`). Delayed, speculative
+        and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` needs every
+        host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
                  cpus: Optional[Sequence[int]] = None, timeline: Optional[Timeline] = None,
-                 stage_host_grads: bool = False, worker_elements: int = 1 << 17):
+                 stage_host_grads: bool = False, worker_elements: int = 1 << 17,
+                 engine: str = "cpu"):
         if chunk_bytes < 4096 or chunk_bytes % ALIGN or slots < 2:
             raise ValueError(f"executor needs chunk_bytes >= 4096 and a multiple of {ALIGN} (the "
                              f"ring's regions hold elements of every size), and slots >= 2, got "
@@ -103,12 +110,15 @@ class HostExecutor:
             raise ValueError(f"executor threads must be >= 1, got {threads}")
         if worker_elements < 1:
             raise ValueError(f"executor worker_elements must be >= 1, got {worker_elements}")
+        if engine not in ("cpu", "gpu"):
+            raise ValueError(f"executor engine must be 'cpu' or 'gpu', got {engine!r}")
         self.chunk_bytes, self.slots = int(chunk_bytes), int(slots)
         self.threads = threads or (len(cpus) if cpus else physical_cores())
         self.cpus = list(cpus) if cpus else None
         self.timeline = timeline
         self.stage_host_grads = bool(stage_host_grads)
         self.worker_elements = int(worker_elements)
+        self.engine = engine
         self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
         self._slot_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Transport] = {}
@@ -135,6 +145,10 @@ class HostExecutor:
         with self._reserving:
             if device in self._busy:
                 return
+            if self.engine == "gpu" and device.type != "cuda":
+                raise ValueError(f"HostExecutor(engine='gpu') steps host-resident state on its "
+                                 f"params' GPU, but a param is on {device}; use engine='cpu' (the "
+                                 "default) for params off a GPU")
             staged = device.type != "cpu" or self.stage_host_grads
             self._slot_events[device] = [None] * self.slots
             self._transports[device] = transport_for(device)

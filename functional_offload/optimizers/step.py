@@ -6,7 +6,7 @@ state, hands the leaf to an executor run at once (grad streaming). ``finish`` ch
 grads, then applies everything shielded from interrupts
 (:func:`~functional_offload.executor.shield.shielded`): device-resident leaves with the spec's
 fused math (:mod:`.device_math`), host-resident ones in the step's host form (:mod:`.forms`:
-in place through the executor, speculative, delayed or leaf by leaf).
+in place through the executor, speculative, delayed, leaf by leaf, or on the GPU).
 
 The failure contract:
 
@@ -69,8 +69,8 @@ class TerminalStep(StepBase):
         if cache.static is None:
             cache.static = static(self.leaves, cache.packs)
         self.work = HostWork(t, self.leaves, cache, self.hyper, self.hyper_no_decay)
-        self.form: HostForm = form_for(Case(t.delayed, t.spec.elementwise, self.speculative),
-                                       self.work)
+        self.form: HostForm = form_for(Case(t.delayed, t.spec.elementwise, self.speculative,
+                                            t.executor.engine), self.work)
 
     @property
     def static(self) -> Static:

@@ -251,6 +251,14 @@ class Terminal:
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "
                                  "it, or keep its state on the device with placement.select)")
+            if host and self.executor.engine == "gpu" and not self.delayed and self.spec.elementwise:
+                built = [what for what, on in (
+                    ("a quantized param", is_quantized(p)),
+                    ("store_param_remainders=True", self._split(p, True)),
+                    ("block-wise 8-bit moments", torch.uint8 in moment_dtypes)) if on]
+                if built:
+                    raise ValueError(f"param {path!r}: HostExecutor(engine='gpu') does not step "
+                                     f"{built[0]} yet; use engine='cpu' (the default) for it")
             if (host and self.delay is not None and self.delay.lookahead
                     and self.spec.ahead_dtypes is not None and p.dtype not in self.spec.ahead_dtypes):
                 raise ValueError(f"param {path!r} is {p.dtype}: {self.spec.name}'s look-ahead for "

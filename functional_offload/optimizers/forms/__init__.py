@@ -5,7 +5,9 @@
   packed small leaves, strided and quantized params written back);
 - :class:`Speculative`: the same, with leaves fed ahead of an unknown factor into spare buffers;
 - :class:`Delayed`: in the background, landed by the next step;
-- :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time.
+- :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time;
+- :class:`GpuEngine`: element-wise math on the params' GPU, the state copied up and back in
+  chunks (plain steps of an executor with ``engine="gpu"``).
 
 :func:`form_for` picks one; a new form is a module here and a line in ``FORMS``.
 """
@@ -16,12 +18,13 @@ from typing import Callable, NamedTuple
 
 from functional_offload.optimizers.forms.base import HostForm, HostWork
 from functional_offload.optimizers.forms.delayed import Delayed, Pending
+from functional_offload.optimizers.forms.gpu_engine import GpuEngine
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.optimizers.forms.leaf_granular import LeafGranular
 from functional_offload.optimizers.forms.speculative import Speculative
 
-__all__ = ["FORMS", "Case", "Delayed", "HostForm", "HostWork", "InPlace", "LeafGranular", "Pending",
-           "Speculative", "form_for"]
+__all__ = ["FORMS", "Case", "Delayed", "GpuEngine", "HostForm", "HostWork", "InPlace",
+           "LeafGranular", "Pending", "Speculative", "form_for"]
 
 
 class Case(NamedTuple):
@@ -30,6 +33,7 @@ class Case(NamedTuple):
     delayed: bool  # the optimizer's delayed=True
     elementwise: bool  # the spec's math is element-wise
     speculative: bool  # begun with speculative=True
+    engine: str  # the executor's engine: "cpu" or "gpu"
 
 
 # the first whose test holds is the step's form, made from the step's HostWork
@@ -37,6 +41,7 @@ FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork], HostForm]]] = [
     (lambda c: not c.elementwise, LeafGranular),
     (lambda c: c.delayed, Delayed),
     (lambda c: c.speculative, Speculative),
+    (lambda c: c.engine == "gpu", GpuEngine),
     (lambda c: True, InPlace),
 ]
 

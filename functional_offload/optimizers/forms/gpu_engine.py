@@ -1,0 +1,213 @@
+"""Host-resident leaves stepped on their params' GPU (``HostExecutor(engine="gpu")``): their
+state (value, moments, EMA) goes up to the device in chunks, the spec's device math runs there
+on the grads already in HBM (:func:`~functional_offload.optimizers.device_math.run_groups`, as
+for device-resident leaves: the same groups, casts and results), the params are written there,
+and the new state comes back down. Grads and params never cross PCIe; the state does, both ways.
+
+The host state is pageable, so each chunk is staged through the executor's pinned ring (slot
+``k mod S``: its first half up, its second half down) into one of ``S`` device buffers of
+``chunk_bytes``: the device memory taken is ``chunk_bytes × slots``. Chunk ``k + S`` reuses
+the slot of chunk ``k`` once chunk ``k``'s state has landed on the host. Every copy down has
+landed when :meth:`GpuEngine.finish` returns.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+import functional_offload.executor.faults as faults
+from functional_offload.executor import HostStepError
+from functional_offload.executor.transport import Transport
+from functional_offload.optimizers.device_math import device_groups, run_groups
+from functional_offload.optimizers.forms.base import AtFinish, HostWork, by_device
+from functional_offload.optimizers.layout import Leaf
+
+__all__ = ["GpuEngine", "Chunk", "Piece", "chunks"]
+
+ALIGN = 64  # bytes: where each piece's tensor starts in a chunk
+
+
+class Piece(NamedTuple):
+    """Elements ``lo:hi`` of leaf ``index``'s state in a chunk: one tensor per state tensor
+    (value, moments..., EMA), at ``offsets`` (bytes)."""
+
+    index: int
+    lo: int
+    hi: int
+    offsets: tuple[int, ...]
+
+
+class Chunk(NamedTuple):
+    pieces: list[Piece]
+    nbytes: int
+
+
+def state_of(leaf: Leaf) -> tuple[torch.Tensor, ...]:
+    """A host leaf's state, 1-D: value, moments..., EMA."""
+    return (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _cut(room: int, left: int, numel: int) -> int:
+    """How many of the ``left`` elements of a leaf of ``numel`` a piece with ``room`` for them
+    takes (all where they fit), so that torch's multi-tensor kernels run each piece on the path
+    they run the whole leaf on (their vectorized loads need a length divisible by 4 and 16-byte
+    aligned tensors, and the two paths may round differently): a multiple of 64 elements where ``numel`` is divisible by 4 (every
+    piece then starts aligned and the last one keeps that length), else one more than a multiple
+    of 64 (no piece but the last is divisible by 4, and the last starts unaligned)."""
+    if room >= left:
+        return room
+    if numel % 4 == 0:
+        return room // 64 * 64
+    return (room - 1) // 64 * 64 + 1 if room > 64 else 0
+
+
+def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
+    """The state of leaves ``idx`` cut into chunks of at most ``capacity`` bytes, in order; a
+    leaf that does not fit the rest of a chunk goes on in the next. (``capacity`` is at least
+    4096 bytes and a state at most 32 bytes an element: an empty chunk has room.)"""
+    out: list[Chunk] = []
+    pieces: list[Piece] = []
+    used = 0
+    for i in idx:
+        state = state_of(leaves[i])
+        per = sum(x.element_size() for x in state)
+        lo, numel = 0, state[0].numel()
+        while lo < numel:
+            room = _cut((capacity - used - ALIGN * len(state)) // per, numel - lo, numel)
+            if room <= 0:
+                out.append(Chunk(pieces, used))
+                pieces, used = [], 0
+                continue
+            hi = min(numel, lo + room)
+            offsets = []
+            for x in state:
+                offsets.append(used)
+                used += _aligned((hi - lo) * x.element_size())
+            pieces.append(Piece(i, lo, hi, tuple(offsets)))
+            lo = hi
+    if pieces:
+        out.append(Chunk(pieces, used))
+    return out
+
+
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` elements of ``like``'s dtype in the bytes ``buf`` holds at ``offset``."""
+    return buf[offset: offset + n * like.element_size()].view(like.dtype)
+
+
+class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
+    """The GPU engine form (see the module): plain steps of element-wise optimizers whose
+    executor has ``engine="gpu"``. It starts nothing ahead: leaves fed by
+    :func:`~functional_offload.stream` run at finish. ``touched`` once a chunk's math was queued
+    (it writes params, then the state comes back)."""
+
+    def __init__(self, work: HostWork):
+        super().__init__(work)
+        self.begun = False
+        self.strided: dict[int, torch.Tensor] = {}  # strided params' new values, written at commit
+
+    def finish(self, gs: list, rest: list[int], ready: dict) -> None:
+        for device, idx in by_device(rest, gs).items():
+            for i in idx:
+                self.work.leaf(i)  # the host views made anew where a storage was replaced
+            self._run(device, idx, gs)
+
+    def _run(self, device: torch.device, idx: list[int], gs: list) -> None:
+        """Step leaves ``idx`` (grads on ``device``), chunk by chunk through the ring."""
+        ex = self.work.ex
+        t = ex.transport(device)
+        todo = chunks(self.work.leaves, idx, ex.chunk_bytes)
+        grads = {i: gs[i].reshape(-1) for i in idx}
+        with ex.holding(device):  # the device's ring serves one user at a time
+            ring, before, size = ex.ring(device), ex.slot_events(device), ex.chunk_bytes
+            bufs = [torch.empty(size, dtype=torch.uint8, device=device)
+                    for _ in range(min(ex.slots, len(todo)))]
+            t.wait_out(t.ready())  # the buffers' memory is free where the caller's stream is
+            landing: deque[tuple[Chunk, torch.Tensor, object]] = deque()
+            k = 0
+            try:
+                for k, chunk in enumerate(todo):
+                    s = k % ex.slots
+                    if k >= ex.slots:
+                        self._land(t, *landing.popleft())  # the slot's last chunk
+                    else:
+                        t.wait_host(before[s])  # the last run's copies out read the slot
+                    up = ring[2 * s * size: (2 * s + 1) * size]
+                    down = ring[(2 * s + 1) * size: (2 * s + 2) * size]
+                    event = self._chunk(t, k, chunk, up, down, bufs[s], grads)
+                    landing.append((chunk, down, event))
+                while landing:
+                    self._land(t, *landing.popleft())
+            except Exception as e:
+                names = ", ".join(dict.fromkeys(repr(self.work.leaves[p.index].path)
+                                                for p in todo[k].pieces))
+                raise HostStepError(f"host optimizer step failed on leaf {names}: "
+                                    f"{type(e).__name__}: {e}") from e
+            finally:  # nothing in flight reads the ring or the buffers once this returns
+                t.wait_in(t.ready())
+                t.wait_host(t.mark_in())
+                t.wait_host(t.mark_out())
+
+    def _chunk(self, t: Transport, k: int, chunk: Chunk, up: torch.Tensor, down: torch.Tensor,
+               buf: torch.Tensor, grads: dict[int, torch.Tensor]) -> object:
+        """Stage chunk ``k`` up, queue its math on the caller's stream and its copy down; the
+        event of the copy down."""
+        leaves, work = self.work.leaves, self.work
+        if faults.active():
+            faults.before_chunk(k, list(dict.fromkeys(leaves[p.index].path for p in chunk.pieces)))
+        for p in chunk.pieces:
+            for x, offset in zip(state_of(leaves[p.index]), p.offsets):
+                _view(up, offset, x, p.hi - p.lo).copy_(x[p.lo:p.hi])
+        t.copy_out(buf[:chunk.nbytes], up[:chunk.nbytes])
+        t.end()  # the caller's stream waits for the state
+        self.begun = True
+        spec = work.t.spec
+        run_groups(device_groups([self._on_device(p, buf) for p in chunk.pieces]),
+                   [grads[p.index][p.lo:p.hi] for p in chunk.pieces], True,
+                   spec.device or spec.reference, work.hyper, work.hyper_no_decay,
+                   work.t.ema_decay, work.ex.timeline)
+        t.wait_in(t.ready())
+        t.copy_in(down[:chunk.nbytes], buf[:chunk.nbytes])
+        return t.mark_in()
+
+    def _on_device(self, p: Piece, buf: torch.Tensor) -> Leaf:
+        """Piece ``p`` as a device-resident leaf: its state in ``buf``, its param the param's
+        elements (a strided param's: its new values' buffer)."""
+        leaf = self.work.leaves[p.index]
+        state = [_view(buf, offset, x, p.hi - p.lo) for x, offset in zip(state_of(leaf), p.offsets)]
+        k = 1 + len(leaf.moments)
+        if leaf.param.is_contiguous():
+            param = leaf.param.view(-1)[p.lo:p.hi]
+        else:
+            if p.index not in self.strided:
+                self.strided[p.index] = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype,
+                                                    device=leaf.param.device)
+            param = self.strided[p.index][p.lo:p.hi]
+        return Leaf(leaf.path, leaf.live, param, state[0], tuple(state[1:k]),
+                    state[k] if leaf.ema is not None else None, True, leaf.decay)
+
+    def _land(self, t: Transport, chunk: Chunk, down: torch.Tensor, event: object) -> None:
+        """Wait for ``chunk``'s copy down and write its state to the host leaves."""
+        t.wait_host(event)
+        for p in chunk.pieces:
+            for x, offset in zip(state_of(self.work.leaves[p.index]), p.offsets):
+                x[p.lo:p.hi].copy_(_view(down, offset, x, p.hi - p.lo))
+
+    def commit(self) -> None:
+        """Strided params written from their new values."""
+        for i, new in self.strided.items():
+            param = self.work.leaves[i].param
+            param.copy_(new.view(param.shape))
+
+    def touched(self) -> bool:
+        return self.begun
+
+    def release(self) -> None:
+        self.strided.clear()
