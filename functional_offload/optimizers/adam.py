@@ -75,16 +75,28 @@ def reference(params: list, grads: list, moments: list, h: AdamHyper) -> None:
 
 
 def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
-    """torch's fused CUDA kernels for fp32 values and moments; the reference otherwise (each
-    list shares one device and dtype: its first tensor says which)."""
+    r"""torch's fused CUDA kernels for fp32 values and moments; the reference otherwise (each
+    list shares one device and dtype: its first tensor says which).
+
+    Adam's L2 term :math:`g + \lambda\theta` is made before the kernel, the product rounded
+    on its own: inside it, the kernel's vectorized and element-wise loops may fuse that
+    multiply-add differently, so an element's result would depend on how the leaf is cut and
+    aligned (up to 1 ulp from ``torch.optim.Adam(fused=True)`` here, at a few percent of the
+    elements)."""
     mus, nus = moments
     if not params or not all(x[0].is_cuda and x[0].dtype == torch.float32 for x in (params, mus, nus)):
         reference(params, grads, moments, h)
         return
     step = torch.full((), float(h.step), dtype=torch.float32, device=params[0].device)
-    fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    fn, wd = torch._fused_adamw_, h.weight_decay
+    if not h.decoupled:
+        fn, wd = torch._fused_adam_, 0.0
+        if h.weight_decay:
+            l2 = torch._foreach_mul(params, h.weight_decay)
+            torch._foreach_add_(l2, grads)
+            grads = l2
     fn(params, grads, mus, nus, [], [step] * len(params), lr=h.lr, beta1=h.beta1,
-       beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
+       beta2=h.beta2, weight_decay=wd, eps=h.eps, amsgrad=False, maximize=False)
 
 
 def ahead(params: list, moments: list, h: AdamHyper, h2: AdamHyper) -> tuple[list, list]:

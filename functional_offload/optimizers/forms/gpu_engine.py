@@ -171,8 +171,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         spec = work.t.spec
         run_groups(device_groups([self._on_device(p, buf) for p in chunk.pieces]),
                    [grads[p.index][p.lo:p.hi] for p in chunk.pieces], True,
-                   spec.device or spec.reference, work.hyper, work.hyper_no_decay,
-                   work.t.ema_decay, work.ex.timeline)
+                   spec.device or spec.reference, [m.signed for m in spec.moments], work.hyper,
+                   work.hyper_no_decay, work.t.ema_decay, work.ex.timeline, [])
         t.wait_in(t.ready())
         t.copy_in(down[:chunk.nbytes], buf[:chunk.nbytes])
         return t.mark_in()
