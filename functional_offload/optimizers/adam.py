@@ -151,9 +151,10 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     (:math:`d/d'` is held to at most 2, which only a :math:`\beta_2 < 1/3` reaches, so that it
     never grows; where the correction is not finite — denominators past fp32's range, params
     written non-finite — it is dropped, and without a momentum term, :math:`\beta_1' = 0`, or
-    without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). The held params
-    are one step behind after an update that landed nothing (the first, or an exact one): that
-    landing is off by :math:`1-d/d'` of a step. The denominators are computed in :math:`q`'s
+    without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). Held params one
+    step behind (after an update that landed nothing: the first, or an exact one) are set from
+    the new values first (:class:`~functional_offload.executor.delayed.Landing`). The
+    denominators are computed in :math:`q`'s
     dtype, in place; the sums in fp32 (:func:`~functional_offload.optimizers.spec.land`)."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
     # v_t / bc2_t = q * recover. Without a momentum term (beta1' = 0) there is nothing to bring

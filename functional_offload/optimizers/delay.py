@@ -44,9 +44,9 @@ class Delay(NamedTuple):
       lookahead: the params the next forward reads are the next step's values for its own
         gradients (see the module), not the last step's. SGD's and Lion's are exact but for
         rounding; Adam's and AdamW's but for a fraction (1 - d/d', the ratio of the two
-        steps' denominators) of the error of the params the last forward read, so that after
-        a landing from params one step behind (the first update's, an exact one's) the
-        error dies out within a few steps. Costs a second value and the base's residual per
+        steps' denominators) of the error of the params the last forward read (params a
+        step behind, after the first update or an exact one, are set from the new values
+        first). Costs a second value and the base's residual per
         element through the host step's copies up (3 bytes per bf16 param, 4 per fp32 one:
         pinned writes, PCIe and device memory) and element-wise ops on the device per update;
         nothing in the state or its checkpoints.
