@@ -24,6 +24,9 @@ Systems (``F``: offload fraction, Megatron's semantics):
                    ``store_param_remainders=True`` (the exact master as the bf16 param plus an
                    int16 remainder), with fp32 (bf16, 8-bit) moments.
   ``lion:F`` / ``streamlion:F``   ``fo.lion`` (lr / 10, weight decay x 10), plain / streamed.
+  ``engine:F`` / ``engine16:F``   plain, the host-resident state stepped on the GPU
+                   (``HostExecutor(engine="gpu")``: state up and back through the ring, grads
+                   and params stay in HBM), fp32 / bf16 moments.
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
 Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
@@ -64,8 +67,9 @@ from ours import HYPER, MOMENTS, Timeline, build_ours, fo, moments_of
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-OURS = ("lion", "streamlion", *(mode + r + m for mode in ("plain", "stream", "delayed", "stale")
-                                for r in ("", "r") for m in MOMENTS))
+OURS = ("lion", "streamlion", "engine", "engine16",
+        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale") for r in ("", "r")
+          for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
 SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,stale:1,delayed16:1,hdo:1,torchao"
 
@@ -143,12 +147,12 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         m = moments_of(name)
         base = name.removesuffix(m)
         mode = base.removesuffix("r") if base.endswith("r") else base.removesuffix("lion") or "plain"
-        ours = build_ours("delayed" if mode == "stale" else mode,
+        ours = build_ours({"stale": "delayed", "engine": "plain"}.get(mode, mode),
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
                           delay=fo.Delay(lookahead=False) if mode == "stale" else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
                           moments=MOMENTS[m], remainders=base.endswith("r"),
-                          threads=args.threads,
+                          threads=args.threads, engine="gpu" if mode == "engine" else "cpu",
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
                     threads=ours.executor.threads, ahead=ours.ahead)
