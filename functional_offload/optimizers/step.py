@@ -259,7 +259,7 @@ class TerminalStep(StepBase):
                 self.work.held_ahead = set() if landed is None else landed.ahead_landed()
             landing = form.finish(gs, rest, ready)
             form.commit()
-            refs = state.params
+            refs = state.params._replace(pending=None)  # the step it held landed before this one
             if landing is not None:
                 lost = self._lost(i for i, g in enumerate(gs) if g is not None)
                 pending = Pending(landing, new_count, state.params.cache, lost, rest)
