@@ -178,3 +178,11 @@ def test_pieces_keep_the_whole_leafs_kernel_path(numel):
             assert lo % 64 == 0 and (hi - lo) % 4 == 0
         else:
             assert (hi - lo) % 4 != 0 or lo % 4 != 0
+
+
+def test_a_chunk_too_small_for_one_element_is_refused():
+    value = torch.zeros(1000)
+    leaf = with_flat_views(Leaf("w", value, value, value, (torch.zeros(1000), torch.zeros(1000)),
+                                None, True, True))
+    with pytest.raises(ValueError, match="capacity 200 bytes"):
+        chunks([leaf], [0], 200)

@@ -82,6 +82,9 @@ def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
         while lo < numel:
             room = _cut((capacity - used - ALIGN * len(state)) // per, numel - lo, numel)
             if room <= 0:
+                if not pieces:
+                    raise ValueError(f"chunk capacity {capacity} bytes holds no element of a "
+                                     f"state of {per} bytes an element")
                 out.append(Chunk(pieces, used))
                 pieces, used = [], 0
                 continue
