@@ -78,11 +78,11 @@ def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
     r"""torch's fused CUDA kernels for fp32 values and moments; the reference otherwise (each
     list shares one device and dtype: its first tensor says which).
 
-    Adam's L2 term :math:`g + \lambda\theta` is made before the kernel, the product rounded
-    on its own: inside it, the kernel's vectorized and element-wise loops may fuse that
-    multiply-add differently, so an element's result would depend on how the leaf is cut and
-    aligned (up to 1 ulp from ``torch.optim.Adam(fused=True)`` here, at a few percent of the
-    elements)."""
+    Adam's L2 term :math:`g + \lambda\theta` is computed before the kernel (the product
+    rounded, then the sum), because the kernel's vectorized and element-wise loops round that
+    multiply-add differently, and which one an element takes depends on how its leaf is cut
+    and aligned. So Adam with ``weight_decay > 0`` may differ from
+    ``torch.optim.Adam(fused=True)`` by 1 ulp at a few percent of the elements."""
     mus, nus = moments
     if not params or not all(x[0].is_cuda and x[0].dtype == torch.float32 for x in (params, mus, nus)):
         reference(params, grads, moments, h)
@@ -152,10 +152,10 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     never grows; where the correction is not finite — denominators past fp32's range, params
     written non-finite — it is dropped, and without a momentum term, :math:`\beta_1' = 0`, or
     without :math:`v_t` in :math:`q`, :math:`\beta_2' = 0`, it is not made). Held params one
-    step behind (after an update that landed nothing: the first, or an exact one) are set from
-    the new values first (:class:`~functional_offload.executor.delayed.Landing`). The
-    denominators are computed in :math:`q`'s
-    dtype, in place; the sums in fp32 (:func:`~functional_offload.optimizers.spec.land`)."""
+    step behind (when the first delayed update's step lands, or that of the first update after
+    a flush, a save or an exact one) are set from the new masters first
+    (:class:`~functional_offload.executor.delayed.Landing`). The denominators are computed in
+    :math:`q`'s dtype, in place; the sums in fp32 (:func:`~functional_offload.optimizers.spec.land`)."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
     # v_t / bc2_t = q * recover. Without a momentum term (beta1' = 0) there is nothing to bring
     # over; with beta2' = 0, q holds nothing of v_t: the base stands as it is

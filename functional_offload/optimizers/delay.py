@@ -1,10 +1,11 @@
-"""How a delayed update (``delayed=True``) keeps its gradients fresh: :class:`Delay`.
+"""How a delayed update (``delayed=True``) keeps its gradients current: :class:`Delay`.
 
 A delayed step returns before the host step is done, so the next forward cannot read the params
 that step computes: left as they are, its gradient is taken at the params of one update earlier
 (one step stale). Staleness costs AdamW much: with the delay alone, a small GPT-style model on
-real text ends 0.6 above the exact run's validation loss (docs/performance.md), because a step
-that answers the gradient of the step before oscillates where an exact one is still stable.
+real text ends 0.6 above ``torch.optim.AdamW``'s validation loss (docs/performance.md), because
+a step that answers the gradient of the step before oscillates where an exact one is still
+stable.
 
 The *look-ahead* removes it. With the new master, moments and the next step's hyperparameters,
 the host step also computes, per element, two values from which the next step's result follows
@@ -43,11 +44,11 @@ class Delay(NamedTuple):
     Attributes:
       lookahead: the params the next forward reads are the next step's values for its own
         gradients (see the module), not the last step's. SGD's and Lion's are exact but for
-        rounding; Adam's and AdamW's but for a fraction (1 - d/d', the ratio of the two
-        steps' denominators) of the error of the params the last forward read (params a
-        step behind, after the first update or an exact one, are set from the new values
-        first). Costs a second value and the base's residual per
-        element through the host step's copies up (3 bytes per bf16 param, 4 per fp32 one:
+        rounding; Adam's and AdamW's but for a fraction (1 - d/d', d and d' the two steps'
+        denominators) of the error of the params the last forward read. Params a step
+        behind (when the first delayed update's step lands, or that of the first update
+        after a flush, a save or an exact one) are set from the new masters first. Costs a
+        second value and the base's residual per element through the host step's copies up (3 bytes per bf16 param, 4 per fp32 one:
         pinned writes, PCIe and device memory) and element-wise ops on the device per update;
         nothing in the state or its checkpoints.
       warmup: the first ``warmup`` updates of a state are exact (counted by the state's step
