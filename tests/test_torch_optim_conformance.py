@@ -685,6 +685,26 @@ def test_delayed_steps_land_before_state_dict():
     assert_same_params(p, q)
 
 
+@pytest.mark.parametrize("max_grad_norm, exact", [(1e-3, True), (1e3, False)])
+def test_max_grad_norm_tells_delayed_steps_when_it_clips(max_grad_norm, exact):
+    """``delayed=fo.Delay(exact_when_clipped=True)`` with ``max_grad_norm``: a step the clip
+    scales lands before ``step`` returns (the params are the run without delay's), one it does
+    not scale is delayed (the params have not moved yet after the first step)."""
+    p, q = make_params(), make_params()
+    opt = fo.TorchOptimizer(p, fo.adamw, lr=1e-2, max_grad_norm=max_grad_norm,
+                            delayed=fo.Delay(exact_when_clipped=True), cpu_kernel="torch")
+    ref = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, max_grad_norm=max_grad_norm, cpu_kernel="torch")
+    before = [x.detach().clone() for x in p]
+    set_grads(p, 0)
+    set_grads(q, 0)
+    opt.step()
+    ref.step()
+    if exact:
+        assert_same_params(p, q)
+    else:
+        assert all(torch.equal(x, b) for x, b in zip(p, before))
+
+
 def test_errors_name_the_param():
     model = torch.nn.Linear(5, 3)
     opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw)

@@ -101,9 +101,9 @@ def split_halves(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> Non
 
 
 def split_base(base: torch.Tensor, hi: torch.Tensor, residual: torch.Tensor) -> None:
-    """Write the fp32 ``base`` as the high half of its bits ``hi`` (bf16) and the byte below
-    it ``residual`` (``int8``)."""
-    quads = base.contiguous().view(torch.uint8).view(*base.shape, 4)  # little-endian bytes
+    """Write ``base`` as fp32 (an fp64 master's rounded) as the high half of its bits ``hi``
+    (bf16) and the byte below it ``residual`` (``int8``)."""
+    quads = base.float().contiguous().view(torch.uint8).view(*base.shape, 4)  # little-endian
     hi.view(torch.uint8).view(*base.shape, 2).copy_(quads[..., 2:])
     residual.view(torch.uint8).copy_(quads[..., 1])
 

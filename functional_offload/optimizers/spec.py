@@ -292,7 +292,8 @@ def land(fn: LandAheadFn, params: list, bases: list, residuals: list, rates: lis
                 n = sum(x.numel() for x in p)
                 p, b, q, g = ([_end_to_end(xs, n)] for xs in (p, b, q, g))
                 e = [None] if e[0] is None else [_end_to_end(e, n)]
-            b32 = [x.float() if r is None else join_base(x, r) for x, r in zip(b, e)]
+            b32 = [x.to(torch.promote_types(x.dtype, torch.float32)) if r is None
+                   else join_base(x, r) for x, r in zip(b, e)]  # fp64 params' in fp64
             fn(p, b32, q, g, hyper, next_hyper)
             if len(mine) > 1:
                 out = b32[0].to(ps[0].dtype)

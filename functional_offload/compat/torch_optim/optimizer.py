@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from functional_offload.base import Optimizer
-from functional_offload.state import FAILED, flush
+from functional_offload.state import FAILED, flush, terminal_states
 from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
 from functional_offload.compat.torch_optim.groups import GroupStates, GroupStep
 from functional_offload.compat.torch_optim.state_dicts import (from_earlier_format,
@@ -65,9 +65,10 @@ class TorchOptimizer(torch.optim.Optimizer):
     (zero) state.
 
     Masters: a param whose state has a master (low-precision params; GPU params whose state is
-    on the host) is written from that master at every step. After changing such params' values
-    outside the optimizer (``model.load_state_dict`` mid-run), call :meth:`sync_masters`, or the
-    next step overwrites the change.
+    on the host; with ``delayed``, every param whose state is on the host, fp32 ones too) is
+    written from that master at every step. After changing such params' values outside the
+    optimizer (``model.load_state_dict`` mid-run, a ``clamp_`` after each step), call
+    :meth:`sync_masters`, or the next step overwrites the change.
 
     ``accelerate``: ``Accelerator.prepare`` copies every tensor of an optimizer's
     ``state_dict()`` to the accelerator and loads it back. The state is created at the first
@@ -198,7 +199,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         for run in runs:
             self._gather(run)
         if self._clip is not None and runs:
-            clipped, _ = self._clip.update([r.grads for r in runs], self._clip.init(None))
+            grads, clip_state = [r.grads for r in runs], self._clip.init(None)
+            caches = [s.params.cache for r in runs for s in terminal_states(r.slot.state)
+                      if s.params.cache is not None and s.params.cache.wants_scale]
+            if caches:  # delayed=Delay(exact_when_clipped=True): a step the clip scales is exact
+                ones = bool(self._clip.global_scale(grads, clip_state).eq(1).all())  # (a sync)
+                for c in caches:
+                    c.scale_was_one = ones
+            clipped, _ = self._clip.update(grads, clip_state)
             for r, g in zip(runs, clipped):
                 r.grads = g
         interrupt: Optional[BaseException] = None
