@@ -20,7 +20,7 @@ import torch
 from functional_offload.base import ParamRefs, StateError, StepCache
 from functional_offload.kernels.remainder import high, is_split
 from functional_offload.quantized import is_quantized, write_params
-from functional_offload.tree import check_grads, flatten_like, local
+from functional_offload.tree import check_grads, flatten_like, local, paths_of
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
@@ -148,6 +148,17 @@ def mark_failed(count: torch.Tensor, cache: Optional[StepCache], lost: list[str]
     count.fill_(FAILED)
     if cache is not None:
         cache.lost_params = list(lost)
+
+
+def mark_torn(state: OptState, changed: set[str]) -> None:
+    """Mark the terminal states inside ``state`` :data:`FAILED`: their step completed, but within
+    a larger one that failed (a :func:`~functional_offload.partition`'s other part). ``changed``:
+    the paths of the params that step changed; those the states keep no master of are lost to
+    a checkpoint load (:func:`mark_failed`)."""
+    for s in terminal_states(state):
+        masters, spec = optree.tree_flatten(s.master, none_is_leaf=True)
+        lost = [p for p, m in zip(paths_of(spec), masters) if m is None and p in changed]
+        mark_failed(s.count, s.params.cache, lost)
 
 
 def check_recoverable(state: OptState) -> None:

@@ -14,7 +14,8 @@ from functional_offload.base import (EmptyState, GradientTransformation, Optimiz
                                      Step, StepBase)
 from functional_offload.combine import begin_step, merge_grads
 from functional_offload.executor.shield import shielded
-from functional_offload.state import CONSUMED, FAILED, check_usable, params_of, terminal_counts
+from functional_offload.state import (CONSUMED, FAILED, check_usable, mark_torn, params_of,
+                                      terminal_counts)
 from functional_offload.tree import check_grads, insertion_order, leaves_with_paths, paths_of
 from functional_offload.typing import OptState, Params, Updates
 
@@ -63,7 +64,9 @@ def partition(transforms: Mapping[str, AnyT], labels: Labels) -> AnyT:
     returns). Every grad is checked before any part steps; then the parts' steps run
     concurrently, each in a thread of its own (parts sharing an executor take turns on it). A
     step that fails after a part was applied marks the state failed (load a checkpoint into
-    it); an interrupt (Ctrl-C) lets every part complete, then is raised (the state passed in
+    it; where that part changed params in place that it keeps no master of, fp32 params say,
+    the load names them: restore them from the model's checkpoint and load into a new state,
+    as after any failed step); an interrupt (Ctrl-C) lets every part complete, then is raised (the state passed in
     then holds the step). :func:`~functional_offload.plan` shows every part's placement, and
     :func:`~functional_offload.stream` streams every part: a leaf's grad goes to its part's
     step as soon as it arrives.
@@ -320,6 +323,8 @@ class _Partitioned(StepBase):
             moved = [k for k, c in self.counts.items() if terminal_counts(self.state.inner_states[k]) != c]
             if news or moved:
                 self.state.inner_states.update(news)  # torn: loading a checkpoint into it recovers
+                for label, s in news.items():  # (but params it keeps no master of)
+                    mark_torn(s, {self.paths[i] for i in self.parts[label] if flat[i] is not None})
                 self.state.refs.count.fill_(FAILED)
             if interrupt is not None:
                 raise interrupt from errors[0]
