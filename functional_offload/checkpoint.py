@@ -26,9 +26,9 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from functional_offload.base import GradientTransformation, Optimizer, ParamRefs
-from functional_offload.state import (BUSY, CONSUMED, FAILED, check_recoverable,
-                                      check_states, check_usable, claim, flush, mark_tensors,
-                                      release, restore_params, terminal_states)
+from functional_offload.state import (FAILED, check_loadable, check_recoverable, check_states,
+                                      check_usable, claim, flush, mark_tensors, release,
+                                      restore_params, terminal_states)
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.remainder import is_split, join, split_
@@ -106,10 +106,7 @@ def ready_for_load(like: OptState) -> None:
     dropped); a failed state may be loaded into (that is how it recovers; its params are then
     set from the masters loaded), unless its failed step changed params it keeps no master of;
     a consumed one or one in a step may not (:class:`~functional_offload.StateError`)."""
-    for s in terminal_states(like):
-        n = int(s.count) if isinstance(s.count, torch.Tensor) and s.count.dim() == 0 else 0
-        if n in (CONSUMED, BUSY):
-            check_usable(s, "load into it")
+    check_loadable(like)
     check_recoverable(like)  # a failed step's params: restored from the masters loaded
     for s in terminal_states(like):
         if s.params.pending is not None:

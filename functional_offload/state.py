@@ -124,6 +124,13 @@ def check_usable(state: OptState, action: str) -> None:
     _refuse_marked(_marked(state), action)
 
 
+def check_loadable(state: OptState) -> None:
+    """Raise :class:`StateError` if a state inside ``state`` — a wrapper's too — is consumed or
+    in a step: a load would overwrite buffers that a newer state shares. A failed one may be
+    loaded into (that is how it recovers)."""
+    _refuse_marked([(s, n) for s, n in _marked(state) if n in (CONSUMED, BUSY)], "load into it")
+
+
 def _refuse_marked(marked: list[tuple[Any, int]], action: str) -> None:
     for s, n in marked:
         name = type(s).__name__

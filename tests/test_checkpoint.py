@@ -535,3 +535,25 @@ def test_a_mirror_master_of_another_shape_is_refused_naming_it(tmp_path):
     sd["1.master.scale"] = torch.zeros(2)
     with pytest.raises(fo.CheckpointError, match=r"1\.master\.scale"):
         fo.load_state_dict(sd, _mode_opt("plain").init(make_params()))
+
+
+@pytest.mark.parametrize("wrap", ["multi_steps", "apply_if_finite"])
+def test_a_load_into_a_consumed_wrapper_state_is_refused(tmp_path, wrap):
+    """A wrapper's state consumed by an update (a MultiSteps micro-step, a skipped non-finite
+    step), whose inner optimizer state was not: the newer state shares its buffers, so a load
+    into it is refused and the newer state is left as it was."""
+    if wrap == "multi_steps":
+        opt, bad = fo.MultiSteps(fo.sgd(1.0), every_k=2), torch.ones(2)
+    else:
+        opt, bad = fo.apply_if_finite(fo.adamw(1e-2)), torch.tensor([float("nan"), 0.0])
+    params = {"w": torch.zeros(2)}
+    s0 = opt.init(params)
+    fo.save(s0, tmp_path / "s")
+    params, s1 = opt.update({"w": bad}, s0)  # consumes s0; its inner state goes on in s1
+    before = {k: v.clone() for k, v in fo.state_dict(s1).items()}
+    for load in (lambda: fo.load(tmp_path / "s", like=s0),
+                 lambda: fo.load_state_dict(before, like=s0)):
+        with pytest.raises(fo.StateError, match="consumed"):
+            load()
+    after = fo.state_dict(s1)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
