@@ -172,6 +172,19 @@ def test_scale_and_masked():
     assert torch.equal(out["w"], torch.full((2, 2), 3.0)) and torch.equal(out["b"], torch.ones(2))
 
 
+@pytest.mark.parametrize("mask", [{"w": True, "b": False}, lambda g: {k: True for k in g}],
+                         ids=["tree", "callable"])
+def test_masked_passes_a_missing_grad_through(mask):
+    """A leaf without a grad (None), as the optimizers skip it: masked keeps it None, and the
+    chain's optimizer leaves its param as it was."""
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    opt = fo.chain(fo.masked(fo.clip_by_global_norm(1.0), mask), fo.sgd(0.1))
+    p, state = opt.update({"w": torch.ones(2, 2), "b": None}, opt.init(params))
+    assert torch.equal(p["b"], torch.ones(2))
+    torch.testing.assert_close(p["w"], torch.full((2, 2), 0.95))  # clipped to norm 1
+    p, state = opt.update({"w": torch.ones(2, 2), "b": torch.ones(2)}, state)
+
+
 def test_chain_types_and_schedules():
     assert isinstance(fo.chain(fo.scale(1.0), fo.sgd(0.1)), fo.Optimizer)
     assert isinstance(fo.chain(fo.scale(1.0), fo.clip_by_global_norm(1.0)), fo.GradientTransformation)

@@ -35,18 +35,19 @@ def masked(inner: GradientTransformation, mask: Mask) -> GradientTransformation:
         raise TypeError("masked() wraps a GradientTransformation; for terminal optimizers use "
                         "their weight_decay_mask or a placement")
 
-    def resolve(updates: Updates) -> list[bool]:
-        tree = mask(updates) if callable(mask) else mask
-        return [bool(m) for m in flatten_like(tree, updates, "mask")]
+    def resolve(tree: Any) -> tuple[list[Any], optree.PyTreeSpec, list[bool]]:
+        """The leaves of ``tree`` (params or updates; ``None`` for a leaf without a grad), its
+        structure and the mask's flag of each."""
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
+        m = mask(tree) if callable(mask) else mask
+        return leaves, spec, [bool(f) for f in flatten_like(m, tree, "mask", spec)]
 
     def init(params: Params) -> OptState:
-        flags = resolve(params)
-        leaves, spec = optree.tree_flatten(params)
+        leaves, spec, flags = resolve(params)
         return inner.init(optree.tree_unflatten(spec, [x if f else None for x, f in zip(leaves, flags)]))
 
     def update(updates: Updates, state: OptState) -> tuple[Updates, OptState]:
-        flags = resolve(updates)
-        leaves, spec = optree.tree_flatten(updates, none_is_leaf=True)
+        leaves, spec, flags = resolve(updates)
         sub = optree.tree_unflatten(spec, [x if f else None for x, f in zip(leaves, flags)])
         new_sub, state = inner.update(sub, state)
         new = optree.tree_flatten(new_sub, none_is_leaf=True)[0]
