@@ -32,7 +32,7 @@ from functional_offload.state import (FAILED, check_loadable, check_recoverable,
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.remainder import is_split, join, split_
-from functional_offload.tree import flatten_like, leaves_with_paths, local
+from functional_offload.tree import check_unique_paths, flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
 
 __all__ = ["state_dict", "load_state_dict", "save", "load", "CheckpointError"]
@@ -139,8 +139,7 @@ def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
 def state_tensors(state: OptState) -> dict[str, torch.Tensor]:
     """:func:`state_dict` without its checks and without landing work in flight."""
     paths, leaves = _state_leaves(state)
-    if len(set(paths)) != len(paths):
-        raise ValueError("two state leaves share a dotted path; use keys without dots")
+    check_unique_paths(paths, "state", "a checkpoint names each state tensor by its path")
     return {p: join(x) if is_split(x) else x for p, x in zip(paths, leaves)}
 
 

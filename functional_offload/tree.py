@@ -96,6 +96,19 @@ def flatten_like(tree: Any, reference: Any, what: str,
                          "gradient).") from None
 
 
+def check_unique_paths(paths: Sequence[str], what: str, why: str) -> None:
+    """Raise ``ValueError`` naming the first dotted path two leaves of ``what`` share (keys
+    with dots, ``{'a.b': x}`` beside ``{'a': {'b': y}}``, or ``0`` beside ``'0'``); ``why``:
+    what names the leaves by their paths."""
+    seen: set[str] = set()
+    for p in paths:
+        if p in seen:
+            raise ValueError(f"two {what} leaves have the dotted path {p!r} (e.g. {{'a.b': x}} "
+                             f"and {{'a': {{'b': y}}}}, or the keys 0 and '0'); {why}: rename "
+                             "one")
+        seen.add(p)
+
+
 def check_tensor_leaves(leaves: Sequence[Any], paths: Sequence[str], what: str) -> None:
     """Raise ``TypeError`` naming the first leaf of ``leaves`` that is not a tensor."""
     for path, leaf in zip(paths, leaves):

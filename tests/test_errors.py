@@ -142,3 +142,12 @@ def test_a_labels_tree_that_does_not_fit_gives_the_totals():
     assert "does not match the params (9 leaves)" in msg, msg
     assert "without a label ['l1', 'l2', 'l3', 'l4', 'l5'] and 3 more (8 in all)" in msg, msg
     assert "labels of no param ['x0', 'x1', 'x2', 'x3', 'x4'] and 2 more (7 in all)" in msg, msg
+
+
+@pytest.mark.parametrize("params", [{"a.b": torch.ones(2), "a": {"b": torch.ones(2)}},
+                                    {0: torch.ones(2), "0": torch.ones(2)}])
+def test_params_whose_dotted_paths_coincide_are_refused_at_init(params):
+    """A checkpoint names each leaf's state by its dotted path: two leaves with one path are
+    refused at ``init``, naming it, not at the first save."""
+    with pytest.raises(ValueError, match=r"dotted path '(a\.b|0)'.*rename one"):
+        fo.adamw(1e-2).init(params)

@@ -30,7 +30,7 @@ from functional_offload.optimizers.layout import Leaf, decay_flags, layout
 from functional_offload.optimizers.step import TerminalStep
 from functional_offload.placement import Placement, on_host, previewing, record_plan
 from functional_offload.quantized import is_quantized
-from functional_offload.tree import (check_no_aliasing, check_tensor_leaves,
+from functional_offload.tree import (check_no_aliasing, check_tensor_leaves, check_unique_paths,
                                      leaves_with_paths, local)
 from functional_offload.typing import Params, ScalarOrSchedule
 
@@ -298,6 +298,7 @@ class Terminal:
     def init(self, params: Params) -> Any:
         paths, leaves, spec = leaves_with_paths(params)
         check_tensor_leaves(leaves, paths, "params")
+        check_unique_paths(paths, "params", "checkpoints name each leaf's state by its path")
         locals_ = [local(p) for p in leaves]  # DTensor params: state for this rank's shard
         self._check_params(paths, locals_)
         tree = optree.tree_unflatten(spec, locals_)

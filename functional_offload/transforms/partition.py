@@ -16,7 +16,8 @@ from functional_offload.combine import begin_step, merge_grads
 from functional_offload.executor.shield import shielded
 from functional_offload.state import (CONSUMED, FAILED, check_usable, mark_torn, params_of,
                                       terminal_counts)
-from functional_offload.tree import check_grads, insertion_order, leaves_with_paths, paths_of
+from functional_offload.tree import (check_grads, check_unique_paths, insertion_order,
+                                     leaves_with_paths, paths_of)
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = ["PartitionRefs", "PartitionState", "partition"]
@@ -146,11 +147,7 @@ def _resolve(transforms: dict[str, AnyT], labels: Labels,
     """``(paths, leaves, labels, spec)`` of ``tree`` (params or grads; ``None`` kept)."""
     leaves, spec = optree.tree_flatten(tree, none_is_leaf=True)
     paths = paths_of(spec)
-    if len(set(paths)) != len(paths):
-        dup = next(p for p in paths if paths.count(p) > 1)
-        raise ValueError(f"two params leaves have the dotted path {dup!r} (e.g. {{'a.b': x}} "
-                         "and {'a': {'b': y}}); partition names each part's leaves by their "
-                         "path: rename one")
+    check_unique_paths(paths, "params", "partition names each part's leaves by their path")
     names = labels(tree) if callable(labels) else labels
     try:
         flat = spec.flatten_up_to(names)
