@@ -358,6 +358,28 @@ def test_retain_graph_backward_twice():
     assert_same(first, second)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_run_gives_fn_its_keywords_even_those_named_like_checkpoints(recompute):
+    """``off.run(i, fn, x, debug=True, ...)`` calls ``fn(x, debug=True, ...)`` whether the group
+    is kept or recomputed (torch.utils.checkpoint has options of those names)."""
+    w = torch.randn(4, 4, requires_grad=True)
+    got = []
+
+    def fn(x, w, debug=False, preserve_rng_state=None, context_fn=None):
+        got.append((debug, preserve_rng_state, context_fn))
+        return (x @ w) * (2.0 if debug else 1.0)
+
+    off = ActivationOffload(2, offload=0, recompute_groups=[0] if recompute else ())
+    loss = lambda p, x: off.run(1, torch.tanh, off.run(  # noqa: E731
+        0, fn, x, p, debug=True, preserve_rng_state=False, context_fn="mine")).sum()
+    value, grad = off.value_and_grad(loss)(w, torch.ones(2, 4))
+    want = w.detach().clone().requires_grad_()
+    ref = torch.tanh((torch.ones(2, 4) @ want) * 2.0).sum()
+    ref.backward()
+    assert got and all(g == (True, False, "mine") for g in got)
+    assert torch.equal(value, ref.detach()) and torch.equal(grad, want.grad)
+
+
 NAN = float("nan")
 BAD_OPTIONS = {  # option: values refused (with offload=1 unless the option is budget_bytes)
     "num_groups": [True, 0, -1, 2.0, "4", None],

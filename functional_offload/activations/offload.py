@@ -148,7 +148,9 @@ class ActivationOffload:
                 step.measure.inputs[index] = sum(seen.values())
             if step.decisions[index] in _RECOMPUTING:
                 self.stats["recomputed_groups"] += 1
-                return checkpoint(Recomputed(fn, index), *args, use_reentrant=False, **kwargs)
+                # fn's keywords bound here: checkpoint would take some (debug, context_fn...)
+                return checkpoint(Recomputed(functools.partial(fn, **kwargs), index), *args,
+                                  use_reentrant=False)
             return fn(*args, **kwargs)
 
     @contextlib.contextmanager
