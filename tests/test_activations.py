@@ -462,3 +462,18 @@ def test_errors_name_the_fix():
     with pytest.raises(RuntimeError, match="value_and_grad"):
         torch.func.grad(loss_fn)(make_params(), torch.randn(4, D))
     assert fo.ActivationOffload is ActivationOffload
+
+
+def test_budget_mode_warns_when_a_group_never_runs():
+    """budget_bytes plans from a step where every group ran: one that never runs leaves the
+    budget unapplied, and says so once, naming the group."""
+    blocks = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+    off = ActivationOffload(4, budget_bytes=1, min_bytes=0)
+    with pytest.warns(RuntimeWarning, match=r"groups \[3\] of 0 … 3 did not run"):
+        for _ in range(2):
+            with off.record(exclude=blocks):
+                h = torch.randn(32, 64)
+                for i in range(3):
+                    h = off.run(i, lambda b, x: torch.tanh(b(x)), blocks[i], h)
+            h.sum().backward()
+    assert off.plan is None

@@ -102,8 +102,12 @@ class Measure:
             head = self._seconds(self.exit[n - 1], self.bwd[n - 1])
         return fwd, max(head - gap[n], 0.0)
 
+    def missing(self) -> list[int]:
+        """The groups that did not run (enter and exit) in the profiled step."""
+        return [i for i, (a, b) in enumerate(zip(self.enter, self.exit)) if a is None or b is None]
+
     def complete(self) -> bool:
-        return not any(m is None for m in self.enter + self.exit)
+        return not self.missing()
 
     def profile(self, saved: Sequence[int], small: Sequence[int], outside_before: int,
                 outside: int) -> Optional[Profile]:

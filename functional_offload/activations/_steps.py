@@ -62,6 +62,7 @@ class Budget:
         self.bound, self.stats = max_inflight_bytes, stats
         self.plans: dict[Any, _PlanState] = {}
         self.last_key: Any = None
+        self.warned_missing = False
 
     @property
     def plan(self) -> Optional[ActivationPlan]:
@@ -128,6 +129,13 @@ class Budget:
                 return
             profile = m.profile(step.saved, step.small, step.outside_before, step.outside)
             if profile is None:
+                if not self.warned_missing:
+                    self.warned_missing = True
+                    warnings.warn(f"budget_bytes: groups {m.missing()} of 0 … "
+                                  f"{self.num_groups - 1} did not run in a profiled step, so no "
+                                  "plan is made and the budget is not applied (the next step "
+                                  "profiles again): run every group each step, or lower "
+                                  "num_groups", RuntimeWarning, stacklevel=2)
                 return
             self.stats["measured_steps"] += 1
             self.plans[step.key] = state = _PlanState(profile)

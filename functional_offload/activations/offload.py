@@ -248,7 +248,10 @@ class ActivationOffload:
             raise RuntimeError(f"group {index} ran with autograd on but outside off.record() / "
                                "off.value_and_grad, so nothing would be offloaded or recomputed: "
                                "wrap the forward in `with off.record(exclude=model):` (or run it "
-                               "under torch.no_grad() to evaluate)")
+                               "under torch.no_grad() to evaluate). If it did run in one, an "
+                               "outer torch.utils.checkpoint (gradient checkpointing) re-ran it "
+                               "during backward: recompute it through this ActivationOffload "
+                               "instead (recompute_groups, off.run), not around its groups")
 
     def _resolve(self, step: Recording, key: Any, device: Optional[torch.device]) -> None:
         """This step's decisions: fixed counts, a plan for these input shapes, or profiling."""
