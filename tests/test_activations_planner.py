@@ -7,6 +7,7 @@ step, the budget met by the predicted peak, and when profiling and re-planning h
 """
 
 import contextlib
+import dataclasses
 import itertools
 import random
 import warnings
@@ -423,3 +424,19 @@ def test_timing_steps_that_never_end_fall_back_to_the_first_steps_times():
     assert off.plan is not None
     for a, b in zip(got, grads(blocks, x), strict=True):
         assert torch.equal(a, b)
+
+
+def test_bad_profiles_and_decisions_are_refused_naming_the_field():
+    good = fo.activations.Profile.uniform(4, saved_bytes=1 << 20, forward_s=1e-3)
+    for field, value, match in (("small_bytes", [0, 0], "small_bytes has 2 entries"),
+                                ("saved_bytes", [-100] * 4, "saved_bytes holds -100"),
+                                ("forward_s", [float("nan")] * 4, "forward_s holds nan"),
+                                ("backward_ratio", -3.0, "backward_ratio is -3.0"),
+                                ("h2d_bytes_per_s", float("inf"), "h2d_bytes_per_s is inf")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(good, **{field: value})
+    for decisions in (["keep"] * 3, ["keep", "kept", "keep", "keep"]):
+        with pytest.raises(ValueError, match="one decision per group"):
+            fo.activations.simulate(good, decisions)
+    with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
+        fo.activations.simulate(good, ["keep"] * 4, prefetch=0)

@@ -10,6 +10,7 @@ compute, which waits only when the copies fall behind; ``recompute`` holds the g
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple, Optional, Sequence
 
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Simulation",
@@ -44,6 +45,29 @@ class Profile:
     d2h_bytes_per_s: float = 0.0  # 0: nothing can be offloaded (the CPU pass-through)
     h2d_bytes_per_s: float = 0.0
     peak_bytes: Optional[int] = None  # the measured step's peak above its start (GPU only)
+
+    def __post_init__(self) -> None:
+        """Refuse what no step measures, naming the field: per-group lists of unequal lengths
+        (or none), negative byte counts, negative or non-finite times and rates."""
+        lists = ("saved_bytes", "small_bytes", "input_bytes", "forward_s", "recomputable",
+                 "other_fwd_bytes", "other_bwd_bytes")
+        n = len(self.saved_bytes)
+        for name in lists:
+            if len(getattr(self, name)) != n or n == 0:
+                raise ValueError(f"Profile.{name} has {len(getattr(self, name))} entries; every "
+                                 f"per-group list needs one per group (saved_bytes has {n}, at "
+                                 "least 1)")
+        for name in ("saved_bytes", "small_bytes", "input_bytes", "forward_s"):
+            bad = next((x for x in getattr(self, name) if not 0 <= x < math.inf), None)
+            if bad is not None:
+                raise ValueError(f"Profile.{name} holds {bad!r}; it must be finite and >= 0")
+        for name in ("outside_s", "d2h_bytes_per_s", "h2d_bytes_per_s"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"Profile.{name} is {getattr(self, name)!r}; it must be finite "
+                                 "and >= 0")
+        if not 0 < self.backward_ratio < math.inf:
+            raise ValueError(f"Profile.backward_ratio is {self.backward_ratio!r}; it must be "
+                             "finite and > 0")
 
     @classmethod
     def uniform(cls, num_groups: int, saved_bytes: int, forward_s: float, *, input_bytes: int = 0,
@@ -163,6 +187,12 @@ def simulate(p: Profile, decisions: Sequence[str], *, max_inflight_bytes: Option
         fo.activations.simulate(p, ["recompute"] * 8).peak_bytes  # 1 GiB: one group at a time
     """
     n, f, beta = p.num_groups, p.forward_s, p.backward_ratio
+    if len(decisions) != n or any(d not in (KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD)
+                                  for d in decisions):
+        raise ValueError(f"simulate takes one decision per group ({n}), each one of "
+                         f"{[KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD]}; got {list(decisions)}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
     if p.d2h_bytes_per_s <= 0:  # nothing moves: offloading keeps, recompute+offload recomputes
         decisions = [{OFFLOAD: KEEP, RECOMPUTE_OFFLOAD: RECOMPUTE}.get(d, d) for d in decisions]
     moved = [_moved(p, i, d) for i, d in enumerate(decisions)]
