@@ -128,10 +128,14 @@ class Placement:
         return f"Placement({self.name})"
 
     def decide(self, leaves: Sequence[LeafInfo]) -> list[bool]:
-        out = [bool(x) for x in self._decide(leaves)]
+        out = list(self._decide(leaves))
         if len(out) != len(leaves):
             raise ValueError(f"placement {self.name} returned {len(out)} decisions for "
                              f"{len(leaves)} leaves")
+        for leaf, x in zip(leaves, out):
+            if not isinstance(x, bool):
+                raise TypeError(f"placement {self.name} decided {x!r} for leaf {leaf.path!r}; "
+                                "each decision must be a bool (True: its state on the host)")
         return out
 
     def plan(self, params: Params, state_bytes: Sequence[int] | None = None,
@@ -304,7 +308,7 @@ def device_budget(max_bytes: int) -> Placement:
 
 def predicate(fn: Callable[[str, torch.Tensor], bool]) -> Placement:
     """Offload the leaves for which ``fn(path, param)`` is true."""
-    return Placement(lambda leaves: [fn(leaf.path, leaf.tensor) for leaf in leaves],
+    return Placement(lambda leaves: [bool(fn(leaf.path, leaf.tensor)) for leaf in leaves],
                      f"predicate({getattr(fn, '__name__', 'fn')})")
 
 
@@ -317,6 +321,10 @@ def select(fn: Callable[[str, torch.Tensor], bool], if_true: Placement,
 
         select(lambda path, p: p.numel() < 65536, on_device(), offload_fraction(0.5))
     """
+    for name, x in (("if_true", if_true), ("if_false", if_false)):
+        if not isinstance(x, Placement):
+            raise TypeError(f"select's {name} must be a Placement (e.g. on_device(), "
+                            f"offload_fraction(0.5)), got {type(x).__name__}")
 
     def decide(leaves: Sequence[LeafInfo]) -> list[bool]:
         picks = [bool(fn(leaf.path, leaf.tensor)) for leaf in leaves]

@@ -246,3 +246,13 @@ def test_a_budget_policy_decides_on_the_bytes_init_makes():
     plan = fo.plan(fo.adamw(1e-3, placement=P.device_budget(2000), ema_decay=0.9), params)
     assert plan.on_host == (True, True) and plan.device_bytes == 0
     assert plan.state_bytes == (3200, 3200)  # on the host, a device param gets an fp64 master
+
+
+def test_a_custom_placement_decides_bools_and_select_takes_placements():
+    params = {"a": torch.empty(4, 4, device="meta"), "b": torch.empty(4, device="meta")}
+    for bad in (["no", "no"], [2, 0], [None, True]):
+        with pytest.raises(TypeError, match=r"decided .* for leaf 'a'; each decision must be a bool"):
+            fo.placement.Placement(lambda leaves, bad=bad: bad, "mine").plan(params)
+    assert fo.placement.predicate(lambda path, p: "b" in path or None).plan(params).on_host == (False, True)
+    with pytest.raises(TypeError, match="select's if_false must be a Placement"):
+        fo.placement.select(lambda path, p: True, fo.placement.on_device(), 0.5)
