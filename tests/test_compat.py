@@ -252,3 +252,14 @@ def test_placement_report_table_and_json(tmp_path):
     data = json.loads(rep.to_json(tmp_path / "r.json"))
     assert data["host_bytes"] == rep.host_bytes
     assert json.loads((tmp_path / "r.json").read_text())["leaves"][5]["shape"] == [4, 4]
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(optimizer_cpu_offload="no"), TypeError, "optimizer_cpu_offload must be True or False"),
+    (dict(apply_wd_to_qk_layernorm="False"), TypeError, "apply_wd_to_qk_layernorm must be True"),
+    (dict(adam_eps=float("inf")), ValueError, "adam_eps must be a number"),
+    (dict(optimizer="sgd", exp_avg_dtype="bf16"), ValueError, "exp_avg_dtype='bf16' is Adam's"),
+])
+def test_megatron_loose_values_are_refused_naming_the_field(options, error, match):
+    with pytest.raises(error, match=match):
+        fo.compat.optimizer_from_megatron(lr=1e-3, **options)

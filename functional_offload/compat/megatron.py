@@ -115,11 +115,15 @@ def _options(config: Any, options: dict[str, Any]) -> dict[str, Any]:
 def _number(name: str, x: Any, low: float, high: float = math.inf, closed: bool = True) -> float:
     """``x`` as a float in [low, high] (``closed``) or [low, high), else ``ValueError`` naming
     the Megatron field."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not (
             low <= x <= high if closed else low <= x < high):
         bound = f"[{low:g}, {high:g}]" if closed else f"[{low:g}, {high:g})"
         raise ValueError(f"{name} must be a number in {bound}, got {x!r}")
     return float(x)
+
+
+_FLAGS = ("optimizer_cpu_offload", "decoupled_weight_decay", "use_precision_aware_optimizer",
+          "store_param_remainders", "apply_wd_to_qk_layernorm", "fp16")
 
 
 def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
@@ -161,6 +165,9 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
         >>> # opt = fo.compat.optimizer_from_megatron(OptimizerConfig(lr=3e-4, bf16=True, ...))
     """
     o = _options(config, options)
+    for name in _FLAGS:
+        if not isinstance(o[name], bool):
+            raise TypeError(f"{name} must be True or False, got {o[name]!r}")
     if o["optimizer"] not in ("adam", "sgd"):
         raise ValueError(f"optimizer={o['optimizer']!r}: the choices here are 'adam' and 'sgd'")
     if o["lr"] is None:
@@ -189,6 +196,10 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     common = dict(lr=o["lr"], weight_decay=_number("weight_decay", o["weight_decay"], 0.0),
                   placement=placement, master_dtype=master, weight_decay_mask=mask)
     if o["optimizer"] == "sgd":  # fp32 momentum, as Megatron's (exp_avg_dtype is Adam's)
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if _dtype(name, o[name], _MOMENTS) != torch.float32:
+                raise ValueError(f"{name}={o[name]!r} is Adam's; SGD keeps its momentum in fp32, "
+                                 "as Megatron's")
         last = sgd(momentum=_number("sgd_momentum", o["sgd_momentum"], 0.0), **common)
     else:
         make = adamw if o["decoupled_weight_decay"] else adam
