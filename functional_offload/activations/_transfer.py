@@ -63,6 +63,8 @@ class Pool:
             extra = max(0, min(len(free), self.in_use.get(size, 0) + len(free) - keep))
             del free[:extra]
             self.bytes -= size * extra
+        self.free = {size: free for size, free in self.free.items() if free}
+        self.in_use = {size: n for size, n in self.in_use.items() if n}
         self.most_before, self.most = self.most, dict(self.in_use)
 
 

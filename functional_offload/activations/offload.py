@@ -18,6 +18,7 @@ from functional_offload.activations._steps import Budget, Recording
 from functional_offload.activations._transfer import Kept, Moved, Mover, Pool
 from functional_offload.activations.cost_model import OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD
 from functional_offload.activations.planner import ActivationPlan
+from functional_offload.tree import check_tensor_leaves, leaves_with_paths
 
 _RECOMPUTING = (RECOMPUTE, RECOMPUTE_OFFLOAD)
 _MOVING = (OFFLOAD, RECOMPUTE_OFFLOAD)
@@ -229,7 +230,8 @@ class ActivationOffload:
         """
 
         def wrapped(params: Any, *args: Any, **kwargs: Any) -> tuple:
-            leaves, spec = optree.tree_flatten(params)
+            paths, leaves, spec = leaves_with_paths(params)
+            check_tensor_leaves(leaves, paths, "params")
             inputs = [p.detach().requires_grad_() for p in leaves]
             with torch.enable_grad(), self.record(exclude=inputs):
                 loss = loss_fn(optree.tree_unflatten(spec, inputs), *args, **kwargs)
@@ -240,6 +242,9 @@ class ActivationOffload:
 
     # ---- decisions ------------------------------------------------------------------------
     def _check_index(self, index: int) -> None:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise TypeError(f"a group index is an int in 0 … {self.num_groups - 1}, got "
+                            f"{index!r}")
         if not 0 <= index < self.num_groups:
             raise ValueError(f"group {index} is out of range 0 … {self.num_groups - 1}")
 
