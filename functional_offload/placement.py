@@ -268,7 +268,7 @@ def offload_fraction(fraction: float, *, from_end: bool = False) -> Placement:
         threshold = f * sum(leaf.numel for leaf in leaves)
         out, running = [], 0
         for leaf in (reversed(leaves) if from_end else leaves):
-            host = running < threshold
+            host = running < threshold or f == 1.0  # 1.0: every leaf, empty ones too (on_host)
             running += leaf.numel if host else 0
             out.append(host)
         return out[::-1] if from_end else out

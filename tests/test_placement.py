@@ -256,3 +256,10 @@ def test_a_custom_placement_decides_bools_and_select_takes_placements():
     assert fo.placement.predicate(lambda path, p: "b" in path or None).plan(params).on_host == (False, True)
     with pytest.raises(TypeError, match="select's if_false must be a Placement"):
         fo.placement.select(lambda path, p: True, fo.placement.on_device(), 0.5)
+
+
+def test_offload_fraction_one_is_on_host_with_empty_leaves():
+    for params in ({"a": torch.empty(4, device="meta"), "z": torch.empty(0, device="meta")},
+                   {"z": torch.empty(0, device="meta")}):
+        assert (fo.placement.offload_fraction(1.0).plan(params).on_host
+                == fo.placement.on_host().plan(params).on_host)
