@@ -22,7 +22,7 @@ from functional_offload.state import (check_usable, claim, grads_for, mark_tenso
 from functional_offload.tree import flatten_like
 from functional_offload.typing import OptState, Params, Updates
 
-__all__ = ["chain", "HeldStep", "merge_grads", "begin_step", "run_inner", "Wrapped"]
+__all__ = ["chain", "HeldStep", "merge_grads", "begin_step", "run_inner", "through", "Wrapped"]
 
 AnyTransformation = Union[GradientTransformation, Optimizer]
 
@@ -67,7 +67,7 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
     def update(updates: Updates, state: tuple) -> tuple[Any, tuple]:
         check_state(state)
         if isinstance(last, GradientTransformation):
-            return _through(transforms, updates, state)
+            return through(transforms, updates, state)
         check_usable(state, "update")
         grads_for(updates, state[-1])
         counts = terminal_counts(state[-1])
@@ -76,10 +76,10 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
             caches = [s.params.cache for s in terminal_states(state[-1])
                       if s.params.cache is not None]
             if any(c.wants_scale for c in caches):
-                updates, front_state = _through(front, updates, state[:-1], caches)
+                updates, front_state = through(front, updates, state[:-1], caches)
                 params, last_state = last.update(updates, state[-1])
                 return params, (*front_state, last_state)
-            return _through(transforms, updates, state)
+            return through(transforms, updates, state)
         except BaseException:
             # the front's transforms are pure: their states are as they were but for their
             # marks, so a terminal step that did not happen leaves the whole chain usable
@@ -104,8 +104,8 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
     return Optimizer(init, update, begin)
 
 
-def _through(transforms: Sequence[AnyTransformation], updates: Updates, state: Sequence[Any],
-             tell: Optional[list[StepCache]] = None) -> tuple[Any, tuple]:
+def through(transforms: Sequence[AnyTransformation], updates: Updates, state: Sequence[Any],
+            tell: Optional[list[StepCache]] = None) -> tuple[Any, tuple]:
     """Feed ``updates`` through ``transforms``; with ``tell``, set their ``scale_was_one`` to
     whether every global factor (clipping's) was 1 (a device synchronisation)."""
     new, factors = [], []

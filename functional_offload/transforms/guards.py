@@ -142,21 +142,20 @@ class _Guarded(Wrapped):
         self.state = state
         self.spec = optree.tree_structure(params_of(state.inner_state))
         self.fed: dict[int, torch.Tensor] = {}
-        self.ran_ahead = False
         super().__init__(opt, state.inner_state, speculative=True)
 
     def feed(self, index: int, grad: torch.Tensor) -> None:
         self.inner.feed(index, grad)
         self.fed[index] = grad
-        self.ran_ahead = True
 
     def finish(self, grads: Updates = None) -> tuple[Params, ApplyIfFiniteState]:
+        ran_ahead = bool(self.fed)  # (_all_grads empties it)
         full, finite = self.aborting(self._all_grads, grads)
         if not finite:
             self.inner.abort()
             return _skipped(full, self.state, True)
         out = super().finish(grads)
-        if self.committed is None and self.ran_ahead:  # (an optimizer's own step: kept whole)
+        if self.committed is None and ran_ahead:  # (an optimizer's own step: kept whole)
             self.committed = True
         return out
 

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from functional_offload.base import Optimizer
+from functional_offload.combine import through
 from functional_offload.state import FAILED, flush, terminal_states
 from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
 from functional_offload.compat.torch_optim.groups import GroupStates, GroupStep
@@ -199,14 +200,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         for run in runs:
             self._gather(run)
         if self._clip is not None and runs:
-            grads, clip_state = [r.grads for r in runs], self._clip.init(None)
             caches = [s.params.cache for r in runs for s in terminal_states(r.slot.state)
                       if s.params.cache is not None and s.params.cache.wants_scale]
-            if caches:  # delayed=Delay(exact_when_clipped=True): a step the clip scales is exact
-                ones = bool(self._clip.global_scale(grads, clip_state).eq(1).all())  # (a sync)
-                for c in caches:
-                    c.scale_was_one = ones
-            clipped, _ = self._clip.update(grads, clip_state)
+            # delayed=Delay(exact_when_clipped=True) is told whether the clip scaled, as in a chain
+            clipped, _ = through([self._clip], [r.grads for r in runs], (self._clip.init(None),),
+                                 caches or None)
             for r, g in zip(runs, clipped):
                 r.grads = g
         interrupt: Optional[BaseException] = None
