@@ -155,7 +155,8 @@ def land_ahead(params: list, bases: list, qs: list, grads: list, h: AdamHyper,
     step behind (when the first delayed update's step lands, or that of the first update after
     a flush, a save or an exact one) are set from the new masters first
     (:class:`~functional_offload.executor.delayed.Landing`). The denominators are computed in
-    :math:`q`'s dtype, in place; the sums in fp32 (:func:`~functional_offload.optimizers.spec.land`)."""
+    :math:`q`'s dtype, in place; the sums in fp32
+    (:func:`~functional_offload.optimizers.spec.land`)."""
     bc1, bc2 = 1 - h2.beta1 ** h2.step, 1 - h2.beta2 ** h2.step
     # v_t / bc2_t = q * recover. Without a momentum term (beta1' = 0) there is nothing to bring
     # over; with beta2' = 0, q holds nothing of v_t: the base stands as it is

@@ -48,9 +48,9 @@ class Delay(NamedTuple):
         denominators) of the error of the params the last forward read. Params a step
         behind (when the first delayed update's step lands, or that of the first update
         after a flush, a save or an exact one) are set from the new masters first. Costs a
-        second value and the base's residual per element through the host step's copies up (3 bytes per bf16 param, 4 per fp32 one:
-        pinned writes, PCIe and device memory) and element-wise ops on the device per update;
-        nothing in the state or its checkpoints.
+        second value and the base's residual per element through the host step's copies up
+        (3 bytes per bf16 param, 4 per fp32 one: pinned writes, PCIe and device memory) and
+        element-wise ops on the device per update; nothing in the state or its checkpoints.
       warmup: the first ``warmup`` updates of a state are exact (counted by the state's step
         count, so a resumed run goes on where it was).
       exact_when_clipped: an update whose gradients a :func:`~functional_offload.

@@ -215,8 +215,8 @@ class Terminal:
                                 "weights from fp8_model_init)")
             if is_quantized(p) and (p.dtype == torch.float64 or self.master_dtype != torch.float32):
                 raise TypeError(f"param {path!r} is a quantized {type(p).__name__} of nominal "
-                                f"dtype {p.dtype}: quantized params keep an fp32 master (their formats "
-                                "dequantize to fp32 at most); use master_dtype=torch.float32 and "
+                                f"dtype {p.dtype}: quantized params keep an fp32 master (their "
+                                "formats dequantize to fp32 at most); use master_dtype=torch.float32 and "
                                 "an fp32, bf16 or fp16 params_dtype")
             if is_quantized(p) and not self.spec.elementwise:
                 raise TypeError(f"param {path!r} is a quantized {type(p).__name__}, which "
@@ -251,7 +251,8 @@ class Terminal:
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "
                                  "it, or keep its state on the device with placement.select)")
-            if host and self.executor.engine == "gpu" and not self.delayed and self.spec.elementwise:
+            if (host and self.executor.engine == "gpu" and not self.delayed
+                    and self.spec.elementwise):
                 built = [what for what, on in (
                     ("a quantized param", is_quantized(p)),
                     ("store_param_remainders=True", self._split(p, True)),

@@ -67,10 +67,10 @@ def partition(transforms: Mapping[str, AnyT], labels: Labels) -> AnyT:
     step that fails after a part was applied marks the state failed (load a checkpoint into
     it; where that part changed params in place that it keeps no master of, fp32 params say,
     the load names them: restore them from the model's checkpoint and load into a new state,
-    as after any failed step); an interrupt (Ctrl-C) lets every part complete, then is raised (the state passed in
-    then holds the step). :func:`~functional_offload.plan` shows every part's placement, and
-    :func:`~functional_offload.stream` streams every part: a leaf's grad goes to its part's
-    step as soon as it arrives.
+    as after any failed step); an interrupt (Ctrl-C) lets every part complete, then is raised
+    (the state passed in then holds the step). :func:`~functional_offload.plan` shows every
+    part's placement, and :func:`~functional_offload.stream` streams every part: a leaf's grad
+    goes to its part's step as soon as it arrives.
 
     Args:
       transforms: ``{label: transformation}``, all optimizers or all gradient transformations.

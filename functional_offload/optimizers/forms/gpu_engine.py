@@ -58,9 +58,10 @@ def _cut(room: int, left: int, numel: int) -> int:
     """How many of the ``left`` elements of a leaf of ``numel`` a piece with ``room`` for them
     takes (all where they fit), so that torch's multi-tensor kernels run each piece on the path
     they run the whole leaf on (their vectorized loads need a length divisible by 4 and 16-byte
-    aligned tensors, and the two paths may round differently): a multiple of 64 elements where ``numel`` is divisible by 4 (every
-    piece then starts aligned and the last one keeps that length), else one more than a multiple
-    of 64 (no piece but the last is divisible by 4, and the last starts unaligned)."""
+    aligned tensors, and the two paths may round differently): a multiple of 64 elements where
+    ``numel`` is divisible by 4 (every piece then starts aligned and the last one keeps that
+    length), else one more than a multiple of 64 (no piece but the last is divisible by 4, and
+    the last starts unaligned)."""
     if room >= left:
         return room
     if numel % 4 == 0:
