@@ -115,6 +115,26 @@ def test_failure_marks_the_state():
             opt.update(g, state)
 
 
+@pytest.mark.cuda
+def test_host_state_is_pinned_through_a_save_and_load(tmp_path):
+    """The engine copies the state in place: it is pinned (packed small leaves too), and a load
+    fills it in place."""
+    entry = ELEMENTWISE[0]
+    params = make_params(0, device="cuda", big=True)
+    opt = entry.make(**entry.hypers, placement=on_host(),
+                     executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu"))
+    state = opt.init(params)
+    for g in grad_seq(params, 2):
+        params, state = opt.update(g, state)
+    fo.save(state, tmp_path / "s")
+    loaded = fo.load(tmp_path / "s", like=opt.init(params))
+    for s in (state, loaded):
+        host = [x for x in optree.tree_leaves(s)
+                if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.ndim > 0]
+        assert host and all(x.is_pinned() for x in host)
+    params, loaded = opt.update(grad_seq(params, 1)[0], loaded)  # steps from the loaded state
+
+
 def test_bad_engine_refused():
     for bad in ("tpu", "GPU", None, 1):
         with pytest.raises(ValueError, match="engine must be 'cpu' or 'gpu'"):

@@ -30,9 +30,10 @@ class Pack(NamedTuple):
 
 
 def arrange(candidates: Sequence[int], fields: Sequence[list[Optional[torch.Tensor]]],
-            decay: Sequence[bool], param_dtypes: Sequence[torch.dtype]) -> list[Pack]:
-    """Move the state of the ``candidates`` (flatten indices) into arenas: ``fields`` are the
-    per-leaf state lists (value, moments, EMA), rewritten in place with views of the arenas.
+            decay: Sequence[bool], param_dtypes: Sequence[torch.dtype], pin: bool) -> list[Pack]:
+    """Move the state of the ``candidates`` (flatten indices) into arenas (pinned with ``pin``):
+    ``fields`` are the per-leaf state lists (value, moments, EMA), rewritten in place with views
+    of the arenas.
     Leaves are grouped by their params' dtype (the pack's grads and new params share one
     buffer each), their state's dtypes and weight decay (a run of members shares one set of
     scalars)."""
@@ -51,7 +52,7 @@ def arrange(candidates: Sequence[int], fields: Sequence[list[Optional[torch.Tens
         for f, dtype in zip(fields, dtypes):
             if dtype is None:
                 continue
-            arena = torch.zeros(total, dtype=dtype)
+            arena = torch.zeros(total, dtype=dtype, pin_memory=pin)
             for i, o in zip(members, offsets):
                 view = arena[o: o + f[i].numel()]
                 view.copy_(f[i].reshape(-1))

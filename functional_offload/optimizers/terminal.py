@@ -271,29 +271,34 @@ class Terminal:
     def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool],
                     preview: bool) -> tuple[list, dict[str, list], list]:
         """Per leaf, its master (or None), moments and EMA, where the placement put it (on the
-        meta device for a preview)."""
+        meta device for a preview). The GPU engine's host state is pinned (its copies read and
+        write it in place), and so is a split master's (its high half is copied up)."""
         masters, emas = [], []
         moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
         for p, host in zip(locals_, on_host):
             where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
+            cuda_host = not preview and host and p.device.type == "cuda"
+            pin = cuda_host and self.executor.engine == "gpu"
+
+            def copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                return torch.empty(x.shape, dtype=dtype, device=where, pin_memory=pin).copy_(x)
             master = None
-            if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
-                master = new_split(p, where, pin=not preview and host and p.device.type == "cuda")
+            if self._needs_master(p, host) and self._split(p, host):
+                master = new_split(p, where, pin=cuda_host)
             elif is_quantized(p) and preview:
                 master = torch.empty(p.shape, dtype=self._value_dtype(p), device=where)
             elif is_quantized(p):  # read through its format: a master apart, always
                 master = p.dequantize(dtype=self._value_dtype(p)).to(where).contiguous()
             elif self._needs_master(p, host):
-                master = p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
+                master = copy(p.detach(), self._value_dtype(p))
             masters.append(master)
             for m in self.spec.moments:
                 shape = self._moment_shape(m, p)
                 moments[m.name].append(None if shape is None else torch.zeros(
-                    shape, dtype=self._moment_dtype(m.name, p), device=where))
+                    shape, dtype=self._moment_dtype(m.name, p), device=where, pin_memory=pin))
             if self.ema_decay is not None:
                 src = master if master is not None and not is_split(master) else p.detach()
-                emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
-                                   copy=True).contiguous())  # fp32, fp64 for fp64 values
+                emas.append(copy(src, torch.promote_types(src.dtype, torch.float32)))  # fp64 too
         return masters, moments, emas
 
     def init(self, params: Params) -> Any:
@@ -322,7 +327,8 @@ class Terminal:
              if on_host[i] and m is not None and not is_split(m) and not is_quantized(p)
              and p.numel() <= PACK_MAX],
             [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
-            decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_])
+            decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_],
+            pin=self.executor.engine == "gpu")  # (its leaves' params are on a GPU)
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields

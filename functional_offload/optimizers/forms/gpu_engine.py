@@ -4,11 +4,14 @@ on the grads already in HBM (:func:`~functional_offload.optimizers.device_math.r
 for device-resident leaves: the same groups, casts and results), the params are written there,
 and the new state comes back down. Grads and params never cross PCIe; the state does, both ways.
 
-The host state is pageable, so each chunk is staged through the executor's pinned ring (slot
-``k mod S``: its first half up, its second half down) into one of ``S`` device buffers of
-``chunk_bytes``: the device memory taken is ``chunk_bytes × slots``. Chunk ``k + S`` reuses
-the slot of chunk ``k`` once chunk ``k``'s state has landed on the host. Every copy down has
-landed when :meth:`GpuEngine.finish` returns.
+The engine's host state is pinned (:class:`~functional_offload.optimizers.terminal.Terminal`
+allocates it so), so each piece of a chunk is copied up from it and back into it in place, on
+the transport's streams, into and out of one of ``S`` device buffers of ``chunk_bytes``: the
+device memory taken is ``chunk_bytes × slots``. Host DRAM sees each state byte read once (up)
+and written once (down). Chunk ``k + S`` reuses the buffer of chunk ``k`` once chunk ``k``'s
+state is back in host memory. Every copy down has landed when :meth:`GpuEngine.finish`
+returns. (A state tensor that is not pinned — replaced by the caller — is still copied right,
+synchronously.)
 """
 
 from __future__ import annotations
@@ -124,52 +127,43 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             self._run(device, idx, gs)
 
     def _run(self, device: torch.device, idx: list[int], gs: list) -> None:
-        """Step leaves ``idx`` (grads on ``device``), chunk by chunk through the ring."""
+        """Step leaves ``idx`` (grads on ``device``), chunk by chunk."""
         ex = self.work.ex
         t = ex.transport(device)
         todo = chunks(self.work.leaves, idx, ex.chunk_bytes)
         grads = {i: gs[i].reshape(-1) for i in idx}
-        with ex.holding(device):  # the device's ring serves one user at a time
-            ring, before, size = ex.ring(device), ex.slot_events(device), ex.chunk_bytes
-            bufs = [torch.empty(size, dtype=torch.uint8, device=device)
-                    for _ in range(min(ex.slots, len(todo)))]
-            t.wait_out(t.ready())  # the buffers' memory is free where the caller's stream is
-            landing: deque[tuple[Chunk, torch.Tensor, object]] = deque()
-            k = 0
-            try:
-                for k, chunk in enumerate(todo):
-                    s = k % ex.slots
-                    if k >= ex.slots:
-                        self._land(t, *landing.popleft())  # the slot's last chunk
-                    else:
-                        t.wait_host(before[s])  # the last run's copies out read the slot
-                    up = ring[2 * s * size: (2 * s + 1) * size]
-                    down = ring[(2 * s + 1) * size: (2 * s + 2) * size]
-                    event = self._chunk(t, k, chunk, up, down, bufs[s], grads)
-                    landing.append((chunk, down, event))
-                while landing:
-                    self._land(t, *landing.popleft())
-            except Exception as e:
-                names = ", ".join(dict.fromkeys(repr(self.work.leaves[p.index].path)
-                                                for p in todo[k].pieces))
-                raise HostStepError(f"host optimizer step failed on leaf {names}: "
-                                    f"{type(e).__name__}: {e}") from e
-            finally:  # nothing in flight reads the ring or the buffers once this returns
-                t.wait_in(t.ready())
-                t.wait_host(t.mark_in())
-                t.wait_host(t.mark_out())
+        bufs = [torch.empty(ex.chunk_bytes, dtype=torch.uint8, device=device)
+                for _ in range(min(ex.slots, len(todo)))]
+        t.wait_out(t.ready())  # the buffers' memory is free where the caller's stream is
+        landing: deque[object] = deque()
+        k = 0
+        try:
+            for k, chunk in enumerate(todo):
+                if k >= ex.slots:
+                    t.wait_host(landing.popleft())  # the buffer's last chunk is back on the host
+                landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads))
+            while landing:
+                t.wait_host(landing.popleft())
+        except Exception as e:
+            names = ", ".join(dict.fromkeys(repr(self.work.leaves[p.index].path)
+                                            for p in todo[k].pieces))
+            raise HostStepError(f"host optimizer step failed on leaf {names}: "
+                                f"{type(e).__name__}: {e}") from e
+        finally:  # nothing in flight reads or writes the state or the buffers once this returns
+            t.wait_in(t.ready())
+            t.wait_host(t.mark_in())
+            t.wait_host(t.mark_out())
 
-    def _chunk(self, t: Transport, k: int, chunk: Chunk, up: torch.Tensor, down: torch.Tensor,
-               buf: torch.Tensor, grads: dict[int, torch.Tensor]) -> object:
-        """Stage chunk ``k`` up, queue its math on the caller's stream and its copy down; the
-        event of the copy down."""
+    def _chunk(self, t: Transport, k: int, chunk: Chunk, buf: torch.Tensor,
+               grads: dict[int, torch.Tensor]) -> object:
+        """Copy chunk ``k``'s state up, queue its math on the caller's stream and its copies
+        down into the host state; the event of the copies down."""
         leaves, work = self.work.leaves, self.work
         if faults.active():
             faults.before_chunk(k, list(dict.fromkeys(leaves[p.index].path for p in chunk.pieces)))
         for p in chunk.pieces:
             for x, offset in zip(state_of(leaves[p.index]), p.offsets):
-                _view(up, offset, x, p.hi - p.lo).copy_(x[p.lo:p.hi])
-        t.copy_out(buf[:chunk.nbytes], up[:chunk.nbytes])
+                t.copy_out(_view(buf, offset, x, p.hi - p.lo), x[p.lo:p.hi])
         t.end()  # the caller's stream waits for the state
         self.begun = True
         spec = work.t.spec
@@ -178,7 +172,9 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
                    spec.device or spec.reference, [m.signed for m in spec.moments], work.hyper,
                    work.hyper_no_decay, work.t.ema_decay, work.ex.timeline, [])
         t.wait_in(t.ready())
-        t.copy_in(down[:chunk.nbytes], buf[:chunk.nbytes])
+        for p in chunk.pieces:
+            for x, offset in zip(state_of(leaves[p.index]), p.offsets):
+                t.copy_in(x[p.lo:p.hi], _view(buf, offset, x, p.hi - p.lo))
         return t.mark_in()
 
     def _on_device(self, p: Piece, buf: torch.Tensor) -> Leaf:
@@ -196,13 +192,6 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             param = self.strided[p.index][p.lo:p.hi]
         return Leaf(leaf.path, leaf.live, param, state[0], tuple(state[1:k]),
                     state[k] if leaf.ema is not None else None, True, leaf.decay)
-
-    def _land(self, t: Transport, chunk: Chunk, down: torch.Tensor, event: object) -> None:
-        """Wait for ``chunk``'s copy down and write its state to the host leaves."""
-        t.wait_host(event)
-        for p in chunk.pieces:
-            for x, offset in zip(state_of(self.work.leaves[p.index]), p.offsets):
-                x[p.lo:p.hi].copy_(_view(down, offset, x, p.hi - p.lo))
 
     def commit(self) -> None:
         """Strided params written from their new values."""
