@@ -92,8 +92,8 @@ class HostExecutor:
         thread costs more than it computes).
       engine: where plain steps of element-wise optimizers run the math of host-resident
         leaves: ``"cpu"`` (the host kernel, the default) or ``"gpu"`` (on the params' GPU, the
-        state copied up and back through the ring, at most ``chunk_bytes × slots`` of device
-        buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`). Delayed, speculative
+        state — pinned at ``init`` — copied up and back in place, at most ``chunk_bytes ×
+        slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`). Delayed, speculative
         and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` needs every
         host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
     """

@@ -20,6 +20,7 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs, Step, StepCache
 from functional_offload.checks import real
 from functional_offload.executor import HostExecutor, default_executor
+from functional_offload.executor.pinned import pin_all
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels import blockwise, native
 from functional_offload.kernels.remainder import is_split, new_split
@@ -271,34 +272,29 @@ class Terminal:
     def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool],
                     preview: bool) -> tuple[list, dict[str, list], list]:
         """Per leaf, its master (or None), moments and EMA, where the placement put it (on the
-        meta device for a preview). The GPU engine's host state is pinned (its copies read and
-        write it in place), and so is a split master's (its high half is copied up)."""
+        meta device for a preview)."""
         masters, emas = [], []
         moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
         for p, host in zip(locals_, on_host):
             where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
-            cuda_host = not preview and host and p.device.type == "cuda"
-            pin = cuda_host and self.executor.engine == "gpu"
-
-            def copy(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-                return torch.empty(x.shape, dtype=dtype, device=where, pin_memory=pin).copy_(x)
             master = None
-            if self._needs_master(p, host) and self._split(p, host):
-                master = new_split(p, where, pin=cuda_host)
+            if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
+                master = new_split(p, where, pin=not preview and host and p.device.type == "cuda")
             elif is_quantized(p) and preview:
                 master = torch.empty(p.shape, dtype=self._value_dtype(p), device=where)
             elif is_quantized(p):  # read through its format: a master apart, always
                 master = p.dequantize(dtype=self._value_dtype(p)).to(where).contiguous()
             elif self._needs_master(p, host):
-                master = copy(p.detach(), self._value_dtype(p))
+                master = p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
             masters.append(master)
             for m in self.spec.moments:
                 shape = self._moment_shape(m, p)
                 moments[m.name].append(None if shape is None else torch.zeros(
-                    shape, dtype=self._moment_dtype(m.name, p), device=where, pin_memory=pin))
+                    shape, dtype=self._moment_dtype(m.name, p), device=where))
             if self.ema_decay is not None:
                 src = master if master is not None and not is_split(master) else p.detach()
-                emas.append(copy(src, torch.promote_types(src.dtype, torch.float32)))  # fp64 too
+                emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
+                                   copy=True).contiguous())  # fp32, fp64 for fp64 values
         return masters, moments, emas
 
     def init(self, params: Params) -> Any:
@@ -322,13 +318,20 @@ class Terminal:
                 if host:
                     self.executor.reserve(p.device)
         masters, moments, emas = self._make_state(locals_, on_host, preview)
-        packs = [] if preview or self.delayed or not self.spec.elementwise else arrange(
-            [i for i, (p, m) in enumerate(zip(locals_, masters))
-             if on_host[i] and m is not None and not is_split(m) and not is_quantized(p)
-             and p.numel() <= PACK_MAX],
-            [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])],
-            decay_flags(tree, self.weight_decay_mask), [p.dtype for p in locals_],
-            pin=self.executor.engine == "gpu")  # (its leaves' params are on a GPU)
+        fields = [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])]
+        plain = not (preview or self.delayed or not self.spec.elementwise)
+        engine = plain and self.executor.engine == "gpu"  # (its leaves' params are on a GPU)
+        packs = arrange([i for i, (p, m) in enumerate(zip(locals_, masters))
+                         if on_host[i] and m is not None and not is_split(m)
+                         and not is_quantized(p) and p.numel() <= PACK_MAX],
+                        fields, decay_flags(tree, self.weight_decay_mask),
+                        [p.dtype for p in locals_], pin=engine) if plain else []
+        if engine:  # the GPU engine copies its host state in place: pinned
+            packed = {i for pack in packs for i in pack.members}
+            own = [(f, i) for f in fields for i, host in enumerate(on_host)
+                   if host and i not in packed and f[i] is not None]
+            for (f, i), x in zip(own, pin_all([f[i] for f, i in own])):
+                f[i] = x
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
