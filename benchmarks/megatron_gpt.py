@@ -3,7 +3,7 @@ optimizer stack and by ours from the same ``OptimizerConfig``: loss at every ste
 and peak GPU memory, each system in a fresh process.
 
     python benchmarks/megatron_gpt.py --out mg              # every system, then the table
-    python benchmarks/megatron_gpt.py --layers 2 --hidden 256 --heads 4 --steps 4 --out /tmp/mg  # smoke
+    python benchmarks/megatron_gpt.py --layers 2 --hidden 256 --heads 4 --steps 4 --out /tmp/mg
 
 Needs a GPU, megatron-core and TransformerEngine. Systems (``--systems``):
 
@@ -19,16 +19,18 @@ Needs a GPU, megatron-core and TransformerEngine. Systems (``--systems``):
 - ``ours:F``: the bare ``GPTModel`` and ``fo.compat.optimizer_from_megatron`` of the very same
   ``OptimizerConfig`` (offload fraction F), ``loss.backward()`` then ``opt.update``.
 - ``stream:F``: the same optimizer with grad streaming (``fo.stream`` around backward).
+- ``oursddp:F``: ours on the model in Megatron's ``DistributedDataParallel`` (as ``megatron:F``
+  holds it: params and grads in its buffers), the grads read from each param's ``.main_grad``.
 
 Model: ``--layers`` x ``--hidden`` (LayerNorm, biases, RoPE, 4x MLP, no dropout), bf16 params,
 a byte vocabulary (256) on the Python standard library's sources (``convergence.corpus``);
 ``--batch`` sequences of ``--seq`` tokens a step, the same batches and init in every system.
-AdamW at a constant ``--lr``, betas (0.9, 0.95), weight decay 0.1 (none on biases and norms),
-clipping at 1.0. TransformerEngine's attention runs deterministically
-(``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The table: per system, the median and mean step
-(after ``--warmup`` steps), the peak GPU memory over the timed steps, the final loss, and the
-largest |loss - reference loss| over all steps (ours against ``megatron`` of the same fraction;
-``megatron:F`` against ``megatron-gpu``).
+AdamW at ``--lr`` after a linear warm-up from 0 over ``--lr-warmup`` steps, betas (0.9, 0.95),
+weight decay 0.1 (none on biases and norms), clipping at 1.0. TransformerEngine's attention
+runs deterministically (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The table: per system, the
+median and mean step (after ``--warmup`` steps), the peak GPU memory over the timed steps, the
+final loss, and the largest |loss - reference loss| over all steps (ours against ``megatron`` of
+the same fraction; ``megatron:F`` against ``megatron-gpu``).
 """
 
 from __future__ import annotations
@@ -103,20 +105,26 @@ def optimizer_config(args: argparse.Namespace, fraction: float) -> Any:
                            overlap_cpu_optimizer_d2h_h2d=fraction > 0)
 
 
-def megatron_system(args: argparse.Namespace, cfg: Any, model: Any,
-                    fraction: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def megatron_ddp(cfg: Any, model: Any) -> Any:
+    """The model in Megatron's ``DistributedDataParallel`` as its training loop wraps it for the
+    distributed optimizer: params in one buffer, bf16 grads in another (``.main_grad``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
+    return DistributedDataParallel(cfg, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=False, overlap_grad_reduce=False),
         model)
+
+
+def megatron_system(args: argparse.Namespace, cfg: Any, model: Any,
+                    fraction: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    ddp = megatron_ddp(cfg, model)
     opt = get_megatron_optimizer(optimizer_config(args, fraction), [ddp])
     steps = args.warmup + args.steps
-    OptimizerParamScheduler(opt, init_lr=args.lr, max_lr=args.lr, min_lr=args.lr,
-                            lr_warmup_steps=0, lr_decay_steps=steps, lr_decay_style="constant",
-                            start_wd=0.1, end_wd=0.1, wd_incr_steps=steps,
-                            wd_incr_style="constant")  # sets each group's rate and decay once
+    scheduler = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=args.lr, min_lr=args.lr, lr_warmup_steps=args.lr_warmup,
+        lr_decay_steps=steps, lr_decay_style="constant", start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=steps, wd_incr_style="constant")  # each group's rate and decay
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ddp.zero_grad_buffer()
@@ -127,20 +135,34 @@ def megatron_system(args: argparse.Namespace, cfg: Any, model: Any,
         ok, _, _ = opt.step()
         if not ok:
             raise RuntimeError("Megatron's optimizer skipped a step")
+        scheduler.step(1)
         return loss.detach()
 
     return step
 
 
-def ours_system(args: argparse.Namespace, model: Any, fraction: float,
-                streamed: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float,
+                mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``mode``: ``plain`` or ``stream`` on the bare model; ``ddp``: plain, on the model in
+    Megatron's DDP (its param and grad buffers), the grads read from ``.main_grad``."""
+    ddp = megatron_ddp(cfg, model) if mode == "ddp" else None
     params = dict(model.named_parameters())
-    opt = fo.compat.optimizer_from_megatron(optimizer_config(args, fraction))
+    warm = args.lr_warmup
+    opt = fo.compat.optimizer_from_megatron(  # Megatron's warm-up from 0, then constant
+        optimizer_config(args, fraction),
+        lr=(lambda n: args.lr * min(n, warm) / warm) if warm else args.lr)
     holder = [opt.init(params)]
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if ddp is not None:
+            ddp.zero_grad_buffer()
+            loss = forward(ddp, inputs, labels)
+            loss.backward()
+            ddp.finish_grad_sync()
+            _, holder[0] = opt.update({k: p.main_grad for k, p in params.items()}, holder[0])
+            return loss.detach()
         loss = forward(model, inputs, labels)
-        if streamed:
+        if mode == "stream":
             with fo.stream(opt, holder[0]) as s:
                 loss.backward()
             _, holder[0] = s.finish()
@@ -170,8 +192,9 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
                   "init_sum": float(sum(p.double().sum() for p in params))}
     if name.startswith("megatron"):
         step = megatron_system(args, cfg, model, fraction)
-    elif name in ("ours", "stream"):
-        step = ours_system(args, model, fraction, streamed=name == "stream")
+    elif name in ("ours", "stream", "oursddp"):
+        mode = {"ours": "plain", "oursddp": "ddp"}.get(name, name)
+        step = ours_system(args, cfg, model, fraction, mode)
     else:
         raise ValueError(f"unknown system {spec!r}")
     losses, times = [], []
@@ -212,8 +235,9 @@ def table(rows: list[dict]) -> list[str]:
             d = [abs(a - b) for a, b in zip(r["losses"], ref["losses"])]
             k = max(range(len(d)), key=d.__getitem__)
             diff = f"{d[k]:.2e} ({k})"
+        named = reference(r["system"]) if ref else "—"
         out.append(f"| {r['system']} | {r['step_s']:.3f} | {r['mean_s']:.3f} | {r['peak_gib']:.2f} "
-                   f"| {r['losses'][-1]:.4f} | {reference(r['system']) if ref else '—'} | {diff} |")
+                   f"| {r['losses'][-1]:.4f} | {named} | {diff} |")
     return out
 
 
@@ -227,6 +251,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--lr-warmup", type=int, default=20,
+                    help="steps of linear warm-up from 0 (Megatron's scheduler), then constant")
     ap.add_argument("--warmup", type=int, default=3, help="steps before the clock starts")
     ap.add_argument("--steps", type=int, default=200, help="timed steps (losses of all are kept)")
     ap.add_argument("--seed", type=int, default=1234)

@@ -1,7 +1,7 @@
 """Train Megatron-Core's ``GPTModel`` (TransformerEngine layers) on one GPU with this library's
 offloaded optimizer, built from Megatron's own ``OptimizerConfig``; save, load and go on.
 
-    python examples/train_megatron.py                      # 24 layers, all optimizer state on the host
+    python examples/train_megatron.py              # 24 layers, all optimizer state on the host
     python examples/train_megatron.py --offload 0.5 --mode plain --steps 20
 
 Needs a GPU, megatron-core and TransformerEngine. Megatron's ``GPTModel`` needs
