@@ -192,3 +192,36 @@ def test_the_clip_factor_is_the_same_from_any_thread():
     for g in got:
         assert_same(g, want)
     assert optree.tree_leaves(tree) == [tree[n] for n in sorted(names)]  # optree's own order
+
+
+def test_norm_dtype_computes_the_norm_and_factor_in_it():
+    """bf16 grads: by default the norm and factor are torch's (bf16); with ``norm_dtype`` both
+    are fp32 (as Megatron-LM clips) and the grads keep their dtype; fp64 leaves keep theirs."""
+    g = torch.Generator().manual_seed(3)
+    grads = {f"l{i}": torch.randn(257 + i, generator=g).bfloat16() for i in range(6)}
+    leaves = list(grads.values())
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x, dtype=torch.float32)
+                                                 for x in leaves]))
+    coef = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+    assert coef.dtype == torch.float32
+    clip = fo.clip_by_global_norm(1.0, norm_dtype=torch.float32)
+    assert_same(clip.global_scale(grads), coef)
+    out, _ = clip.update(grads, clip.init(None))
+    for k, x in grads.items():
+        assert_same(out[k], (x.float() * coef).bfloat16())
+    torch_norm, torch_grads = torch_clip(leaves, 1.0)  # the default: torch's bf16 norm
+    plain, _ = fo.clip_by_global_norm(1.0).update(grads, None)
+    assert torch_norm.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(plain.values(), torch_grads))
+    assert any(not torch.equal(plain[k], out[k]) for k in grads)  # rounding the norm shows
+    wide = {"a": torch.randn(5, dtype=torch.float64), "b": torch.randn(7).bfloat16()}
+    got, _ = fo.clip_by_global_norm(0.5, norm_dtype=torch.float32).update(wide, None)
+    b = torch.linalg.vector_norm(wide["b"], dtype=torch.float32).double()
+    n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(wide["a"]), b]))
+    assert_same(got["a"], wide["a"] * torch.clamp(0.5 / (n + 1e-6), max=1.0))
+
+
+@pytest.mark.parametrize("bad", [torch.bfloat16, torch.int32, "float32"])
+def test_norm_dtype_other_than_fp32_or_fp64_is_refused(bad):
+    with pytest.raises(ValueError, match="norm_dtype"):
+        fo.clip_by_global_norm(1.0, norm_dtype=bad)

@@ -263,3 +263,24 @@ def test_placement_report_table_and_json(tmp_path):
 def test_megatron_loose_values_are_refused_naming_the_field(options, error, match):
     with pytest.raises(error, match=match):
         fo.compat.optimizer_from_megatron(lr=1e-3, **options)
+
+
+def test_megatron_clips_by_an_fp32_norm():
+    """Megatron computes the clip's norm and factor in fp32 for bf16 grads; torch's
+    ``clip_grad_norm_`` (our default) in bf16. The Megatron mapping clips as Megatron."""
+    params = {k: v.detach().bfloat16() for k, v in make_model().named_parameters()}
+    g = torch.Generator().manual_seed(5)
+    grads = [optree.tree_map(lambda p: (torch.randn(p.shape, generator=g) * 3).bfloat16(), params)
+             for _ in range(4)]
+    decays = {k: not k.endswith(".bias") for k in params}
+
+    def adamw() -> fo.GradientTransformation:
+        return fo.adamw(1e-2, betas=(0.9, 0.95), weight_decay=0.1, weight_decay_mask=decays)
+
+    got = _megatron_pair(lambda: optimizer_from_megatron(
+        lr=1e-2, weight_decay=0.1, adam_beta2=0.95, clip_grad=1.0), grads, params)
+    fp32 = _megatron_pair(lambda: fo.chain(
+        fo.clip_by_global_norm(1.0, norm_dtype=torch.float32), adamw()), grads, params)
+    bf16 = _megatron_pair(lambda: fo.chain(fo.clip_by_global_norm(1.0), adamw()), grads, params)
+    assert all(torch.equal(got[k], fp32[k]) for k in got)
+    assert any(not torch.equal(got[k], bf16[k]) for k in got)

@@ -141,7 +141,8 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     - Weight decay skips params of one dimension and ``*.bias`` (Megatron's rule, with
       ``apply_wd_to_qk_layernorm``), through a ``weight_decay_mask`` on the dotted param paths,
       so pass params named as in ``model.named_parameters()``.
-    - ``clip_grad > 0`` puts :func:`clip_by_global_norm` in front.
+    - ``clip_grad > 0`` puts :func:`clip_by_global_norm` in front, its norm and factor in fp32
+      (``norm_dtype=torch.float32``), as Megatron's.
     - ``optimizer_cpu_offload`` places state with ``offload_fraction(optimizer_offload_fraction)``
       (Megatron's greedy rule); without it everything stays on the device.
     - ``use_precision_aware_optimizer`` with ``store_param_remainders`` (Megatron's default)
@@ -210,4 +211,7 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
                     nu_dtype=_dtype("exp_avg_sq_dtype", o["exp_avg_sq_dtype"], _MOMENTS),
                     store_param_remainders=bool(o["use_precision_aware_optimizer"]
                                                 and o["store_param_remainders"]), **common)
-    return chain(clip_by_global_norm(clip), last) if clip > 0 else last
+    if clip == 0:
+        return last
+    # Megatron clips by an fp32 norm and factor, whatever its grads' dtype
+    return chain(clip_by_global_norm(clip, norm_dtype=torch.float32), last)

@@ -49,16 +49,20 @@ def _members(leaves: list[torch.Tensor], idx: list[int]) -> list[torch.Tensor]:
     return leaves if len(idx) == len(leaves) else [leaves[i] for i in idx]
 
 
-def _norm_groups(leaves: list[torch.Tensor], ord: float, groups: Groups) -> list[torch.Tensor]:
+def _norm_groups(leaves: list[torch.Tensor], ord: float, groups: Groups,
+                 dtype: Optional[torch.dtype] = None) -> list[torch.Tensor]:
     """Per group of ``leaves`` (checked, none ``None``; ``groups``: their
     :func:`_by_device_and_dtype`), their norms as one 1-D tensor on the first leaf's device:
-    one multi-tensor launch and one copy per group, computed as ``clip_grad_norm_`` does."""
+    one multi-tensor launch and one copy per group, computed as ``clip_grad_norm_`` does (in
+    the leaves' dtype; ``dtype``: in that one where it is the more precise)."""
     dev = leaves[0].device
     out = []
-    for (device, _), idx in groups.items():
+    for (device, kind), idx in groups.items():
         members = _members(leaves, idx)
-        norms = (torch._foreach_norm(members, ord) if _has_foreach_support(members, device)
-                 else [torch.linalg.vector_norm(g, ord) for g in members])
+        wider = dtype if dtype is not None and dtype.itemsize > kind.itemsize else None
+        norms = (torch._foreach_norm(members, ord, dtype=wider)
+                 if _has_foreach_support(members, device)
+                 else [torch.linalg.vector_norm(g, ord, dtype=wider) for g in members])
         out.append(torch.stack(norms).to(dev))
     return out
 
@@ -105,10 +109,11 @@ def _scaled_group(members: list[torch.Tensor], coef: torch.Tensor) -> list[torch
     return views
 
 
-def _global_norm(leaves: list[torch.Tensor], groups: Groups) -> torch.Tensor:
+def _global_norm(leaves: list[torch.Tensor], groups: Groups,
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The L2 norm of ``leaves`` (in build order), as ``clip_grad_norm_`` of them computes it:
-    the leaves' norms stacked group by group, then their norm."""
-    return torch.linalg.vector_norm(torch.cat(_norm_groups(leaves, 2.0, groups)), 2.0)
+    the leaves' norms stacked group by group, then their norm (each in ``dtype``, if given)."""
+    return torch.linalg.vector_norm(torch.cat(_norm_groups(leaves, 2.0, groups, dtype)), 2.0)
 
 
 def _present(updates: Updates) -> list[torch.Tensor]:
@@ -128,13 +133,20 @@ def global_norm(updates: Updates) -> torch.Tensor:
     return _global_norm(leaves, _by_device_and_dtype(leaves)) if leaves else torch.zeros(())
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, *,
+                         norm_dtype: Optional[torch.dtype] = None) -> GradientTransformation:
     r"""Scale all gradients by one factor so that their global norm is at most ``max_norm``.
 
     As ``torch.nn.utils.clip_grad_norm_``, bit for bit (the norm sums the leaves in the order
     the tree was built, as :func:`global_norm`), with :math:`N` that norm:
 
     .. math:: g_i \leftarrow g_i \cdot \min\!\left(1, \frac{c}{N + 10^{-6}}\right)
+
+    As there, each leaf's norm is computed in the leaf's dtype, and the factor is in the norms'
+    dtype: for bf16 grads both are rounded to bf16, so :math:`N` and the factor may be off by a
+    few tenths of a percent. ``norm_dtype=torch.float32`` (or ``torch.float64``) computes the
+    norms of less precise leaves and the factor in that dtype instead, as Megatron-LM clips; the
+    grads keep their dtype.
 
     The factor stays a device tensor (no host sync); new tensors are returned, the input
     gradients are not modified. Its ``global_scale`` is that factor: a streamed step
@@ -151,12 +163,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     limit = real(max_norm)
     if limit is None or not limit > 0:
         raise ValueError(f"clip_by_global_norm needs max_norm > 0, got {max_norm!r}")
+    if norm_dtype not in (None, torch.float32, torch.float64):
+        raise ValueError(f"clip_by_global_norm: norm_dtype must be None (the grads' dtype, as "
+                         f"torch), torch.float32 or torch.float64, got {norm_dtype!r}")
 
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
     def of(present: list[torch.Tensor], groups: Groups) -> torch.Tensor:
-        return torch.clamp(limit / (_global_norm(present, groups) + 1e-6), max=1.0)
+        return torch.clamp(limit / (_global_norm(present, groups, norm_dtype) + 1e-6), max=1.0)
 
     def factor(updates: Updates, state: Any = None) -> torch.Tensor:
         present = _present(updates)
