@@ -30,7 +30,9 @@ weight decay 0.1 (none on biases and norms), clipping at 1.0. TransformerEngine'
 runs deterministically (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The table: per system, the
 median and mean step (after ``--warmup`` steps), the peak GPU memory over the timed steps, the
 final loss, and the largest |loss - reference loss| over all steps (ours against ``megatron`` of
-the same fraction; ``megatron:F`` against ``megatron-gpu``).
+the same fraction; ``megatron:F`` against ``megatron-gpu``). Each system's JSON also holds its
+losses, and with ``--norms`` the grads' global norm in fp32 at every step (the one Megatron's
+clip uses; ours: computed apart, which costs time and memory; not for ``stream``).
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ def megatron_ddp(cfg: Any, model: Any) -> Any:
         model)
 
 
-def megatron_system(args: argparse.Namespace, cfg: Any, model: Any,
-                    fraction: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def megatron_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float,
+                    norms: list) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     ddp = megatron_ddp(cfg, model)
@@ -132,7 +134,9 @@ def megatron_system(args: argparse.Namespace, cfg: Any, model: Any,
         loss = forward(ddp, inputs, labels)
         loss.backward()
         ddp.finish_grad_sync()
-        ok, _, _ = opt.step()
+        ok, norm, _ = opt.step()
+        if args.norms:
+            norms.append(norm)  # the fp32 norm its clip used
         if not ok:
             raise RuntimeError("Megatron's optimizer skipped a step")
         scheduler.step(1)
@@ -141,10 +145,11 @@ def megatron_system(args: argparse.Namespace, cfg: Any, model: Any,
     return step
 
 
-def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float,
-                mode: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float, mode: str,
+                norms: list) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``mode``: ``plain`` or ``stream`` on the bare model; ``ddp``: plain, on the model in
-    Megatron's DDP (its param and grad buffers), the grads read from ``.main_grad``."""
+    Megatron's DDP (its param and grad buffers), the grads read from ``.main_grad``. ``norms``
+    gets each plain step's grads' global norm in fp32 (a device tensor) with ``--norms``."""
     ddp = megatron_ddp(cfg, model) if mode == "ddp" else None
     params = dict(model.named_parameters())
     warm = args.lr_warmup
@@ -159,7 +164,10 @@ def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float,
             loss = forward(ddp, inputs, labels)
             loss.backward()
             ddp.finish_grad_sync()
-            _, holder[0] = opt.update({k: p.main_grad for k, p in params.items()}, holder[0])
+            grads = {k: p.main_grad for k, p in params.items()}
+            if args.norms:
+                norms.append(fp32_norm(grads))
+            _, holder[0] = opt.update(grads, holder[0])
             return loss.detach()
         loss = forward(model, inputs, labels)
         if mode == "stream":
@@ -168,12 +176,21 @@ def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float,
             _, holder[0] = s.finish()
         else:
             loss.backward()
-            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+            grads = {k: p.grad for k, p in params.items()}
+            if args.norms:
+                norms.append(fp32_norm(grads))
+            _, holder[0] = opt.update(grads, holder[0])
         for p in params.values():
             p.grad = None
         return loss.detach()
 
     return step
+
+
+def fp32_norm(grads: dict) -> torch.Tensor:
+    """The global norm of ``grads`` with each leaf's norm in fp32, as Megatron's clip takes it."""
+    return torch.linalg.vector_norm(torch.stack(
+        [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads.values()]))
 
 
 def forward(model: Any, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -190,11 +207,12 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     params = list(model.parameters())
     info: dict = {"system": spec, "params": sum(p.numel() for p in params), "leaves": len(params),
                   "init_sum": float(sum(p.double().sum() for p in params))}
+    norms: list = []
     if name.startswith("megatron"):
-        step = megatron_system(args, cfg, model, fraction)
+        step = megatron_system(args, cfg, model, fraction, norms)
     elif name in ("ours", "stream", "oursddp"):
         mode = {"ours": "plain", "oursddp": "ddp"}.get(name, name)
-        step = ours_system(args, cfg, model, fraction, mode)
+        step = ours_system(args, cfg, model, fraction, mode, norms)
     else:
         raise ValueError(f"unknown system {spec!r}")
     losses, times = [], []
@@ -211,7 +229,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
     info["mean_s"] = (time.perf_counter() - start) / args.steps
     info.update(step_s=statistics.median(times), peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                losses=[float(x) for x in losses])
+                losses=[float(x) for x in losses], grad_norms=[float(x) for x in norms])
     torch.distributed.destroy_process_group()
     return info
 
@@ -256,6 +274,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3, help="steps before the clock starts")
     ap.add_argument("--steps", type=int, default=200, help="timed steps (losses of all are kept)")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--norms", action="store_true",
+                    help="record each step's grad norm in fp32 (ours: an extra pass)")
     ap.add_argument("--port", type=int, default=29511)
     ap.add_argument("--timeout", type=int, default=300, help="seconds per system")
     ap.add_argument("--one", help="run one system in this process and print its JSON")
