@@ -25,8 +25,12 @@ Systems (``F``: offload fraction, Megatron's semantics):
                    int16 remainder), with fp32 (bf16, 8-bit) moments.
   ``lion:F`` / ``streamlion:F``   ``fo.lion`` (lr / 10, weight decay x 10), plain / streamed.
   ``engine:F`` / ``engine16:F``   plain, the host-resident state stepped on the GPU
-                   (``HostExecutor(engine="gpu")``: state up and back through the ring, grads
-                   and params stay in HBM), fp32 / bf16 moments.
+                   (``HostExecutor(engine="gpu")``: the pinned state up and back in place,
+                   grads and params stay in HBM), fp32 / bf16 moments.
+  ``both:F`` / ``both16:F``   plain, the host-resident leaves divided between the GPU engine
+                   and the CPU kernel, run at once (``HostExecutor(engine="both")``; the GPU's
+                   share planned from the step before, or ``--gpu-share``); the last split in
+                   the row.
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
 Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
@@ -67,7 +71,7 @@ from ours import HYPER, MOMENTS, Timeline, build_ours, fo, moments_of
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-OURS = ("lion", "streamlion", "engine", "engine16",
+OURS = ("lion", "streamlion", "engine", "engine16", "both", "both16",
         *(mode + r + m for mode in ("plain", "stream", "delayed", "stale") for r in ("", "r")
           for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
@@ -147,15 +151,22 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         m = moments_of(name)
         base = name.removesuffix(m)
         mode = base.removesuffix("r") if base.endswith("r") else base.removesuffix("lion") or "plain"
-        ours = build_ours({"stale": "delayed", "engine": "plain"}.get(mode, mode),
+        ours = build_ours({"stale": "delayed", "engine": "plain", "both": "plain"}.get(mode, mode),
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
                           delay=fo.Delay(lookahead=False) if mode == "stale" else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
                           moments=MOMENTS[m], remainders=base.endswith("r"),
-                          threads=args.threads, engine="gpu" if mode == "engine" else "cpu",
+                          threads=args.threads,
+                          engine={"engine": "gpu", "both": "both"}.get(mode, "cpu"),
+                          gpu_share=args.gpu_share if mode == "both" else None,
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
                     threads=ours.executor.threads, ahead=ours.ahead)
+        if mode == "both":
+            def flush() -> None:  # the row takes the last step's split (its times and share)
+                ours.flush()
+                info["split"] = str(ours.executor.last_split)
+            return ours.step, flush
         return ours.step, ours.flush
     plan = fo.placement.offload_fraction(frac).plan(dict(model.named_parameters()))
     if name == "hdo":
@@ -332,6 +343,8 @@ def parse() -> argparse.Namespace:
                          "run-ahead is then always kept)")
     ap.add_argument("--chunk-mb", type=int, default=32, help="our executor's chunk size")
     ap.add_argument("--slots", type=int, default=4, help="our executor's ring slots")
+    ap.add_argument("--gpu-share", type=float, default=None,
+                    help="both:F systems: the GPU engine's share (default: planned each step)")
     ap.add_argument("--threads", type=int, default=0,
                     help="host threads (ours and the floor); 0: physical cores (one fewer for delayed)")
     ap.add_argument("--floor-max-numel", type=int, default=1 << 31,

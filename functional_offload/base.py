@@ -169,6 +169,8 @@ class StepCache:
     restore_params: bool = False  # loaded into a failed state: set the params from the masters
     adopt_masters: list = dataclasses.field(default_factory=list)  # leaves whose masters a
     #     checkpoint lacked (saved in a mode keeping none): set from their params at next use
+    split: Any = None  # engine="both": the last step's split (executor.host.SplitStep), whose
+    #                    measured rates plan the next one
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all

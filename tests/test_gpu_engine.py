@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import functional_offload as fo
-from functional_offload.executor import HostExecutor
+from functional_offload.executor import HostExecutor, SplitStep
 from functional_offload.executor.pinned import pin_all
 from functional_offload.optimizers.forms.gpu_engine import chunks, state_of
+from functional_offload.optimizers.forms.split import plan
 from functional_offload.optimizers.layout import Leaf, with_flat_views
 from functional_offload.placement import on_device, on_host
 from functional_offload.testing import fail_host_kernel
@@ -157,18 +158,50 @@ def test_state_replaced_by_pageable_tensors_steps_the_same():
 
 def test_bad_engine_refused():
     for bad in ("tpu", "GPU", None, 1):
-        with pytest.raises(ValueError, match="engine must be 'cpu' or 'gpu'"):
+        with pytest.raises(ValueError, match="engine must be 'cpu', 'gpu' or 'both'"):
             HostExecutor(engine=bad)
     assert HostExecutor().engine == "cpu"
 
 
+@pytest.mark.parametrize("engine, share", [("gpu", 0.5), ("cpu", 0.5), ("both", 1.5),
+                                           ("both", -0.1), ("both", True), ("both", "half")])
+def test_bad_gpu_share_refused(engine, share):
+    with pytest.raises(ValueError, match="gpu_share must be None or a number in"):
+        HostExecutor(engine=engine, gpu_share=share)
+
+
+@pytest.mark.parametrize("engine", ["gpu", "both"])
 @pytest.mark.parametrize("delayed", [False, True])
-def test_gpu_engine_refuses_cpu_params(delayed):
+def test_gpu_engine_refuses_cpu_params(engine, delayed):
     params = make_params(0)
     opt = fo.adamw(lr=1e-2, placement=on_host(), delayed=delayed,
-                   executor=HostExecutor(engine="gpu"))
-    with pytest.raises(ValueError, match=r"engine='gpu'.* on cpu"):
+                   executor=HostExecutor(engine=engine))
+    with pytest.raises(ValueError, match=rf"engine='{engine}'.* on cpu"):
         opt.init(params)  # (CPU params' state is host-resident whatever the placement)
+
+
+def step_of(share, gpu, cpu, gpu_s, cpu_s):
+    return SplitStep(share, (), gpu, cpu, None, None, gpu_s, cpu_s)
+
+
+def test_split_plan():
+    """Half at the first step; the executor's share when set; else halfway to the share at which
+    both engines, at the rates of the step before, take as long; predicted times from them."""
+    assert plan([100, 300], 0, None, None) == (0.5, None, None)
+    assert plan([100, 300], 0, None, 0.25)[0] == 0.25
+    # GPU 200 elements in 1 s, CPU 200 + 50 (packed) in 1 s: balanced GPU elements
+    # g = 200 * 450 / (200 + 250) = 200 of the 400 it can step: 0.5; halfway from 0.5
+    last = step_of(0.5, 200, 250, 1.0, 1.0)
+    share, pg, pc = plan([100, 300], 50, last, None)
+    assert share == pytest.approx(0.5) and pg == pytest.approx(1.0) and pc == pytest.approx(1.0)
+    fast = step_of(0.5, 200, 250, 0.5, 1.0)  # GPU twice as fast: 400 * 450 / 650 / 400
+    share, pg, pc = plan([100, 300], 50, fast, None)
+    assert share == pytest.approx((0.5 + 450 / 650) / 2)
+    assert pg == pytest.approx(share * 400 / 400) and pc == pytest.approx((450 - share * 400) / 250)
+    assert plan([100, 300], 50, fast, 0.9)[0] == 0.9  # the override
+    # an engine that stepped nothing has no rate: the share moves a quarter towards it
+    assert plan([100], 0, step_of(1.0, 100, 0, 1.0, 0.0), None)[0] == 0.75
+    assert plan([100], 0, step_of(0.0, 0, 100, 0.0, 1.0), None)[0] == 0.25
 
 
 @pytest.mark.parametrize("options, what", [
@@ -256,3 +289,88 @@ def test_pinned_arenas_hold_the_state_in_little_more_than_its_bytes():
                            for t in ts if t is not None)
     used = sum(t.numel() * t.element_size() for t in ts if t is not None)
     assert pinned <= 1.15 * used + (1 << 21) < tensor_by_tensor, (pinned, used, tensor_by_tensor)
+
+
+def split_params(dtype=torch.float32):
+    """Leaves above the packed size (the engine's) and small ones (packed: the CPU kernel's)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = {"emb": (300, 256), "w1": (256, 300), "b1": (300,), "w2": (70_001,), "ln": (256,)}
+    return {k: torch.randn(s, generator=g).to("cuda", dtype) for k, s in shapes.items()}
+
+
+def run_split(engine, share=None, dtype=torch.float32, steps=3, **options):
+    """``steps`` updates of :func:`split_params` with all state on the host (the second without
+    a grad for ``b1``): params and state on the CPU by name, and the executor's last split."""
+    params = split_params(dtype)
+    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine,
+                      gpu_share=share if engine == "both" else None)
+    opt = fo.adamw(1e-2, weight_decay=0.1, placement=on_host(), executor=ex, **options)
+    state = opt.init(params)
+    for n, g in enumerate(grad_seq(params, steps)):
+        if n == 1:
+            g["b1"] = None
+        params, state = opt.update(g, state)
+    return ({k: p.cpu() for k, p in params.items()},
+            {k: v.cpu() for k, v in fo.state_dict(state).items()}, ex.last_split)
+
+
+def of_leaf(state, path):
+    return {k: v for k, v in state.items() if k.split(".", 1)[-1] == path}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("share", [0.5, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_gives_each_leaf_the_bits_of_its_engine(share, dtype):
+    """Each leaf the GPU engine stepped has the bits of engine='gpu', each other one those of
+    the CPU kernel (engine='cpu'); packed small leaves are the CPU kernel's."""
+    params, state, split = run_split("both", share, dtype)
+    by = {"gpu": run_split("gpu", dtype=dtype), "cpu": run_split("cpu", dtype=dtype)}
+    assert split.gpu and set(split.gpu) <= {"emb", "w1", "w2"}
+    assert split.gpu_elements == sum(params[k].numel() for k in split.gpu)
+    for k in params:
+        ref_params, ref_state, _ = by["gpu" if k in split.gpu else "cpu"]
+        assert torch.equal(params[k], ref_params[k]), k
+        mine, theirs = of_leaf(state, k), of_leaf(ref_state, k)
+        assert mine.keys() == theirs.keys() and mine, k
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
+
+
+@pytest.mark.cuda
+def test_split_share_is_planned_from_the_rates_of_the_step_before():
+    params, state, split = run_split("both", None, steps=4)
+    assert 0.0 < split.share <= 1.0 and split.gpu_s > 0 and split.cpu_s > 0
+    assert split.predicted_gpu_s is not None and split.predicted_cpu_s is not None
+    assert "predicted ms" in str(split)
+    assert all(torch.isfinite(p).all() for p in params.values())
+
+
+@pytest.mark.cuda
+def test_split_leaves_what_the_engine_does_not_step_to_the_cpu():
+    """8-bit moments and the split master are not refused with engine='both' (as with 'gpu'):
+    those leaves run on the CPU kernel, with its bits."""
+    for options in (dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8),
+                    dict(store_param_remainders=True)):
+        dtype = torch.bfloat16
+        params, state, split = run_split("both", 1.0, dtype, **options)
+        ref_params, ref_state, _ = run_split("cpu", dtype=dtype, **options)
+        assert split.gpu == ()
+        for k in params:
+            assert torch.equal(params[k], ref_params[k]), k
+        for k in state:
+            assert torch.equal(state[k], ref_state[k]), k
+
+
+@pytest.mark.cuda
+def test_split_failure_marks_the_state():
+    params = split_params()
+    opt = fo.adamw(1e-2, placement=on_host(),
+                   executor=HostExecutor(chunk_bytes=1 << 16, slots=2, engine="both"))
+    state = opt.init(params)
+    g = grad_seq(params, 1)[0]
+    with fail_host_kernel(after=1):
+        with pytest.raises(fo.HostStepError, match="injected failure"):
+            opt.update(g, state)
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.update(g, state)

@@ -6,10 +6,11 @@ workers (and the process-wide default), ``timeline`` an opt-in recording, ``faul
 :mod:`functional_offload.testing` injects failures through.
 """
 
-from functional_offload.executor.host import HostExecutor, default_executor, node_share, physical_cores
+from functional_offload.executor.host import (HostExecutor, SplitStep, default_executor, node_share,
+                                              physical_cores)
 from functional_offload.executor.chunking import HostLeaf
 from functional_offload.executor.run import HostStepError, Run
 from functional_offload.executor.timeline import Timeline
 
-__all__ = ["HostExecutor", "HostLeaf", "HostStepError", "Run", "Timeline", "default_executor",
-           "node_share", "physical_cores"]
+__all__ = ["HostExecutor", "HostLeaf", "HostStepError", "Run", "SplitStep", "Timeline",
+           "default_executor", "node_share", "physical_cores"]

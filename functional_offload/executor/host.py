@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -27,7 +27,35 @@ from functional_offload.executor.timeline import Timeline
 from functional_offload.executor.transport import Transport, transport_for
 from functional_offload.kernels.work import Kernel
 
-__all__ = ["HostExecutor", "default_executor", "physical_cores", "node_share"]
+__all__ = ["HostExecutor", "SplitStep", "default_executor", "physical_cores", "node_share"]
+
+
+class SplitStep(NamedTuple):
+    """One step of ``engine="both"``: the leaves each engine stepped, the times the rates of
+    the step before predicted for them (None at the first step) and the times they took (from
+    the hand-over to the CPU kernel until each engine's last copy landed), in seconds."""
+
+    share: float  # of the elements the GPU engine can step, those it stepped
+    gpu: tuple[str, ...]  # the leaves it stepped
+    gpu_elements: int
+    cpu_elements: int  # the CPU kernel's, small packed leaves and leaves the engine cannot step
+    predicted_gpu_s: Optional[float]
+    predicted_cpu_s: Optional[float]
+    gpu_s: float
+    cpu_s: float
+
+    def rates(self) -> tuple[float, float]:
+        """Elements a second of the GPU engine and of the CPU kernel in this step (0 for an
+        engine that stepped nothing)."""
+        return (self.gpu_elements / self.gpu_s if self.gpu_elements and self.gpu_s > 0 else 0.0,
+                self.cpu_elements / self.cpu_s if self.cpu_elements and self.cpu_s > 0 else 0.0)
+
+    def __str__(self) -> str:
+        def ms(x: Optional[float]) -> str:
+            return "-" if x is None else f"{x * 1e3:.1f}"
+        return (f"engine  elements        predicted ms  measured ms   (GPU share {self.share:.3f})\n"
+                f"gpu     {self.gpu_elements:>14,}  {ms(self.predicted_gpu_s):>12}  {ms(self.gpu_s):>11}\n"
+                f"cpu     {self.cpu_elements:>14,}  {ms(self.predicted_cpu_s):>12}  {ms(self.cpu_s):>11}")
 
 _NODE_STAGING_BYTES = 1 << 30  # pinned staging of the default executors of one node, in all
 
@@ -93,15 +121,21 @@ class HostExecutor:
       engine: where plain steps of element-wise optimizers run the math of host-resident
         leaves: ``"cpu"`` (the host kernel, the default) or ``"gpu"`` (on the params' GPU, the
         state — pinned at ``init`` — copied up and back in place, at most ``chunk_bytes ×
-        slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`). Delayed, speculative
-        and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` needs every
-        host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
+        slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`), or
+        ``"both"``: each step divides the leaves between the two, run at once
+        (:mod:`~functional_offload.optimizers.forms.split`). Delayed, speculative
+        and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` and ``"both"`` need
+        every host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
+      gpu_share: with ``engine="both"``, the fraction of the elements the GPU engine can step
+        that it steps (leaves in order until it is reached); None (the default): chosen at each
+        step from both engines' rates in the step before, so that they finish together (half at
+        the first step). The last split is :attr:`last_split`.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
                  cpus: Optional[Sequence[int]] = None, timeline: Optional[Timeline] = None,
                  stage_host_grads: bool = False, worker_elements: int = 1 << 17,
-                 engine: str = "cpu"):
+                 engine: str = "cpu", gpu_share: Optional[float] = None):
         if chunk_bytes < 4096 or chunk_bytes % ALIGN or slots < 2:
             raise ValueError(f"executor needs chunk_bytes >= 4096 and a multiple of {ALIGN} (the "
                              f"ring's regions hold elements of every size), and slots >= 2, got "
@@ -110,8 +144,12 @@ class HostExecutor:
             raise ValueError(f"executor threads must be >= 1, got {threads}")
         if worker_elements < 1:
             raise ValueError(f"executor worker_elements must be >= 1, got {worker_elements}")
-        if engine not in ("cpu", "gpu"):
-            raise ValueError(f"executor engine must be 'cpu' or 'gpu', got {engine!r}")
+        if engine not in ("cpu", "gpu", "both"):
+            raise ValueError(f"executor engine must be 'cpu', 'gpu' or 'both', got {engine!r}")
+        if gpu_share is not None and (engine != "both" or isinstance(gpu_share, bool) or not (
+                isinstance(gpu_share, (int, float)) and 0.0 <= gpu_share <= 1.0)):
+            raise ValueError(f"executor gpu_share must be None or a number in [0, 1], with "
+                             f"engine='both'; got gpu_share={gpu_share!r}, engine={engine!r}")
         self.chunk_bytes, self.slots = int(chunk_bytes), int(slots)
         self.threads = threads or (len(cpus) if cpus else physical_cores())
         self.cpus = list(cpus) if cpus else None
@@ -119,6 +157,8 @@ class HostExecutor:
         self.stage_host_grads = bool(stage_host_grads)
         self.worker_elements = int(worker_elements)
         self.engine = engine
+        self.gpu_share = None if gpu_share is None else float(gpu_share)
+        self.last_split: Optional[SplitStep] = None  # engine="both": the last step's split
         self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
         self._slot_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Transport] = {}
@@ -145,10 +185,10 @@ class HostExecutor:
         with self._reserving:
             if device in self._busy:
                 return
-            if self.engine == "gpu" and device.type != "cuda":
-                raise ValueError(f"HostExecutor(engine='gpu') steps host-resident state on its "
-                                 f"params' GPU, but a param is on {device}; use engine='cpu' (the "
-                                 "default) for params off a GPU")
+            if self.engine != "cpu" and device.type != "cuda":
+                raise ValueError(f"HostExecutor(engine={self.engine!r}) steps host-resident state "
+                                 f"on its params' GPU, but a param is on {device}; use "
+                                 "engine='cpu' (the default) for params off a GPU")
             staged = device.type != "cpu" or self.stage_host_grads
             self._slot_events[device] = [None] * self.slots
             self._transports[device] = transport_for(device)
@@ -237,21 +277,23 @@ class HostExecutor:
 
     def open(self, device: torch.device, kernel: Kernel, threads: Optional[int] = None,
              chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-             elements: Optional[int] = None, ahead: bool = False) -> Run:
+             elements: Optional[int] = None, ahead: bool = False, threaded: bool = False) -> Run:
         """Start a run for leaves whose grads are on ``device``; feed it with ``add``.
 
         ``elements``: the run's total elements, when every leaf is handed over and the run
         closed before ``wait``. It then gets a worker per ``worker_elements`` elements at most,
         and, opened in a step's shielded work (:func:`~functional_offload.executor.shield.shielded`),
         runs in the step's thread (see :class:`~functional_offload.executor.run.Run`): a small run
-        starts no thread at all. ``ahead``: for leaves with a look-ahead (``HostLeaf.ahead``).
+        starts no thread at all; ``threaded``: in a thread of its own all the same (the step's
+        thread has other work meanwhile). ``ahead``: for leaves with a look-ahead
+        (``HostLeaf.ahead``).
         """
         self.reserve(device)
         n = min(threads or self.threads, self.threads)
         if elements is not None:
             n = max(1, min(n, -(-elements // self.worker_elements)))
-        return Run(self, device, kernel, n, chunk_done, inline=elements is not None and shielding(),
-                   ahead=ahead)
+        return Run(self, device, kernel, n, chunk_done,
+                   inline=elements is not None and shielding() and not threaded, ahead=ahead)
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
         """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered

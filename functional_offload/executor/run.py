@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import queue as queue_mod
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -83,6 +84,7 @@ class Run:
                        else executor.chunk_bytes)
         self.started = False
         self.settled = False
+        self.ended_at: Optional[float] = None  # time.perf_counter() when the run ended
         self.switched: list[HostLeaf] = []  # leaves that ran as their ``settled`` form
         self.error: Optional[BaseException] = None
         self._arrivals: "queue_mod.Queue" = queue_mod.Queue()
@@ -159,6 +161,7 @@ class Run:
                 self._queue = None  # its chunks hold views of the leaves' buffers
             if self.chunk_done is not None:
                 self.chunk_done(leaves, None)
+            self.ended_at = time.perf_counter()
 
     def _set_queue(self, q: Any) -> bool:
         with self._lock:

@@ -320,16 +320,23 @@ class Terminal:
         masters, moments, emas = self._make_state(locals_, on_host, preview)
         fields = [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])]
         plain = not (preview or self.delayed or not self.spec.elementwise)
-        engine = plain and self.executor.engine == "gpu"  # (its leaves' params are on a GPU)
+        engine = plain and self.executor.engine != "cpu"  # (its leaves' params are on a GPU)
         packs = arrange([i for i, (p, m) in enumerate(zip(locals_, masters))
                          if on_host[i] and m is not None and not is_split(m)
                          and not is_quantized(p) and p.numel() <= PACK_MAX],
                         fields, decay_flags(tree, self.weight_decay_mask),
-                        [p.dtype for p in locals_], pin=engine) if plain else []
-        if engine:  # the GPU engine copies its host state in place: pinned
+                        [p.dtype for p in locals_],
+                        pin=plain and self.executor.engine == "gpu") if plain else []
+        if engine:  # the GPU engine copies its host state in place: pinned (with "both", of
+            #         the leaves it can step; packed leaves run on the CPU kernel there)
             packed = {i for pack in packs for i in pack.members}
+            steps = [not (is_quantized(p) or (m is not None and is_split(m))
+                          or any(f[i] is not None and f[i].dtype == torch.uint8
+                                 for f in moments.values()))
+                     for i, (p, m) in enumerate(zip(locals_, masters))]
             own = [(f, i) for f in fields for i, host in enumerate(on_host)
-                   if host and i not in packed and f[i] is not None]
+                   if host and i not in packed and f[i] is not None
+                   and (steps[i] or self.executor.engine == "gpu")]
             for (f, i), x in zip(own, pin_all([f[i] for f, i in own])):
                 f[i] = x
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731

@@ -7,7 +7,8 @@
 - :class:`Delayed`: in the background, landed by the next step;
 - :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time;
 - :class:`GpuEngine`: element-wise math on the params' GPU, the state copied up and back in
-  chunks (plain steps of an executor with ``engine="gpu"``).
+  chunks (plain steps of an executor with ``engine="gpu"``);
+- :class:`Split`: the leaves divided between the two, run at once (``engine="both"``).
 
 :func:`form_for` picks one; a new form is a module here and a line in ``FORMS``.
 """
@@ -22,9 +23,10 @@ from functional_offload.optimizers.forms.gpu_engine import GpuEngine
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.optimizers.forms.leaf_granular import LeafGranular
 from functional_offload.optimizers.forms.speculative import Speculative
+from functional_offload.optimizers.forms.split import Split
 
 __all__ = ["FORMS", "Case", "Delayed", "GpuEngine", "HostForm", "HostWork", "InPlace",
-           "LeafGranular", "Pending", "Speculative", "form_for"]
+           "LeafGranular", "Pending", "Speculative", "Split", "form_for"]
 
 
 class Case(NamedTuple):
@@ -33,7 +35,7 @@ class Case(NamedTuple):
     delayed: bool  # the optimizer's delayed=True
     elementwise: bool  # the spec's math is element-wise
     speculative: bool  # begun with speculative=True
-    engine: str  # the executor's engine: "cpu" or "gpu"
+    engine: str  # the executor's engine: "cpu", "gpu" or "both"
 
 
 # the first whose test holds is the step's form, made from the step's HostWork
@@ -42,6 +44,7 @@ FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork], HostForm]]] = [
     (lambda c: c.delayed, Delayed),
     (lambda c: c.speculative, Speculative),
     (lambda c: c.engine == "gpu", GpuEngine),
+    (lambda c: c.engine == "both", Split),
     (lambda c: True, InPlace),
 ]
 

@@ -167,12 +167,14 @@ class HostWork:
         return self.leaves[index]
 
     def run(self, device: torch.device, runs: dict,
-            elements: Optional[dict[torch.device, int]] = None) -> Run:
+            elements: Optional[dict[torch.device, int]] = None, threaded: bool = False) -> Run:
         """The run of ``device`` in ``runs``, opened if needed; ``elements``: per device, the
-        total of a run whose leaves are all handed over now."""
+        total of a run whose leaves are all handed over now; ``threaded``: it runs in a thread
+        of its own even then (:meth:`~functional_offload.executor.HostExecutor.open`)."""
         if device not in runs:
             runs[device] = self.ex.open(device, self.kernel(), self.t.threads,
-                                        elements=None if elements is None else elements[device])
+                                        elements=None if elements is None else elements[device],
+                                        threaded=threaded)
         return runs[device]
 
     def host_leaf(self, index: int, g: torch.Tensor, out: Optional[torch.Tensor],

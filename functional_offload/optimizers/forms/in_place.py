@@ -68,16 +68,27 @@ class InPlace:
         return self.rest_runs if self.closed else self.runs
 
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
+        self.hand_over(gs, rest, ready)
+        self.wait_all()
+
+    def hand_over(self, gs: list, rest: list[int], ready: dict, threaded: bool = False) -> None:
+        """Hand ``rest`` and the packed leaves with a grad to the runs (``threaded``: runs of
+        their own threads, the step's thread having other work until :meth:`wait_all`)."""
         work, runs = self.work, self.finish_runs()
         elements: dict[torch.device, int] = {}
         for i in rest:
             device = gs[i].device
             elements[device] = elements.get(device, 0) + work.static.params[i][1].numel()
-        self.packed_out = self._packed_leaves(gs, runs, elements)
+        self.packed_out = self._packed_leaves(gs, runs, elements, threaded)
         for device, idx in by_device([i for i in rest if i not in work.static.packed], gs).items():
-            work.run(device, runs, elements).add_all(
+            work.run(device, runs, elements, threaded).add_all(
                 [self.in_place_leaf(i, gs[i]) for i in idx], ready[device])
-        wait_runs(runs)
+
+    def wait_all(self) -> None:
+        """Wait for every run, raise the first error, order the caller's stream after the
+        copies."""
+        work = self.work
+        wait_runs(self.finish_runs())
         wait_runs(self.runs)  # what was fed ahead (a no-op when already waited for)
         raise_run_errors(self.runs)
         raise_run_errors(self.rest_runs)
@@ -97,7 +108,8 @@ class InPlace:
                 raise RuntimeError(f"writing the new values of param {path!r} failed: "
                                    f"{type(e).__name__}: {e}") from e
 
-    def _packed_leaves(self, gs: list, runs: dict, elements: dict[torch.device, int]) -> list[PackedRun]:
+    def _packed_leaves(self, gs: list, runs: dict, elements: dict[torch.device, int],
+                       threaded: bool = False) -> list[PackedRun]:
         """Each run of packed members with a grad: grads gathered into the pack's buffer (one
         multi-tensor copy), handed to ``runs`` as one host leaf over the arenas."""
         work, leaves, out = self.work, self.work.leaves, []
@@ -123,7 +135,7 @@ class InPlace:
                                 work.hyper_of(lead), (),
                                 None if lead.ema is None else span(lead.ema, hi - lo),
                                 work.t.ema_decay or 0.0)
-                work.run(g0.device, runs, elements).add(leaf, ready)
+                work.run(g0.device, runs, elements, threaded).add(leaf, ready)
                 out.append((members, bufs, first, last))
         return out
 
