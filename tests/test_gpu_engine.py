@@ -180,28 +180,28 @@ def test_gpu_engine_refuses_cpu_params(engine, delayed):
         opt.init(params)  # (CPU params' state is host-resident whatever the placement)
 
 
-def step_of(share, gpu, cpu, gpu_s, cpu_s):
-    return SplitStep(share, (), gpu, cpu, None, None, gpu_s, cpu_s)
+def step_of(share, gpu_rate, cpu_rate):
+    return SplitStep(share, (), 0, 0, None, None, 0.0, 0.0, gpu_rate, cpu_rate)
 
 
 def test_split_plan():
     """Half at the first step; the executor's share when set; else halfway to the share at which
-    both engines, at the rates of the step before, take as long; predicted times from them."""
+    both engines, at the rates known, take as long; predicted times from them; a quarter towards
+    an engine whose rate is not known yet."""
     assert plan([100, 300], 0, None, None) == (0.5, None, None)
     assert plan([100, 300], 0, None, 0.25)[0] == 0.25
-    # GPU 200 elements in 1 s, CPU 200 + 50 (packed) in 1 s: balanced GPU elements
-    # g = 200 * 450 / (200 + 250) = 200 of the 400 it can step: 0.5; halfway from 0.5
-    last = step_of(0.5, 200, 250, 1.0, 1.0)
-    share, pg, pc = plan([100, 300], 50, last, None)
-    assert share == pytest.approx(0.5) and pg == pytest.approx(1.0) and pc == pytest.approx(1.0)
-    fast = step_of(0.5, 200, 250, 0.5, 1.0)  # GPU twice as fast: 400 * 450 / 650 / 400
-    share, pg, pc = plan([100, 300], 50, fast, None)
-    assert share == pytest.approx((0.5 + 450 / 650) / 2)
-    assert pg == pytest.approx(share * 400 / 400) and pc == pytest.approx((450 - share * 400) / 250)
+    # rates 200/s each, 400 elements the GPU can step and 50 more (packed) for the CPU: balanced
+    # GPU elements g = 200 * 450 / 400 = 225 of 400; halfway from 0.5
+    share, pg, pc = plan([100, 300], 50, step_of(0.5, 200.0, 200.0), None)
+    assert share == pytest.approx((0.5 + 225 / 400) / 2)
+    assert pg == pytest.approx(share * 400 / 200) and pc == pytest.approx((450 - share * 400) / 200)
+    fast = step_of(0.5, 400.0, 200.0)  # GPU twice as fast: g = 400 * 450 / 600 = 300
+    assert plan([100, 300], 50, fast, None)[0] == pytest.approx((0.5 + 300 / 400) / 2)
     assert plan([100, 300], 50, fast, 0.9)[0] == 0.9  # the override
-    # an engine that stepped nothing has no rate: the share moves a quarter towards it
-    assert plan([100], 0, step_of(1.0, 100, 0, 1.0, 0.0), None)[0] == 0.75
-    assert plan([100], 0, step_of(0.0, 0, 100, 0.0, 1.0), None)[0] == 0.25
+    assert plan([100], 0, step_of(1.0, 100.0, 0.0), None)[0] == 0.75  # CPU rate unknown
+    assert plan([100], 0, step_of(0.0, 0.0, 100.0), None)[0] == 0.25  # GPU rate unknown
+    # both known, the GPU far faster: the share goes to 1 and stays (no saw-tooth)
+    assert plan([100], 0, step_of(1.0, 1e6, 1.0), None)[0] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("options, what", [

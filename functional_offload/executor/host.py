@@ -31,11 +31,14 @@ __all__ = ["HostExecutor", "SplitStep", "default_executor", "physical_cores", "n
 
 
 class SplitStep(NamedTuple):
-    """One step of ``engine="both"``: the leaves each engine stepped, the times the rates of
-    the step before predicted for them (None at the first step) and the times they took (from
-    the hand-over to the CPU kernel until each engine's last copy landed), in seconds."""
+    """One step of ``engine="both"``: the leaves each engine stepped, the times the rates known
+    before it predicted for them (None while an engine's rate is unknown) and the times they
+    took, in seconds: the GPU engine's from the hand-over of the CPU kernel's leaves until its
+    last copy down landed, the CPU kernel's until its runs' threads ended (their last copies up
+    may still be in flight). ``gpu_rate``, ``cpu_rate``: elements a second, this step's, or the
+    last one measured where an engine stepped nothing (0: none yet)."""
 
-    share: float  # of the elements the GPU engine can step, those it stepped
+    share: float  # of the elements with a grad the GPU engine can step, those it stepped
     gpu: tuple[str, ...]  # the leaves it stepped
     gpu_elements: int
     cpu_elements: int  # the CPU kernel's, small packed leaves and leaves the engine cannot step
@@ -43,12 +46,8 @@ class SplitStep(NamedTuple):
     predicted_cpu_s: Optional[float]
     gpu_s: float
     cpu_s: float
-
-    def rates(self) -> tuple[float, float]:
-        """Elements a second of the GPU engine and of the CPU kernel in this step (0 for an
-        engine that stepped nothing)."""
-        return (self.gpu_elements / self.gpu_s if self.gpu_elements and self.gpu_s > 0 else 0.0,
-                self.cpu_elements / self.cpu_s if self.cpu_elements and self.cpu_s > 0 else 0.0)
+    gpu_rate: float
+    cpu_rate: float
 
     def __str__(self) -> str:
         def ms(x: Optional[float]) -> str:

@@ -170,9 +170,13 @@ class HostWork:
             elements: Optional[dict[torch.device, int]] = None, threaded: bool = False) -> Run:
         """The run of ``device`` in ``runs``, opened if needed; ``elements``: per device, the
         total of a run whose leaves are all handed over now; ``threaded``: it runs in a thread
-        of its own even then (:meth:`~functional_offload.executor.HostExecutor.open`)."""
+        of its own even then (:meth:`~functional_offload.executor.HostExecutor.open`), with one
+        worker fewer."""
         if device not in runs:
-            runs[device] = self.ex.open(device, self.kernel(), self.t.threads,
+            threads = self.t.threads or self.ex.threads
+            if threaded:  # one worker fewer: the step's thread has work of its own meanwhile
+                threads = max(1, threads - 1)
+            runs[device] = self.ex.open(device, self.kernel(), threads,
                                         elements=None if elements is None else elements[device],
                                         threaded=threaded)
         return runs[device]

@@ -28,7 +28,7 @@ from functional_offload.optimizers.device_math import device_groups, run_groups
 from functional_offload.optimizers.forms.base import AtFinish, HostWork, by_device
 from functional_offload.optimizers.layout import Leaf
 
-__all__ = ["GpuEngine", "Chunk", "Piece", "chunks"]
+__all__ = ["GpuEngine", "Chunk", "Piece", "Prepared", "chunks"]
 
 ALIGN = 64  # bytes: where each piece's tensor starts in a chunk
 
@@ -46,6 +46,16 @@ class Piece(NamedTuple):
 class Chunk(NamedTuple):
     pieces: list[Piece]
     nbytes: int
+
+
+class Prepared(NamedTuple):
+    """One device's part of a step, ready to run: its transport, chunks, grads (1-D, by leaf)
+    and device buffers."""
+
+    transport: Transport
+    chunks: list[Chunk]
+    grads: dict[int, torch.Tensor]
+    buffers: list[torch.Tensor]
 
 
 def state_of(leaf: Leaf) -> tuple[torch.Tensor, ...]:
@@ -121,19 +131,31 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         self.strided: dict[int, torch.Tensor] = {}  # strided params' new values, written at commit
 
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
-        for device, idx in by_device(rest, gs).items():
-            for i in idx:
-                self.work.leaf(i)  # the host views made anew where a storage was replaced
-            self._run(device, idx, gs)
+        self.run_prepared(self.prepare(gs, rest))
 
-    def _run(self, device: torch.device, idx: list[int], gs: list) -> None:
-        """Step leaves ``idx`` (grads on ``device``), chunk by chunk."""
+    def prepare(self, gs: list, idx: list[int]) -> list["Prepared"]:
+        """Leaves ``idx`` cut into chunks and their device buffers allocated, per device: what
+        can fail before anything is written."""
+        out = []
         ex = self.work.ex
-        t = ex.transport(device)
-        todo = chunks(self.work.leaves, idx, ex.chunk_bytes)
-        grads = {i: gs[i].reshape(-1) for i in idx}
-        bufs = [torch.empty(ex.chunk_bytes, dtype=torch.uint8, device=device)
-                for _ in range(min(ex.slots, len(todo)))]
+        for device, on in by_device(idx, gs).items():
+            for i in on:
+                self.work.leaf(i)  # the host views made anew where a storage was replaced
+            todo = chunks(self.work.leaves, on, ex.chunk_bytes)
+            bufs = [torch.empty(ex.chunk_bytes, dtype=torch.uint8, device=device)
+                    for _ in range(min(ex.slots, len(todo)))]
+            out.append(Prepared(ex.transport(device), todo, {i: gs[i].reshape(-1) for i in on},
+                                bufs))
+        return out
+
+    def run_prepared(self, prepared: list["Prepared"]) -> None:
+        """Step what :meth:`prepare` made, chunk by chunk; every copy down has landed when it
+        returns."""
+        for p in prepared:
+            self._run(p)
+
+    def _run(self, p: "Prepared") -> None:
+        ex, t, todo, bufs, grads = self.work.ex, p.transport, p.chunks, p.buffers, p.grads
         t.wait_out(t.ready())  # the buffers' memory is free where the caller's stream is
         landing: deque[object] = deque()
         k = 0
@@ -145,8 +167,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             while landing:
                 t.wait_host(landing.popleft())
         except Exception as e:
-            names = ", ".join(dict.fromkeys(repr(self.work.leaves[p.index].path)
-                                            for p in todo[k].pieces))
+            names = ", ".join(dict.fromkeys(repr(self.work.leaves[q.index].path)
+                                            for q in todo[k].pieces))
             raise HostStepError(f"host optimizer step failed on leaf {names}: "
                                 f"{type(e).__name__}: {e}") from e
         finally:  # nothing in flight reads or writes the state or the buffers once this returns

@@ -1,18 +1,22 @@
 """Plain steps of an executor with ``engine="both"``: the host-resident leaves are divided
 between the GPU engine (:mod:`~functional_offload.optimizers.forms.gpu_engine`) and the CPU
-kernel (:mod:`~functional_offload.optimizers.forms.in_place`), which run at once. The CPU
-kernel's leaves are handed to runs of their own threads first; the GPU engine then steps its
-leaves in the step's thread; the step ends when both have.
+kernel (:mod:`~functional_offload.optimizers.forms.in_place`), which run at once. The engine's
+part is prepared first (chunks, device buffers: what can fail before anything is written); the
+CPU kernel's leaves are then handed to runs of their own threads (one worker fewer than the
+executor's, the step's thread issuing the engine's copies and math), the GPU engine steps its
+leaves in the step's thread, and the step ends when both have. An error in the engine cancels
+the CPU kernel's runs and is the one raised.
 
-The two are bound by different resources (the engine by PCIe, 24 bytes per fp32-state param up
-and down; the kernel by host DRAM), so together they finish sooner than either alone. Which
-leaves go where: leaves in order go to the GPU engine until ``share`` of the elements it can
-step are its, the rest to the CPU kernel, which also takes the small packed leaves and those the
-engine does not step (quantized params, split masters, 8-bit moments). ``share`` is the
-executor's ``gpu_share`` if set, else planned from the step before (its
-:class:`~functional_offload.executor.SplitStep`): from each engine's rate in it, the share at
-which both would take as long, halfway from the last one (half at the first step). Leaves the
-CPU kernel takes start as soon as they are fed (grad streaming), the engine's at ``finish``.
+The engine is bound by PCIe (24 bytes per fp32-state param up and down), the kernel by host
+DRAM, which the engine's copies also use. Which leaves go where: leaves in order go to the
+GPU engine while it has less than ``share`` of the elements with a grad it can step (a leaf
+that would take it past by more than half its size stops it), the rest to the CPU kernel,
+which also takes the small packed leaves and those the engine does not step (quantized params,
+split masters, 8-bit moments). ``share`` is the executor's ``gpu_share`` if set, else planned
+from the rates known (the :class:`~functional_offload.executor.SplitStep` of the step before):
+halfway from the last share to the one at which both would take as long; 0.5 at the first
+step, and a quarter towards an engine whose rate is not known yet. Leaves the CPU kernel takes
+start as soon as they are fed (grad streaming), the engine's at ``finish``.
 """
 
 from __future__ import annotations
@@ -44,17 +48,17 @@ def engine_steps(work: HostWork, index: int) -> bool:
 def plan(sizes: list[int], cpu_only: int, last: Optional[SplitStep],
          fixed: Optional[float]) -> tuple[float, Optional[float], Optional[float]]:
     """The GPU engine's share of ``sizes`` (the elements of the leaves it can step; the CPU
-    kernel has ``cpu_only`` more besides), and the times the rates of ``last`` predict for the
-    GPU and the CPU part at that share (None without rates)."""
+    kernel has ``cpu_only`` more besides), and the times the rates known from ``last`` predict
+    for the GPU and the CPU part at that share (None without both rates)."""
     total = sum(sizes)
-    rg, rc = last.rates() if last is not None else (0.0, 0.0)
+    rg, rc = (last.gpu_rate, last.cpu_rate) if last is not None else (0.0, 0.0)
     if fixed is not None:
         share = fixed
     elif rg > 0 and rc > 0 and total:
         # the GPU's elements g where g / rg == (total + cpu_only - g) / rc
         balanced = min(1.0, rg * (total + cpu_only) / (rg + rc) / total)
         share = (last.share + balanced) / 2
-    elif last is not None and total:  # one engine stepped nothing: move towards it
+    elif last is not None and total:  # an engine not measured yet: a quarter towards it
         share = min(1.0, last.share + 0.25) if rc > 0 else max(0.0, last.share - 0.25)
     else:
         share = 0.5
@@ -78,6 +82,7 @@ class Split:
         rest = sum(work.leaves[i].param.numel() for i in host) - sum(sizes)
         self.share, self.predicted_gpu, self.predicted_cpu = plan(
             sizes, rest, work.cache.split, work.ex.gpu_share)
+        self.able = able
         self.on_gpu: set[int] = set()
         goal, taken = self.share * sum(sizes), 0
         for i, n in zip(able, sizes):  # in order, while the share is not reached
@@ -100,22 +105,36 @@ class Split:
 
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
         gpu = [i for i in rest if i in self.on_gpu]
-        begun = time.perf_counter()
+        prepared = self.gpu.prepare(gs, gpu)  # nothing handed over yet if this fails
         self.cpu.hand_over(gs, [i for i in rest if i not in self.on_gpu], ready, threaded=True)
+        begun = time.perf_counter()
         try:
-            self.gpu.finish(gs, gpu, ready)
-        finally:  # the CPU kernel's runs end before anything else happens to the state
-            gpu_end = time.perf_counter()
-            self.cpu.wait_all()
+            self.gpu.run_prepared(prepared)
+        except BaseException:
+            self.cpu.cancel()
+            try:
+                self.cpu.wait_all()
+            except BaseException:  # noqa: BLE001 - the engine's error is the one raised
+                pass
+            raise
+        gpu_end = time.perf_counter()
+        self.cpu.wait_all()
+        self._record(gs, gpu, begun, gpu_end)
+
+    def _record(self, gs: list, gpu: list[int], begun: float, gpu_end: float) -> None:
+        """This step's :class:`SplitStep`, kept for the next step's plan and the executor."""
+        leaves, last = self.work.leaves, self.work.cache.split
+        size = lambda i: leaves[i].param.numel()  # noqa: E731
+        g_n = sum(map(size, gpu))
+        c_n = sum(size(i) for i, leaf in enumerate(leaves)
+                  if leaf.on_host and gs[i] is not None and i not in self.on_gpu)
+        able_n = sum(size(i) for i in self.able if gs[i] is not None)
         ended = [r.ended_at for r in self.cpu.all_runs() if r.ended_at is not None]
-        leaves = self.work.leaves
-        step = SplitStep(
-            self.share, tuple(leaves[i].path for i in gpu),
-            sum(leaves[i].param.numel() for i in gpu),
-            sum(leaves[i].param.numel() for i in range(len(leaves))
-                if leaves[i].on_host and gs[i] is not None and i not in self.on_gpu),
-            self.predicted_gpu, self.predicted_cpu, gpu_end - begun,
-            (max(ended) - begun) if ended else 0.0)
+        gpu_s, cpu_s = gpu_end - begun, max(0.0, max(ended) - begun) if ended else 0.0
+        rg = g_n / gpu_s if g_n and gpu_s > 0 else (last.gpu_rate if last else 0.0)
+        rc = c_n / cpu_s if c_n and cpu_s > 0 else (last.cpu_rate if last else 0.0)
+        step = SplitStep(g_n / able_n if able_n else self.share, tuple(leaves[i].path for i in gpu),
+                         g_n, c_n, self.predicted_gpu, self.predicted_cpu, gpu_s, cpu_s, rg, rc)
         self.work.cache.split = step
         self.work.ex.last_split = step
 
