@@ -17,7 +17,9 @@ Systems (``F``: offload fraction, Megatron's semantics):
   ``delayed:F``    ours with ``delayed=True`` (ZeRO-Offload's delayed parameter update, with
                    the look-ahead); ``stale:F`` (``stale16``, ``stale8``, ``staler``...) the
                    same without it (``fo.Delay(lookahead=False)``: one step stale, 2 B/param
-                   fewer copied up).
+                   fewer copied up); ``land:F`` (``land16``...) that update made exact by
+                   ``fo.land_before_forward``: each module's forward lands its params, so the
+                   host step overlaps the next forward and nothing is stale.
   ``stream16:F`` / ``delayed16:F``   the same with bf16 moments (fp32 masters kept); ``...8:F``
                    (``plain8``, ``stream8``, ``delayed8``) with block-wise 8-bit moments.
   ``plainr:F``, ``streamr:F``, ``delayedr:F`` (and ``...r16:F``, ``...r8:F``)   the same with
@@ -72,7 +74,8 @@ LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
 OURS = ("lion", "streamlion", "engine", "engine16", "both", "both16",
-        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale") for r in ("", "r")
+        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale", "land")
+          for r in ("", "r")
           for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
 SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,stale:1,delayed16:1,hdo:1,torchao"
@@ -151,9 +154,10 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         m = moments_of(name)
         base = name.removesuffix(m)
         mode = base.removesuffix("r") if base.endswith("r") else base.removesuffix("lion") or "plain"
-        ours = build_ours({"stale": "delayed", "engine": "plain", "both": "plain"}.get(mode, mode),
+        ours = build_ours({"stale": "delayed", "land": "delayed", "engine": "plain",
+                           "both": "plain"}.get(mode, mode),
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
-                          delay=fo.Delay(lookahead=False) if mode == "stale" else None,
+                          delay=fo.Delay(lookahead=False) if mode in ("stale", "land") else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
                           moments=MOMENTS[m], remainders=base.endswith("r"),
                           threads=args.threads,
@@ -162,6 +166,8 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
                     threads=ours.executor.threads, ahead=ours.ahead)
+        if mode == "land":  # the hooks stay for the process's one model
+            fo.land_before_forward(model, ours.state)
         if mode == "both":
             def flush() -> None:  # the row takes the last step's split (its times and share)
                 ours.flush()
@@ -237,7 +243,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     times = []
     start = time.perf_counter()
     # a delayed step's host part runs during the next step: keep both in the timeline
-    kept = 2 if name.startswith(("delayed", "stale")) else 1
+    kept = 2 if name.startswith(("delayed", "stale", "land")) else 1
     for i in range(args.steps):
         if timeline is not None and i == args.steps - kept:
             timeline.clear()  # keep the last step(s) only
@@ -281,6 +287,8 @@ def bound(name: str, fwd: float, bwd: float, floor: float) -> float:
         return fwd + 1.1 * max(bwd, floor)
     if name.startswith(("delayed", "stale")):
         return 1.1 * max(fwd + bwd, floor)
+    if name.startswith("land"):  # the host step hides behind most of the next forward
+        return fwd + bwd + floor - 0.8 * fwd
     return fwd + bwd + floor  # gpu, gpu32 (floor 0), plain, hdo: the host step after backward
 
 

@@ -51,6 +51,7 @@ class Ours(NamedTuple):
     offloaded: int  # elements whose state lives in host memory (this rank's shards)
     host_state_bytes: int  # bytes of state (masters, moments) in host memory
     ahead: dict  # streamed steps with clipping: {"kept": n, "redone": n, "held": n}
+    state: Callable[[], Any]  # the optimizer's current state
 
 
 def _elements(row: dict, params: dict, field: str) -> int:
@@ -173,4 +174,4 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     def flush() -> None:
         fo.flush(holder[0])
 
-    return Ours(step, flush, ex, offloaded, report.host_bytes, ahead)
+    return Ours(step, flush, ex, offloaded, report.host_bytes, ahead, lambda: holder[0])

@@ -21,7 +21,8 @@ from functional_offload.optimizers.adafactor import AdafactorState, adafactor
 from functional_offload.optimizers.lion import LionState, lion
 from functional_offload.placement import plan
 from functional_offload.report import PlacementReport, placement_report
-from functional_offload.state import ema_params, flush, params_of
+from functional_offload.state import ema_params, flush, land, params_of
+from functional_offload.landing import LandingHooks, land_before_forward
 from functional_offload.streaming import GradStream, stream
 from functional_offload.transforms import (ApplyIfFiniteState, apply_if_finite,
                                            clip_by_global_norm, global_norm, masked, scale,
@@ -43,7 +44,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "GradientTransformation", "Optimizer", "Step", "EmptyState", "ParamRefs", "StateError",
-    "chain", "params_of", "ema_params", "flush", "plan", "HostStepError",
+    "chain", "params_of", "ema_params", "flush", "land", "land_before_forward", "LandingHooks",
+    "plan", "HostStepError",
     "adam", "adamw", "sgd", "lion", "adafactor", "AdamState", "SGDState", "LionState",
     "AdafactorState", "Delay", "stream", "GradStream",
     "clip_by_global_norm", "global_norm", "scale", "masked", "apply_if_finite",

@@ -116,10 +116,25 @@ class Landing:
         self._done: list[Segment] = []  # segments whose new params are copied up (or in place)
         self._lock = threading.Lock()
         self._landed = False
+        self._landed_leaves: set[int] = set()  # landed before the rest (land_leaves)
+        # per leaf, its elements whose new params are not copied up yet; the run's progress
+        self._left = [leaf.grad.numel() for leaf in leaves]
+        self._ended = [False]  # the run called its last chunk_done (it ended, or failed)
+        self._progress = threading.Condition()
         ready = executor.ready(self.device)  # the copies above are complete here
-        done = self._done  # (not self: no cycle through the run keeps the buffer past its step)
-        self.run = executor.open(self.device, kernel, threads,
-                                 chunk_done=lambda _, segs: done.extend(segs or ()),
+        # (not self in the callback: no cycle through the run keeps the buffer past its step)
+        done, left, ended, progress = self._done, self._left, self._ended, self._progress
+
+        def chunk_done(_: Any, segs: Optional[list[Segment]]) -> None:
+            with progress:
+                if segs is None:  # the run's end
+                    ended[0] = True
+                for seg in segs or ():
+                    done.append(seg)
+                    left[seg.leaf] -= seg.stop - seg.start
+                progress.notify_all()
+
+        self.run = executor.open(self.device, kernel, threads, chunk_done=chunk_done,
                                  ahead=ahead is not None)
         self.run.add_all([leaf._replace(grad=g, out=p, ahead=r, residual=e,
                                         high=leaf.high if r is None else None)
@@ -176,14 +191,47 @@ class Landing:
         self._up = self._rates = self._residuals = self._values = self._hypers = []
 
     @torch.no_grad()
+    def land_leaves(self, ready: Any, which: Sequence[int]) -> None:
+        """Land leaves ``which`` (positions in ``leaves``) before the rest: wait (on the host)
+        until the run has copied up their new params, then copy those over their params on the
+        copy stream (after ``ready``); the caller then orders its stream after the copies
+        (:meth:`~functional_offload.executor.HostExecutor.order_after_copies`). Raises the run's
+        error if it failed first. Without a look-ahead only (its params land with the next
+        step's grads). A leaf landed here is left out of :meth:`land`'s copies."""
+        if self.ahead is not None:
+            raise ValueError("a look-ahead's params land with the next step's grads, all at "
+                             "once: land leaves early only without one (fo.Delay(lookahead="
+                             "False))")
+        with self._lock:
+            if self._landed:
+                return
+            want = [j for j in dict.fromkeys(which) if j not in self._landed_leaves]
+            with self._progress:
+                self._progress.wait_for(lambda: self._ended[0] or all(
+                    self._left[j] <= 0 for j in want))
+            if any(self._left[j] > 0 for j in want):  # the run ended first: it failed
+                self.run.wait()
+                if self.run.error is not None:
+                    raise self.run.error
+            pairs = [(self.targets[j], self._up[j]) for j in want if self.targets[j] is not None]
+            if pairs:
+                t = self.ex.transport(self.device)
+                t.wait_out(ready)
+                t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
+            self._landed_leaves.update(want)
+
+    @torch.no_grad()
     def _land(self, ready: Any) -> None:
         self.run.wait()
         t, tl = self.ex.transport(self.device), self.ex.timeline
+        early = self._landed_leaves
         if self.run.error is None:  # every chunk is done: whole leaves, no slice per segment
-            pairs = [(d, s) for d, s in zip(self.targets, self._up) if d is not None]
+            pairs = [(d, s) for j, (d, s) in enumerate(zip(self.targets, self._up))
+                     if d is not None and j not in early]
         else:
             pairs = [(self.targets[s.leaf][s.start:s.stop], self._up[s.leaf][s.start:s.stop])
-                     for s in self._done if self.targets[s.leaf] is not None]
+                     for s in self._done if self.targets[s.leaf] is not None
+                     and s.leaf not in early]
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
             s0 = tl.stamp(self.device, t.stream_out) if tl else None

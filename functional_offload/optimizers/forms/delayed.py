@@ -31,6 +31,7 @@ class Pending:
         self.indices = indices
         self.done = False
         self.error: Optional[BaseException] = None
+        self._where: Optional[dict[int, int]] = None  # id of a leaf's tensor -> its position
 
     def land(self, grads: Optional[list] = None) -> None:
         """Apply the step; ``grads``: the next step's grads of every leaf of the layout (a
@@ -52,6 +53,40 @@ class Pending:
         finally:
             ex.order_after_copies(device)
         self.done = True
+        if interrupt is not None:
+            raise interrupt
+
+    def land_params(self, params: list[torch.Tensor]) -> None:
+        """Land the leaves of ``params`` (the params tree's tensors, or their local shards)
+        before the rest, as :meth:`land` would (see
+        :meth:`~functional_offload.executor.delayed.Landing.land_leaves`); others are ignored."""
+        if self.done:
+            if self.error is not None:
+                raise self.error
+            return
+        if self.landing.ahead is not None:
+            raise ValueError("the update in flight has a look-ahead, whose params land with the "
+                             "next step's grads, all at once: land params before the forward "
+                             "only with delayed=fo.Delay(lookahead=False)")
+        if self._where is None:
+            layout = self.cache.layout if self.cache is not None else None
+            if layout is None:  # which leaf is which is not known here any more: land all
+                self.land()
+                return
+            self._where = {id(x): j for j, i in enumerate(self.indices)
+                           for x in (layout[i].live, layout[i].param)}
+        which = [self._where[id(p)] for p in params if id(p) in self._where]
+        if not which:
+            return
+        ex, device = self.landing.ex, self.landing.device
+        try:
+            _, interrupt = shielded(self.landing.land_leaves, ex.ready(device), which)
+        except BaseException as e:
+            self.done, self.error = True, e
+            mark_failed(self.count, self.cache, self.lost)
+            raise
+        finally:
+            ex.order_after_copies(device)
         if interrupt is not None:
             raise interrupt
 

@@ -1,0 +1,123 @@
+"""``fo.land_before_forward`` with ``delayed=fo.Delay(lookahead=False)``: each module's forward
+lands its params from the update in flight, so training is exact — the losses and params of the
+same optimizer without ``delayed``, bit for bit — while the host step runs beside the forward."""
+
+import pytest
+import torch
+from torch import nn
+
+import functional_offload as fo
+from functional_offload.executor import HostExecutor
+from functional_offload.testing import fail_host_kernel
+
+
+def model_and_batches(dtype=torch.bfloat16, device="cpu", width=64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.GELU(),
+                          nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4)).to(device, dtype)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 16, generator=g).to(device, dtype),
+                torch.randn(32, 4, generator=g).to(device)) for _ in range(6)]
+    return model, batches
+
+
+def train(delay, hooks: bool, stage: bool = False, dtype=torch.bfloat16, device="cpu",
+          width=64):
+    """Losses and final params of 6 steps of a clipped AdamW (host-resident state)."""
+    model, batches = model_and_batches(dtype, device, width)
+    params = dict(model.named_parameters())
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2, stage_host_grads=stage)
+    opt = fo.chain(fo.clip_by_global_norm(0.05),  # small: it scales every step
+                   fo.adamw(1e-2, weight_decay=0.1, placement=fo.placement.on_host(),
+                            executor=ex, delayed=delay))
+    holder = [opt.init(params)]
+    handle = fo.land_before_forward(model, lambda: holder[0]) if hooks else None
+    losses = []
+    for x, y in batches:
+        loss = (model(x).float() - y).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+        model.zero_grad(set_to_none=True)
+    fo.flush(holder[0])
+    if handle is not None:
+        handle.remove()
+    return torch.stack(losses).cpu(), {k: p.detach().cpu() for k, p in params.items()}
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["in-place", "staged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_landing_before_forward_is_exact(stage, dtype):
+    want_losses, want = train(False, hooks=False, stage=stage, dtype=dtype)
+    losses, got = train(fo.Delay(lookahead=False), hooks=True, stage=stage, dtype=dtype)
+    assert torch.equal(losses, want_losses)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    stale, _ = train(fo.Delay(lookahead=False), hooks=False, stage=stage, dtype=dtype)
+    assert not torch.equal(stale, want_losses)  # without the hooks the forward reads old params
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_landing_before_forward_is_exact_on_a_gpu(dtype):
+    """CUDA params, their state on the host: chunks land on the copy stream while the forward
+    runs on the caller's; leaves wider than a 4 KiB chunk land across several."""
+    kw = dict(dtype=dtype, device="cuda", width=512)
+    want_losses, want = train(False, hooks=False, **kw)
+    losses, got = train(fo.Delay(lookahead=False), hooks=True, **kw)
+    assert torch.equal(losses, want_losses)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_land_ignores_other_params_and_states_with_nothing_in_flight():
+    model, _ = model_and_batches()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, delayed=fo.Delay(lookahead=False))
+    state = opt.init(params)
+    assert fo.land(state, [torch.zeros(3)]) is state  # nothing in flight
+    _, state = opt.update({k: torch.ones_like(p) for k, p in params.items()}, state)
+    fo.land(state, [torch.zeros(3)])  # no leaf of the update: nothing landed, no error
+    fo.land(state, list(params.values()))
+    fo.flush(state)
+
+
+def test_a_look_ahead_is_refused_without_failing_the_state():
+    model, batches = model_and_batches()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, delayed=fo.Delay())  # with the look-ahead
+    holder = [opt.init(params)]
+    hooks = fo.land_before_forward(model, lambda: holder[0])
+    x, y = batches[0]
+    (model(x).float() - y).square().mean().backward()
+    _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+    with pytest.raises(ValueError, match=r"lookahead=False"):
+        model(x)
+    hooks.remove()
+    fo.flush(holder[0])  # usable: the update lands as usual
+    opt.update({k: torch.zeros_like(p) for k, p in params.items()}, holder[0])
+
+
+def test_a_failed_host_step_raises_in_the_forward_and_fails_the_state():
+    model, batches = model_and_batches()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False),
+                   executor=HostExecutor(chunk_bytes=4096, slots=2, threads=1))
+    holder = [opt.init(params)]
+    hooks = fo.land_before_forward(model, lambda: holder[0])
+    x, y = batches[0]
+    (model(x).float() - y).square().mean().backward()
+    with fail_host_kernel(after=1):
+        _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+        with pytest.raises(fo.HostStepError, match="injected failure"):
+            model(x)
+    with pytest.raises(fo.StateError, match="failed"):
+        fo.flush(holder[0])
+    hooks.remove()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match="nn.Module"):
+        fo.land_before_forward(lambda x: x, lambda: None)
+    with pytest.raises(TypeError, match="current state"):
+        fo.land_before_forward(nn.Linear(2, 2), None)
