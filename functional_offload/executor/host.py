@@ -219,6 +219,13 @@ class HostExecutor:
         self.reserve(device)
         return self._transports[device]
 
+    def engine_transport(self, device: torch.device) -> Transport:
+        """The GPU engine's copies' transport: with ``engine="both"`` a second pair of streams
+        of the device, so that its state copies and the CPU kernel's grad and param copies do not
+        queue behind each other; else :meth:`transport`."""
+        self.reserve(device)
+        return transport_for(device, lane=1) if self.engine == "both" else self._transports[device]
+
     def ring(self, device: torch.device) -> Optional[torch.Tensor]:
         self.reserve(device)
         return self._rings[device]

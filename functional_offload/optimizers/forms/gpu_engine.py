@@ -144,8 +144,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             todo = chunks(self.work.leaves, on, ex.chunk_bytes)
             bufs = [torch.empty(ex.chunk_bytes, dtype=torch.uint8, device=device)
                     for _ in range(min(ex.slots, len(todo)))]
-            out.append(Prepared(ex.transport(device), todo, {i: gs[i].reshape(-1) for i in on},
-                                bufs))
+            out.append(Prepared(ex.engine_transport(device), todo,
+                                {i: gs[i].reshape(-1) for i in on}, bufs))
         return out
 
     def run_prepared(self, prepared: list["Prepared"]) -> None:
