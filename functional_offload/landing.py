@@ -13,7 +13,7 @@ next forward: the leaves come up in the order of the params tree, which for a mo
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -36,10 +36,11 @@ class LandingHooks:
         self.handles = []
 
 
-def land_before_forward(model: nn.Module, state: Callable[[], OptState]) -> LandingHooks:
+def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
     """Before each forward of a module of ``model`` with params of its own, land those params
     from the update in flight in ``state()`` (the optimizer's current state: a function, as
-    every update returns a new one).
+    every update returns a new one), or through ``state.land(params)`` for an object with that
+    method (a :class:`~functional_offload.TorchOptimizer`, which holds its states).
 
     Example::
 
@@ -61,9 +62,13 @@ def land_before_forward(model: nn.Module, state: Callable[[], OptState]) -> Land
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"land_before_forward takes an nn.Module, got {type(model).__name__}")
-    if not callable(state):
-        raise TypeError("land_before_forward takes a function returning the optimizer's current "
-                        f"state (e.g. lambda: state), got a {type(state).__name__}")
+    lander = getattr(state, "land", None)
+    if not callable(lander):
+        if not callable(state):
+            raise TypeError("land_before_forward takes a function returning the optimizer's "
+                            "current state (e.g. lambda: state) or an object with a land(params) "
+                            f"method (fo.TorchOptimizer), got a {type(state).__name__}")
+        lander = None
     handles = []
     try:
         for name, module in model.named_modules():
@@ -73,7 +78,7 @@ def land_before_forward(model: nn.Module, state: Callable[[], OptState]) -> Land
                                  "FSDP2's all-gather yet; use fo.flush(state) before the forward")
             own = list(module.parameters(recurse=False))
             if own:
-                handles.append(module.register_forward_pre_hook(_Land(own, state)))
+                handles.append(module.register_forward_pre_hook(_Land(own, state, lander)))
     except BaseException:
         for h in handles:
             h.remove()
@@ -92,8 +97,12 @@ def _fsdp_module(module: nn.Module) -> bool:
 class _Land:
     """One module's hook: land its params."""
 
-    def __init__(self, params: list[torch.Tensor], state: Callable[[], OptState]):
-        self.params, self.state = params, state
+    def __init__(self, params: list[torch.Tensor], state: Callable[[], OptState],
+                 lander: Optional[Callable[[list[torch.Tensor]], None]]):
+        self.params, self.state, self.lander = params, state, lander
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        land(self.state(), self.params)
+        if self.lander is not None:
+            self.lander(self.params)
+        else:
+            land(self.state(), self.params)

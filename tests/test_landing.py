@@ -121,3 +121,29 @@ def test_bad_arguments_are_refused():
         fo.land_before_forward(lambda x: x, lambda: None)
     with pytest.raises(TypeError, match="current state"):
         fo.land_before_forward(nn.Linear(2, 2), None)
+
+
+def test_torch_optimizer_lands_before_forward():
+    """A module loop: fo.TorchOptimizer with delayed=fo.Delay(lookahead=False) and the hooks
+    trains as the same TorchOptimizer without delayed, bit for bit."""
+    out = []
+    for delay in (False, fo.Delay(lookahead=False)):
+        model, batches = model_and_batches()
+        opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw, lr=1e-2, weight_decay=0.1,
+                                max_grad_norm=0.05,
+                                placement=fo.placement.on_host(), delayed=delay,
+                                executor=HostExecutor(chunk_bytes=4096, slots=2, threads=2))
+        hooks = fo.land_before_forward(model, opt) if delay else None
+        losses = []
+        for x, y in batches:
+            loss = (model(x).float() - y).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.flush()
+        if hooks is not None:
+            hooks.remove()
+        out.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+    assert torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
