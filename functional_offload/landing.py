@@ -60,8 +60,8 @@ def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
     ``nn.MultiheadAttention``'s hook lands its ``out_proj``'s params too (it reads them without
     calling it). A param another module reads itself is not landed by these hooks: the next
     update then raises, naming it (:func:`~functional_offload.land`). Register the hooks before
-    the first forward of a compiled (``torch.compile``) model. Not for FSDP2 (``fully_shard``) models
-    yet: their all-gather runs before these hooks; refused with a ``ValueError``.
+    the first forward of a compiled (``torch.compile``) model. Not for FSDP2 (``fully_shard``)
+    models yet: their all-gather runs before these hooks; refused with a ``ValueError``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"land_before_forward takes an nn.Module, got {type(model).__name__}")
