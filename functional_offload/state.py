@@ -24,7 +24,8 @@ from functional_offload.tree import check_grads, flatten_like, local, paths_of
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
-    "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush", "land",
+    "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush",
+    "land", "tensors_of",
     "check_usable", "claim", "release", "mark_tensors", "terminal_states", "terminal_counts",
     "stepped", "mark_failed", "check_recoverable", "check_states", "restore_params",
     "after_load",
