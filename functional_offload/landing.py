@@ -7,18 +7,18 @@ next update, so that forward and backward read the params of the step before. Wi
 (:func:`~functional_offload.state.land`): it waits for just those, so the forward reads the
 exact new params while the host step goes on for the modules after it. The update is then
 exact (the same results as without ``delayed``, bit for bit) and its host step overlaps the
-next forward: the leaves come up in the order of the params tree, which for a model's
-``named_parameters()`` is the order its forward usually reaches them.
+next forward: a delayed step runs its leaves in the params tree's insertion order, which for a
+model's ``named_parameters()`` is the order its forward usually reaches them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-from functional_offload.state import land
+from functional_offload.state import land, terminal_states
 from functional_offload.typing import OptState
 
 __all__ = ["LandingHooks", "land_before_forward"]
@@ -36,10 +36,11 @@ class LandingHooks:
         self.handles = []
 
 
-def land_before_forward(model: nn.Module, state: Callable[[], OptState]) -> LandingHooks:
+def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
     """Before each forward of a module of ``model`` with params of its own, land those params
     from the update in flight in ``state()`` (the optimizer's current state: a function, as
-    every update returns a new one).
+    every update returns a new one), or through ``state.land(params)`` for an object with that
+    method (a :class:`~functional_offload.TorchOptimizer`, which holds its states).
 
     Example::
 
@@ -56,24 +57,33 @@ def land_before_forward(model: nn.Module, state: Callable[[], OptState]) -> Land
         >>> state = fo.flush(state)  # the last update lands
         >>> hooks.remove()
 
-    Not for FSDP2 (``fully_shard``) models yet: their all-gather runs before these hooks;
-    refused with a ``ValueError``.
+    ``nn.MultiheadAttention``'s hook lands its ``out_proj``'s params too (it reads them without
+    calling it). A param another module reads itself is not landed by these hooks: the next
+    update then raises, naming it (:func:`~functional_offload.land`). Register the hooks before
+    the first forward of a compiled (``torch.compile``) model. Not for FSDP2 (``fully_shard``)
+    models yet: their all-gather runs before these hooks; refused with a ``ValueError``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"land_before_forward takes an nn.Module, got {type(model).__name__}")
-    if not callable(state):
-        raise TypeError("land_before_forward takes a function returning the optimizer's current "
-                        f"state (e.g. lambda: state), got a {type(state).__name__}")
+    lander = getattr(state, "land", None)
+    if not callable(lander):
+        if not callable(state):
+            raise TypeError("land_before_forward takes a function returning the optimizer's "
+                            "current state (e.g. lambda: state) or an object with a land(params) "
+                            f"method (fo.TorchOptimizer), got a {type(state).__name__}")
+        lander = None
     handles = []
+    shared = _Shared(state, lander)
     try:
         for name, module in model.named_modules():
             if _fsdp_module(module):
                 raise ValueError(f"module {name or type(module).__name__!r} is an FSDP2 module: "
                                  "land_before_forward does not land sharded params before "
                                  "FSDP2's all-gather yet; use fo.flush(state) before the forward")
-            own = list(module.parameters(recurse=False))
+            # nn.MultiheadAttention reads its out_proj's params itself, never calling it
+            own = list(module.parameters(recurse=isinstance(module, nn.MultiheadAttention)))
             if own:
-                handles.append(module.register_forward_pre_hook(_Land(own, state)))
+                handles.append(module.register_forward_pre_hook(_Land(own, shared)))
     except BaseException:
         for h in handles:
             h.remove()
@@ -89,11 +99,35 @@ def _fsdp_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+class _Shared:
+    """What a model's hooks share: how to reach the update in flight, and the last state's
+    pending steps (found once per state, not once per module)."""
+
+    def __init__(self, state: Callable[[], OptState],
+                 lander: Optional[Callable[[list[torch.Tensor]], None]]):
+        self.state, self.lander = state, lander
+        self.seen: Any = None
+        self.terminals: list[Any] = []  # the terminal states inside ``seen``
+
+    def land(self, params: list[torch.Tensor]) -> None:
+        if self.lander is not None:
+            self.lander(params)
+            return
+        st = self.state()
+        if st is not self.seen or any(int(t.count) < 0 for t in self.terminals):
+            land(st, [])  # a new state (or one marked since): checked and searched once
+            self.terminals = terminal_states(st)
+            self.seen = st
+        for t in self.terminals:
+            if t.params.pending is not None:
+                t.params.pending.land_params(params)
+
+
 class _Land:
     """One module's hook: land its params."""
 
-    def __init__(self, params: list[torch.Tensor], state: Callable[[], OptState]):
-        self.params, self.state = params, state
+    def __init__(self, params: list[torch.Tensor], shared: _Shared):
+        self.params, self.shared = params, shared
 
     def __call__(self, module: nn.Module, args: Any) -> None:
-        land(self.state(), self.params)
+        self.shared.land(self.params)

@@ -12,7 +12,7 @@ state.
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import optree
 import torch
@@ -24,7 +24,8 @@ from functional_offload.tree import check_grads, flatten_like, local, paths_of
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
-    "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush", "land",
+    "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush",
+    "land", "tensors_of",
     "check_usable", "claim", "release", "mark_tensors", "terminal_states", "terminal_counts",
     "stepped", "mark_failed", "check_recoverable", "check_states", "restore_params",
     "after_load",
@@ -272,24 +273,43 @@ def flush(state: OptState) -> OptState:
             s.params.pending.land()
     return state
 
-def land(state: OptState, params: Iterable[torch.Tensor]) -> OptState:
+def land(state: OptState, params: Any) -> OptState:
     """Land the new values of ``params`` from the update in flight in ``state`` before the rest
     of it: wait (on the host) until its host step has copied them up, copy them over the params
     and order the caller's stream after those copies. For a delayed update without a look-ahead
     (``delayed=fo.Delay(lookahead=False)``), called as a forward reaches each module (e.g. by
     :func:`~functional_offload.land_before_forward`), this makes the forward read the exact new
     params while the host step still runs on later leaves: the results equal those of the same
-    optimizer without ``delayed``, bit for bit. Params of no leaf of the update in flight are
-    ignored; a state with nothing in flight is left as it is. A failed host step raises here
-    and marks the state failed, as :func:`flush`. Returns ``state``.
+    optimizer without ``delayed``, bit for bit. ``params``: a tensor, a module (its params) or
+    a tree of tensors; a tensor is the param sharing its memory (the param itself, its
+    ``.data``...). Params of no leaf of the update in flight are ignored; a state with nothing
+    in flight is left as it is. Once a step's params have been landed so, the next update
+    raises (after landing the rest) if a param with a grad was not: the forward read it before
+    it landed. A failed host step raises here and marks the state failed, as :func:`flush`.
+    Returns ``state``.
     """
     check_usable(state, "land")
     after_load(state)
-    ps = [p for p in params]
+    ps = tensors_of(params, "fo.land params")
     for s in terminal_states(state):
         if s.params.pending is not None:
             s.params.pending.land_params(ps)
     return state
+
+
+def tensors_of(params: Any, what: str) -> list[torch.Tensor]:
+    """The tensors of ``params``: a tensor, a module's params, or a tree's leaves (all tensors,
+    else ``TypeError`` naming ``what``)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, torch.nn.Module):
+        return list(params.parameters())
+    leaves = optree.tree_leaves(params)
+    bad = [type(x).__name__ for x in leaves if not isinstance(x, torch.Tensor)]
+    if bad:
+        raise TypeError(f"{what}: expected tensors (a tensor, a module, or a tree of tensors), "
+                        f"got a {bad[0]}")
+    return leaves
 
 
 def ema_params(state: OptState) -> Params:

@@ -121,3 +121,126 @@ def test_bad_arguments_are_refused():
         fo.land_before_forward(lambda x: x, lambda: None)
     with pytest.raises(TypeError, match="current state"):
         fo.land_before_forward(nn.Linear(2, 2), None)
+
+
+def test_torch_optimizer_lands_before_forward():
+    """A module loop: fo.TorchOptimizer with delayed=fo.Delay(lookahead=False) and the hooks
+    trains as the same TorchOptimizer without delayed, bit for bit."""
+    out = []
+    for delay in (False, fo.Delay(lookahead=False)):
+        model, batches = model_and_batches()
+        opt = fo.TorchOptimizer(model.named_parameters(), fo.adamw, lr=1e-2, weight_decay=0.1,
+                                max_grad_norm=0.05,
+                                placement=fo.placement.on_host(), delayed=delay,
+                                executor=HostExecutor(chunk_bytes=4096, slots=2, threads=2))
+        hooks = fo.land_before_forward(model, opt) if delay else None
+        losses = []
+        for x, y in batches:
+            loss = (model(x).float() - y).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        opt.flush()
+        if hooks is not None:
+            hooks.remove()
+        out.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
+    assert torch.equal(out[0][0], out[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1]))
+
+
+def test_multihead_attention_lands_its_out_proj():
+    """nn.MultiheadAttention reads its out_proj's params without calling it: its hook lands
+    them too, so a TransformerEncoderLayer trains exactly."""
+    out = []
+    for delay in (False, fo.Delay(lookahead=False)):
+        torch.manual_seed(0)
+        model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        params = dict(model.named_parameters())
+        opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=delay,
+                       executor=HostExecutor(chunk_bytes=4096, slots=2, threads=2))
+        holder = [opt.init(params)]
+        hooks = fo.land_before_forward(model, lambda: holder[0]) if delay else None
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            loss = model(torch.randn(2, 5, 32, generator=g)).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+            model.zero_grad(set_to_none=True)
+        fo.flush(holder[0])
+        if hooks is not None:
+            hooks.remove()
+        out.append(torch.stack(losses))
+    assert torch.equal(out[0], out[1])
+
+
+class ReadsItsChild(nn.Module):
+    """A parent that reads its child's weight itself (the child's forward never runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.body(x), self.head.weight, self.head.bias)
+
+
+def test_a_param_read_before_it_landed_is_named_at_the_next_update():
+    torch.manual_seed(0)
+    model = ReadsItsChild()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False),
+                   executor=HostExecutor(chunk_bytes=4096, slots=2, threads=1))
+    holder = [opt.init(params)]
+    hooks = fo.land_before_forward(model, lambda: holder[0])
+    x = torch.randn(4, 8)
+    for step in range(2):
+        model(x).square().mean().backward()
+        grads = {k: p.grad for k, p in params.items()}
+        if step == 0:
+            _, holder[0] = opt.update(grads, holder[0])
+        else:
+            with pytest.raises(RuntimeError, match=r"'head.weight'.*not landed before the forward"):
+                opt.update(grads, holder[0])
+        model.zero_grad(set_to_none=True)
+    assert int(holder[0].count) == 1  # the update did not run; the state is usable, landed
+    fo.land(holder[0], model.head)  # (nothing in flight now: a no-op)
+    model(x).square().mean().backward()
+    opt.update({k: p.grad for k, p in params.items()}, holder[0])
+    hooks.remove()
+
+
+def test_land_takes_a_tensor_a_module_or_a_tree_and_finds_params_by_memory():
+    model, batches = model_and_batches()
+    params = {k: p.data for k, p in model.named_parameters()}  # the state built from .data
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False))
+    state = opt.init(params)
+    _, state = opt.update({k: torch.ones_like(p) for k, p in params.items()}, state)
+    first = next(model.parameters())
+    before = first.detach().clone()
+    fo.land(state, first)  # the nn.Parameter shares the memory of the .data in the state
+    assert not torch.equal(first.detach(), before)
+    fo.land(state, model[0])
+    fo.land(state, {"any": list(model.parameters())})
+    with pytest.raises(TypeError, match="fo.land params.*got a str"):
+        fo.land(state, ["w"])
+    fo.flush(state)
+
+
+def test_hooks_with_a_stale_state_function_raise():
+    model, batches = model_and_batches()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, delayed=fo.Delay(lookahead=False))
+    state = opt.init(params)
+    old = state
+    hooks = fo.land_before_forward(model, lambda: old)  # never updated: consumed below
+    x, y = batches[0]
+    (model(x).float() - y).square().mean().backward()
+    _, state = opt.update({k: p.grad for k, p in params.items()}, state)
+    with pytest.raises(fo.StateError):
+        model(x)
+    hooks.remove()
+    fo.flush(state)

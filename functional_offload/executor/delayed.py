@@ -143,6 +143,11 @@ class Landing:
         self.run.close()
 
     @property
+    def landed_early(self) -> set[int]:
+        """The leaves :meth:`land_leaves` landed."""
+        return self._landed_leaves
+
+    @property
     def error(self) -> Optional[BaseException]:
         """The host step's error once the run ended (None while it runs or when it succeeded)."""
         return self.run.error if self.run.done else None
@@ -209,7 +214,7 @@ class Landing:
             with self._progress:
                 self._progress.wait_for(lambda: self._ended[0] or all(
                     self._left[j] <= 0 for j in want))
-            if any(self._left[j] > 0 for j in want):  # the run ended first: it failed
+            if self._ended[0]:  # the run ended (all done, or failed: then raise its error)
                 self.run.wait()
                 if self.run.error is not None:
                     raise self.run.error

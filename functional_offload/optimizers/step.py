@@ -37,7 +37,7 @@ from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.device_math import run_groups
 from functional_offload.optimizers.forms import Case, HostForm, HostWork, Pending, form_for
 from functional_offload.optimizers.layout import Leaf, Static, TerminalLike, check_master, static
-from functional_offload.tree import check_grad, grads_of, plain_grad
+from functional_offload.tree import check_grad, grads_of, insertion_order, plain_grad
 
 __all__ = ["TerminalStep"]
 
@@ -251,6 +251,9 @@ class TerminalStep(StepBase):
                        [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
                        t.ema_decay, t.executor.timeline, touched)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
+            if self.delayed:  # the run steps the leaves in the model's order (not optree's sorted keys)
+                rank = {i: k for k, i in enumerate(insertion_order(state.params.tree))}
+                rest.sort(key=rank.__getitem__)
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             exact = self._exact()
             if not exact:

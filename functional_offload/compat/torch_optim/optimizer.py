@@ -8,7 +8,7 @@ import torch
 
 from functional_offload.base import Optimizer
 from functional_offload.combine import through
-from functional_offload.state import FAILED, flush, terminal_states
+from functional_offload.state import FAILED, flush, land, tensors_of, terminal_states
 from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
 from functional_offload.compat.torch_optim.groups import GroupStates, GroupStep
 from functional_offload.compat.torch_optim.state_dicts import (from_earlier_format,
@@ -263,6 +263,16 @@ class TorchOptimizer(torch.optim.Optimizer):
         for slot in self._states.slots:
             if slot.state is not None and slot.state.params.pending is not None:
                 flush(slot.state)
+
+    def land(self, params: Any) -> None:
+        """Land the new values of ``params`` from a delayed step in flight before the rest
+        (``delayed=fo.Delay(lookahead=False)``; :func:`~functional_offload.land`):
+        ``fo.land_before_forward(model, optimizer)`` calls it before each module's forward, so
+        that the forward reads the exact new params while the host step goes on."""
+        ps = tensors_of(params, "TorchOptimizer.land params")
+        for slot in self._states.slots:
+            if slot.state is not None and slot.state.params.pending is not None:
+                land(slot.state, ps)
 
     def sync_masters(self) -> None:
         """Set every master from its param's current value, after the params were changed

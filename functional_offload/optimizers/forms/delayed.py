@@ -16,8 +16,15 @@ from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import AtFinish, HostWork
 from functional_offload.optimizers.spec import land
+from functional_offload.tree import local
 
 __all__ = ["Delayed", "Pending"]
+
+
+def _elements_of(t: torch.Tensor) -> tuple:
+    """Where ``t``'s elements are: its storage, offset, shape and strides (a view of a param, or
+    its ``.data``, has the param's)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
 class Pending:
@@ -31,7 +38,8 @@ class Pending:
         self.indices = indices
         self.done = False
         self.error: Optional[BaseException] = None
-        self._where: Optional[dict[int, int]] = None  # id of a leaf's tensor -> its position
+        self._where: Optional[dict[tuple, int]] = None  # a leaf's memory -> its position
+        self._early = False  # land_params was called: every leaf read is to land before
 
     def land(self, grads: Optional[list] = None) -> None:
         """Apply the step; ``grads``: the next step's grads of every leaf of the layout (a
@@ -44,6 +52,9 @@ class Pending:
         ex, device = self.landing.ex, self.landing.device
         ready = ex.ready(device)  # the caller's reads of the old params come first
         mine = None if grads is None else [grads[i] for i in self.indices]
+        early = self.landing.landed_early
+        missed = [] if not self._early or mine is None else [
+            j for j, g in enumerate(mine) if g is not None and j not in early]
         try:
             _, interrupt = shielded(self.landing.land, ready, mine)
         except BaseException as e:
@@ -55,11 +66,23 @@ class Pending:
         self.done = True
         if interrupt is not None:
             raise interrupt
+        if missed:  # landed now (the state is whole), but the forward read these params before
+            layout = self.cache.layout if self.cache is not None else None
+            names = [repr(layout[self.indices[j]].path) if layout is not None else f"#{j}"
+                     for j in missed]
+            raise RuntimeError(
+                f"params {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} got grads but "
+                "were not landed before the forward read them (their module's forward did not "
+                "run: e.g. a parent reads them itself): those grads were computed from the params "
+                "of the step before. Land them before they are read (fo.land(state, [...]) where "
+                "they are used). This update did not run; the state holds the last one, landed")
 
     def land_params(self, params: list[torch.Tensor]) -> None:
-        """Land the leaves of ``params`` (the params tree's tensors, or their local shards)
-        before the rest, as :meth:`land` would (see
-        :meth:`~functional_offload.executor.delayed.Landing.land_leaves`); others are ignored."""
+        """Land the leaves of ``params`` (tensors sharing the memory of the params tree's, or of
+        their local shards) before the rest, as :meth:`land` would (see
+        :meth:`~functional_offload.executor.delayed.Landing.land_leaves`); others are ignored.
+        From then on :meth:`land` raises, once it has landed the rest, if a leaf with a grad in
+        the next step was not landed here first (the forward read it before it landed)."""
         if self.done:
             if self.error is not None:
                 raise self.error
@@ -68,14 +91,15 @@ class Pending:
             raise ValueError("the update in flight has a look-ahead, whose params land with the "
                              "next step's grads, all at once: land params before the forward "
                              "only with delayed=fo.Delay(lookahead=False)")
+        self._early = True
         if self._where is None:
             layout = self.cache.layout if self.cache is not None else None
             if layout is None:  # which leaf is which is not known here any more: land all
                 self.land()
                 return
-            self._where = {id(x): j for j, i in enumerate(self.indices)
-                           for x in (layout[i].live, layout[i].param)}
-        which = [self._where[id(p)] for p in params if id(p) in self._where]
+            self._where = {_elements_of(layout[i].param): j for j, i in enumerate(self.indices)}
+        which = [j for j in (self._where.get(_elements_of(local(p))) for p in params)
+                 if j is not None and j not in self.landing.landed_early]
         if not which:
             return
         ex, device = self.landing.ex, self.landing.device
