@@ -6,7 +6,7 @@ executor.delayed.Landing`); the next step, a flush or a checkpoint lands them
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -49,20 +49,13 @@ class Pending:
             if self.error is not None:
                 raise self.error
             return
-        ex, device = self.landing.ex, self.landing.device
-        ready = ex.ready(device)  # the caller's reads of the old params come first
+        ready = self.landing.ex.ready(self.landing.device)  # the caller's reads of the old
+        #                                                      params come first
         mine = None if grads is None else [grads[i] for i in self.indices]
         early = self.landing.landed_early
         missed = [] if not self._early or mine is None else [
             j for j, g in enumerate(mine) if g is not None and j not in early]
-        try:
-            _, interrupt = shielded(self.landing.land, ready, mine)
-        except BaseException as e:
-            self.done, self.error = True, e
-            mark_failed(self.count, self.cache, self.lost)
-            raise
-        finally:
-            ex.order_after_copies(device)
+        interrupt = self._shielded(self.landing.land, ready, mine)
         self.done = True
         if interrupt is not None:
             raise interrupt
@@ -103,16 +96,24 @@ class Pending:
         if not which:
             return
         ex, device = self.landing.ex, self.landing.device
+        interrupt = self._shielded(self.landing.land_leaves, ex.ready(device), which)
+        if interrupt is not None:
+            raise interrupt
+
+    def _shielded(self, fn: Callable[..., None], *args: Any) -> Optional[BaseException]:
+        """``fn(*args)``, a landing, run shielded: on its error the step is failed (the state
+        marked) and the error raised; an interrupt that arrived meanwhile is returned. The
+        caller's stream is ordered after the copies either way."""
+        ex, device = self.landing.ex, self.landing.device
         try:
-            _, interrupt = shielded(self.landing.land_leaves, ex.ready(device), which)
+            _, interrupt = shielded(fn, *args)
         except BaseException as e:
             self.done, self.error = True, e
             mark_failed(self.count, self.cache, self.lost)
             raise
         finally:
             ex.order_after_copies(device)
-        if interrupt is not None:
-            raise interrupt
+        return interrupt
 
     def ahead_landed(self) -> set[int]:
         """The state's leaves whose params its landing set from a look-ahead."""
