@@ -169,6 +169,8 @@ class StepCache:
     restore_params: bool = False  # loaded into a failed state: set the params from the masters
     adopt_masters: list = dataclasses.field(default_factory=list)  # leaves whose masters a
     #     checkpoint lacked (saved in a mode keeping none): set from their params at next use
+    land_order: list = dataclasses.field(default_factory=list)  # leaves in the order the last
+    #     forward landed them (fo.land): the next delayed step's host run takes them so
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all
