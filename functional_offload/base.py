@@ -171,6 +171,8 @@ class StepCache:
     #     checkpoint lacked (saved in a mode keeping none): set from their params at next use
     split: Any = None  # engine="both": the last step's split (executor.host.SplitStep), whose
     #                    measured rates plan the next one
+    land_order: list = dataclasses.field(default_factory=list)  # leaves in the order the last
+    #     forward landed them (fo.land): the next delayed step's host run takes them so
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all

@@ -7,8 +7,9 @@ next update, so that forward and backward read the params of the step before. Wi
 (:func:`~functional_offload.state.land`): it waits for just those, so the forward reads the
 exact new params while the host step goes on for the modules after it. The update is then
 exact (the same results as without ``delayed``, bit for bit) and its host step overlaps the
-next forward: a delayed step runs its leaves in the params tree's insertion order, which for a
-model's ``named_parameters()`` is the order its forward usually reaches them.
+next forward: a delayed step runs its leaves in the order the forward before it landed them
+(at the first step, the params tree's insertion order: for a model's ``named_parameters()``, the
+order its forward usually reaches them).
 """
 
 from __future__ import annotations

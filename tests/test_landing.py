@@ -244,3 +244,52 @@ def test_hooks_with_a_stale_state_function_raise():
         model(x)
     hooks.remove()
     fo.flush(state)
+
+
+class Backwards(nn.Module):
+    """Its forward reaches its layers in the reverse of their order in named_parameters()."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x):
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def test_the_next_host_step_takes_the_leaves_in_the_order_the_forward_landed_them():
+    """The first delayed step runs in named_parameters() order; after a forward landed the last
+    layer first, the next step's host run starts with it (the first chunk to fail names it)."""
+    torch.manual_seed(0)
+    model = Backwards().bfloat16()
+    params = dict(model.named_parameters())
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False),
+                   executor=HostExecutor(chunk_bytes=4096, slots=2, threads=1))
+    holder = [opt.init(params)]
+    hooks = fo.land_before_forward(model, lambda: holder[0])
+    x = torch.randn(4, 16).bfloat16()
+    model(x).float().sum().backward()
+    with fail_host_kernel(after=0):
+        _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+        with pytest.raises(fo.HostStepError, match=r"leaf 'layers\.0\.weight'"):
+            fo.flush(holder[0])
+    torch.manual_seed(0)
+    model = Backwards().bfloat16()
+    params = dict(model.named_parameters())
+    holder = [opt.init(params)]
+    hooks.remove()
+    hooks = fo.land_before_forward(model, lambda: holder[0])
+    for step in range(2):
+        model(x).float().sum().backward()
+        grads = {k: p.grad for k, p in params.items()}
+        model.zero_grad(set_to_none=True)
+        if step == 0:
+            _, holder[0] = opt.update(grads, holder[0])
+            continue
+        with fail_host_kernel(after=0):  # the step after a forward that landed layers.3 first
+            _, holder[0] = opt.update(grads, holder[0])
+            with pytest.raises(fo.HostStepError, match=r"leaf 'layers\.3\.weight'"):
+                model(x)
+    hooks.remove()

@@ -251,8 +251,13 @@ class TerminalStep(StepBase):
                        [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
                        t.ema_decay, t.executor.timeline, touched)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
-            if self.delayed:  # the run steps the leaves in the model's order (not optree's sorted keys)
-                rank = {i: k for k, i in enumerate(insertion_order(state.params.tree))}
+            if self.delayed:  # the run takes the leaves in the order the last forward landed
+                # them (fo.land), then in the params tree's insertion order (a model's forward
+                # order, usually), not in optree's sorted keys
+                order = [*self.cache.land_order, *insertion_order(state.params.tree)]
+                rank: dict[int, int] = {}
+                for k, i in enumerate(order):
+                    rank.setdefault(i, k)
                 rest.sort(key=rank.__getitem__)
             new_count = torch.tensor(self.n + 1, dtype=torch.int64)
             exact = self._exact()

@@ -95,6 +95,10 @@ class Pending:
                  if j is not None and j not in self.landing.landed_early]
         if not which:
             return
+        if self.cache is not None:  # the next delayed step runs its leaves in this order
+            if not self.landing.landed_early:
+                self.cache.land_order = []
+            self.cache.land_order.extend(self.indices[j] for j in dict.fromkeys(which))
         ex, device = self.landing.ex, self.landing.device
         interrupt = self._shielded(self.landing.land_leaves, ex.ready(device), which)
         if interrupt is not None:
