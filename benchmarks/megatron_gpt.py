@@ -21,6 +21,8 @@ Needs a GPU, megatron-core and TransformerEngine. Systems (``--systems``):
 - ``stream:F``: the same optimizer with grad streaming (``fo.stream`` around backward).
 - ``oursddp:F``: ours on the model in Megatron's ``DistributedDataParallel`` (as ``megatron:F``
   holds it: params and grads in its buffers), the grads read from each param's ``.main_grad``.
+- ``land:F``: ours plain, with ``delayed=fo.Delay(lookahead=False)`` and
+  ``fo.land_before_forward``: the same results, the host step overlapping the next forward.
 
 Model: ``--layers`` x ``--hidden`` (LayerNorm, biases, RoPE, 4x MLP, no dropout), bf16 params,
 a byte vocabulary (256) on the Python standard library's sources (``convergence.corpus``);
@@ -147,7 +149,8 @@ def megatron_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: fl
 
 def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float, mode: str,
                 norms: list) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``mode``: ``plain`` or ``stream`` on the bare model; ``ddp``: plain, on the model in
+    """``mode``: ``plain``, ``stream`` or ``land`` (plain, delayed and landed before each
+    module's forward) on the bare model; ``ddp``: plain, on the model in
     Megatron's DDP (its param and grad buffers), the grads read from ``.main_grad``. ``norms``
     gets each plain step's grads' global norm in fp32 (a device tensor) with ``--norms``."""
     ddp = megatron_ddp(cfg, model) if mode == "ddp" else None
@@ -155,8 +158,11 @@ def ours_system(args: argparse.Namespace, cfg: Any, model: Any, fraction: float,
     warm = args.lr_warmup
     opt = fo.compat.optimizer_from_megatron(  # Megatron's warm-up from 0, then constant
         optimizer_config(args, fraction),
-        lr=(lambda n: args.lr * min(n, warm) / warm) if warm else args.lr)
+        lr=(lambda n: args.lr * min(n, warm) / warm) if warm else args.lr,
+        delayed=fo.Delay(lookahead=False) if mode == "land" else False)
     holder = [opt.init(params)]
+    if mode == "land":  # each module's forward lands its params from the step in flight
+        fo.land_before_forward(model, lambda: holder[0])
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if ddp is not None:
@@ -210,7 +216,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     norms: list = []
     if name.startswith("megatron"):
         step = megatron_system(args, cfg, model, fraction, norms)
-    elif name in ("ours", "stream", "oursddp"):
+    elif name in ("ours", "stream", "oursddp", "land"):
         mode = {"ours": "plain", "oursddp": "ddp"}.get(name, name)
         step = ours_system(args, cfg, model, fraction, mode, norms)
     else:

@@ -284,3 +284,25 @@ def test_megatron_clips_by_an_fp32_norm():
     bf16 = _megatron_pair(lambda: fo.chain(fo.clip_by_global_norm(1.0), adamw()), grads, params)
     assert all(torch.equal(got[k], fp32[k]) for k in got)
     assert any(not torch.equal(got[k], bf16[k]) for k in got)
+
+
+def test_megatron_mapping_takes_the_delayed_update():
+    """``delayed`` (no Megatron field) reaches the optimizer: with fo.Delay(lookahead=False) and
+    the landing hooks, the same params as without it."""
+    out = []
+    for delayed in (False, fo.Delay(lookahead=False)):
+        model = make_model()
+        params = dict(model.named_parameters())
+        opt = optimizer_from_megatron(lr=1e-2, clip_grad=1.0, optimizer_cpu_offload=True,
+                                      delayed=delayed)
+        holder = [opt.init(params)]
+        hooks = fo.land_before_forward(model, lambda: holder[0])
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+            model.zero_grad(set_to_none=True)
+        fo.flush(holder[0])
+        hooks.remove()
+        out.append([p.detach().clone() for p in params.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*out))

@@ -126,7 +126,8 @@ _FLAGS = ("optimizer_cpu_offload", "decoupled_weight_decay", "use_precision_awar
           "store_param_remainders", "apply_wd_to_qk_layernorm", "fp16")
 
 
-def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
+def optimizer_from_megatron(config: Any = None, /, *, delayed: Any = False,
+                            **options: Any) -> Optimizer:
     """The functional optimizer Megatron's options describe: ``chain(clip, adam/adamw/sgd)``.
 
     ``config`` is a Megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``...; a dict or
@@ -152,6 +153,11 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
       optimizer does (its CPU-offloaded optimizer keeps fp32 copies instead).
       ``exp_avg_dtype``/``exp_avg_sq_dtype`` (fp32 or bf16; TE's fp16 moments are scaled, ours
       would not be) apply with or without it, to Adam.
+
+    ``delayed`` (no Megatron field): this library's delayed update, passed to the optimizer
+    (``True`` or a :class:`~functional_offload.Delay`; e.g. ``fo.Delay(lookahead=False)`` with
+    :func:`~functional_offload.land_before_forward` for exact steps that overlap the next
+    forward).
 
     Raises ``ValueError`` naming the field for a value out of its range (a fraction outside
     [0, 1], betas outside [0, 1), negative ``clip_grad``...), CPU offload without decoupled
@@ -198,7 +204,8 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
                              apply_wd_to_qk_layernorm=bool(o["apply_wd_to_qk_layernorm"]))
     master = _dtype("main_params_dtype", o["main_params_dtype"], (torch.float32,))
     common = dict(lr=o["lr"], weight_decay=_number("weight_decay", o["weight_decay"], 0.0),
-                  placement=placement, master_dtype=master, weight_decay_mask=mask)
+                  placement=placement, master_dtype=master, weight_decay_mask=mask,
+                  delayed=delayed)
     if o["optimizer"] == "sgd":  # fp32 momentum, as Megatron's (exp_avg_dtype is Adam's)
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if _dtype(name, o[name], _MOMENTS) != torch.float32:
