@@ -144,11 +144,14 @@ def optimizer_from_megatron(config: Any = None, /, **options: Any) -> Optimizer:
     - ``clip_grad > 0`` puts :func:`clip_by_global_norm` in front, its norm and factor in fp32
       (``norm_dtype=torch.float32``), as Megatron's.
     - ``optimizer_cpu_offload`` places state with ``offload_fraction(optimizer_offload_fraction)``
-      (Megatron's greedy rule); without it everything stays on the device.
+      (Megatron's greedy rule, over the params in ``named_parameters()`` order; Megatron walks its
+      param groups, so the leaves offloaded can differ); without it everything stays on the
+      device.
     - ``use_precision_aware_optimizer`` with ``store_param_remainders`` (Megatron's default)
       keeps the split master (``store_param_remainders=True``), as Megatron's TransformerEngine
-      optimizer does. ``exp_avg_dtype``/``exp_avg_sq_dtype`` (fp32 or bf16; TE's fp16 moments
-      are scaled, ours would not be) apply with or without it, to Adam.
+      optimizer does (its CPU-offloaded optimizer keeps fp32 copies instead).
+      ``exp_avg_dtype``/``exp_avg_sq_dtype`` (fp32 or bf16; TE's fp16 moments are scaled, ours
+      would not be) apply with or without it, to Adam.
 
     Raises ``ValueError`` naming the field for a value out of its range (a fraction outside
     [0, 1], betas outside [0, 1), negative ``clip_grad``...), CPU offload without decoupled
