@@ -168,7 +168,8 @@ def ours_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[fl
     start = shards(model)
     opt = adamw_chain(clip, **options)
     state = opt.init(params)
-    out: dict[str, Any] = {"arrived": [], "committed": [], "norms": [], "factors": []}
+    out: dict[str, Any] = {"arrived": [], "committed": [], "norms": [], "factors": [],
+                           "fp32_factors": [], "fp32_norms": []}
     for batch in xs:
         loss = loss_of(model, batch)
         if streamed:
@@ -183,6 +184,11 @@ def ours_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[fl
             if clip is not None:
                 out["norms"].append(value(fo.global_norm(grads)))
                 out["factors"].append(value(fo.clip_by_global_norm(clip).global_scale(grads, None)))
+                fp32 = fo.clip_by_global_norm(clip, norm_dtype=torch.float32)
+                out["fp32_factors"].append(value(fp32.global_scale(grads, None)))
+                squares = sum(g.to_local().float().square().sum() for g in grads.values())
+                torch.distributed.all_reduce(squares)  # the fp32 norm by hand, over every shard
+                out["fp32_norms"].append(squares.sqrt().cpu())
             _, state = opt.update(grads, state)
         model.zero_grad(set_to_none=True)
     out["unflushed"] = shards(model)
@@ -337,6 +343,7 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "half offloaded": lambda: ours_run(mesh, device, xs,
                                                placement=fo.placement.offload_fraction(0.5)),
             "bf16": lambda: ours_run(mesh, device, xs, dtype=torch.bfloat16),
+            "bf16 clip": lambda: ours_run(mesh, device, xs, CLIPS, dtype=torch.bfloat16),
             "bf16 stream": lambda: ours_run(mesh, device, xs, streamed=True, dtype=torch.bfloat16),
             "mixed": lambda: ours_run(mesh, device, xs, CLIPS, mp=mixed),
             "node": node_run,

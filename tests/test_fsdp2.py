@@ -122,6 +122,22 @@ def test_clip_factor_is_global_and_equals_clip_grad_norm(ranks, mode, clip):
             assert all(f == 1 for f in factors)
 
 
+def test_an_fp32_clip_norm_spans_every_shard_of_bf16_grads(ranks):
+    """``clip_by_global_norm(norm_dtype=torch.float32)`` on bf16 DTensor grads: one factor on
+    every rank, from the fp32 norm over all ranks' shards (summed by hand here); the default
+    (torch's bf16 norm) differs from it."""
+    ours = results(ranks, "bf16 clip")
+    differs = False
+    for r in range(WORLD):
+        for i, (f, n, f16) in enumerate(zip(ours[r]["fp32_factors"], ours[r]["fp32_norms"],
+                                            ours[r]["factors"])):
+            assert f.dtype == torch.float32 and torch.equal(f, ours[0]["fp32_factors"][i])
+            want = min(1.0, CLIPS / (n.item() + 1e-6))
+            assert math.isclose(f.item(), want, rel_tol=1e-5), (r, i, f, want)
+            differs = differs or f.item() != f16.float().item()
+    assert differs
+
+
 @pytest.mark.parametrize("mode,oracle", [("clip", "torch clip"), ("no clip", "torch")])
 def test_clipped_chain_equals_torch(ranks, mode, oracle):
     """``fo.chain(fo.clip_by_global_norm(c), fo.adamw(...))``, with a ``c`` that clips and one
