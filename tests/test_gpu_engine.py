@@ -236,7 +236,8 @@ def test_pinned_arenas_hold_the_state_in_little_more_than_its_bytes():
     shapes = [(vocab, d)] + [s for _ in range(layers)
                              for s in ((3 * d, d), (3 * d,), (d, d), (d,), (4 * d, d), (d, 4 * d))]
     g = torch.Generator().manual_seed(0)
-    ts = [torch.randn(s, generator=g).to(dt) for s in shapes for dt in (torch.float32, torch.bfloat16)]
+    ts = [torch.randn(s, generator=g).to(dt)
+          for s in shapes for dt in (torch.float32, torch.bfloat16)]
     ts += [None, torch.empty(0), torch.zeros((), dtype=torch.int64)]
     out = pin_all(ts, pin=False)
     spans, arenas = [], {}

@@ -18,8 +18,8 @@ try:
 except Exception:
     READY = False
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not READY, reason="needs a GPU, megatron-core and TransformerEngine")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
+    not READY, reason="needs a GPU, megatron-core and TransformerEngine")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -251,9 +251,11 @@ def test_a_budget_policy_decides_on_the_bytes_init_makes():
 def test_a_custom_placement_decides_bools_and_select_takes_placements():
     params = {"a": torch.empty(4, 4, device="meta"), "b": torch.empty(4, device="meta")}
     for bad in (["no", "no"], [2, 0], [None, True]):
-        with pytest.raises(TypeError, match=r"decided .* for leaf 'a'; each decision must be a bool"):
+        with pytest.raises(TypeError,
+                           match=r"decided .* for leaf 'a'; each decision must be a bool"):
             fo.placement.Placement(lambda leaves, bad=bad: bad, "mine").plan(params)
-    assert fo.placement.predicate(lambda path, p: "b" in path or None).plan(params).on_host == (False, True)
+    plan = fo.placement.predicate(lambda path, p: "b" in path or None).plan(params)
+    assert plan.on_host == (False, True)
     with pytest.raises(TypeError, match="select's if_false must be a Placement"):
         fo.placement.select(lambda path, p: True, fo.placement.on_device(), 0.5)
 

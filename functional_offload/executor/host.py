@@ -93,9 +93,10 @@ class HostExecutor:
       engine: where plain steps of element-wise optimizers run the math of host-resident
         leaves: ``"cpu"`` (the host kernel, the default) or ``"gpu"`` (on the params' GPU, the
         state — pinned at ``init`` — copied up and back in place, at most ``chunk_bytes ×
-        slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`). Delayed, speculative
-        and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` needs every
-        host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
+        slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`).
+        Delayed, speculative and leaf-granular (Adafactor) steps keep their CPU forms.
+        ``"gpu"`` needs every host-resident leaf's param on a CUDA device: a CPU param is
+        refused at ``init``.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,

@@ -27,7 +27,8 @@ def _ceil_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pin_all(tensors: list[Optional[torch.Tensor]], pin: bool = True) -> list[Optional[torch.Tensor]]:
+def pin_all(tensors: list[Optional[torch.Tensor]],
+            pin: bool = True) -> list[Optional[torch.Tensor]]:
     """Copies of the CPU ``tensors`` (``None`` kept) as views of pinned arenas, each contiguous,
     of its tensor's shape and dtype; ``pin=False`` lays them out the same in pageable memory
     (what a machine without CUDA can test)."""

@@ -217,8 +217,8 @@ class Terminal:
             if is_quantized(p) and (p.dtype == torch.float64 or self.master_dtype != torch.float32):
                 raise TypeError(f"param {path!r} is a quantized {type(p).__name__} of nominal "
                                 f"dtype {p.dtype}: quantized params keep an fp32 master (their "
-                                "formats dequantize to fp32 at most); use master_dtype=torch.float32 and "
-                                "an fp32, bf16 or fp16 params_dtype")
+                                "formats dequantize to fp32 at most); use "
+                                "master_dtype=torch.float32 and an fp32, bf16 or fp16 params_dtype")
             if is_quantized(p) and not self.spec.elementwise:
                 raise TypeError(f"param {path!r} is a quantized {type(p).__name__}, which "
                                 f"{self.spec.name}'s leaf-by-leaf step does not write; use an "
