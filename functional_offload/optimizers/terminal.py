@@ -186,11 +186,12 @@ class Terminal:
 
     def _split(self, p: torch.Tensor, host: bool) -> bool:
         """Whether the leaf's master is split (kernels/remainder.py): bf16 params with
-        ``store_param_remainders``, but for small host leaves packed with fp32 masters (their
-        bytes are few; a pack shares one fp32 arena)."""
+        ``store_param_remainders``, but for small host leaves, which keep fp32 masters (their
+        bytes are few; a pack shares one fp32 arena). In every mode: the delayed forms, which
+        pack nothing, give such a leaf the fp32 master too, so that its params round as the
+        plain step's (ties to even), bit for bit."""
         return (self.store_param_remainders and p.dtype == torch.bfloat16 and not is_quantized(p)
-                and not (host and self.spec.elementwise and not self.delayed
-                         and p.numel() <= PACK_MAX))
+                and not (host and self.spec.elementwise and p.numel() <= PACK_MAX))
 
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
         """State bytes of a leaf as init makes them: moments, master (if it gets one), EMA."""
