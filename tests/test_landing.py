@@ -26,24 +26,30 @@ def train(delay, hooks: bool, stage: bool = False, dtype=torch.bfloat16, device=
     """Losses and final params of 6 steps of a clipped AdamW (host-resident state;
     ``rem``: ``store_param_remainders``)."""
     model, batches = model_and_batches(dtype, device, width)
-    params = dict(model.named_parameters())
     ex = HostExecutor(chunk_bytes=4096, slots=2, threads=2, stage_host_grads=stage)
     opt = fo.chain(fo.clip_by_global_norm(0.05),  # small: it scales every step
                    fo.adamw(1e-2, weight_decay=0.1, placement=fo.placement.on_host(),
                             executor=ex, delayed=delay, store_param_remainders=rem))
+    return fit(model, opt, hooks, ((model(x).float() - y).square().mean() for x, y in batches))
+
+
+def fit(model: nn.Module, opt, hooks: bool, losses) -> tuple[torch.Tensor, dict]:
+    """Train ``model`` with ``opt`` on ``losses`` (an iterator computing each step's loss as it
+    is reached), its params landed before each module's forward with ``hooks``; the losses and
+    the final params."""
+    params = dict(model.named_parameters())
     holder = [opt.init(params)]
     handle = fo.land_before_forward(model, lambda: holder[0]) if hooks else None
-    losses = []
-    for x, y in batches:
-        loss = (model(x).float() - y).square().mean()
+    out = []
+    for loss in losses:
         loss.backward()
-        losses.append(loss.detach())
+        out.append(loss.detach())
         _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
         model.zero_grad(set_to_none=True)
     fo.flush(holder[0])
     if handle is not None:
         handle.remove()
-    return torch.stack(losses).cpu(), {k: p.detach().cpu() for k, p in params.items()}
+    return torch.stack(out).cpu(), {k: p.detach().cpu() for k, p in params.items()}
 
 
 @pytest.mark.parametrize("stage", [False, True], ids=["in-place", "staged"])
@@ -169,23 +175,11 @@ def test_multihead_attention_lands_its_out_proj():
     for delay in (False, fo.Delay(lookahead=False)):
         torch.manual_seed(0)
         model = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-        params = dict(model.named_parameters())
         opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=delay,
                        executor=HostExecutor(chunk_bytes=4096, slots=2, threads=2))
-        holder = [opt.init(params)]
-        hooks = fo.land_before_forward(model, lambda: holder[0]) if delay else None
         g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(4):
-            loss = model(torch.randn(2, 5, 32, generator=g)).square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
-            model.zero_grad(set_to_none=True)
-        fo.flush(holder[0])
-        if hooks is not None:
-            hooks.remove()
-        out.append(torch.stack(losses))
+        out.append(fit(model, opt, bool(delay), (model(torch.randn(2, 5, 32, generator=g))
+                                                 .square().mean() for _ in range(4)))[0])
     assert torch.equal(out[0], out[1])
 
 
