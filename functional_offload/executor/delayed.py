@@ -196,13 +196,14 @@ class Landing:
         self._up = self._rates = self._residuals = self._values = self._hypers = []
 
     @torch.no_grad()
-    def land_leaves(self, ready: Any, which: Sequence[int]) -> None:
+    def land_leaves(self, which: Sequence[int]) -> None:
         """Land leaves ``which`` (positions in ``leaves``) before the rest: wait (on the host)
-        until the run has copied up their new params, then copy those over their params on the
-        copy stream (after ``ready``); the caller then orders its stream after the copies
-        (:meth:`~functional_offload.executor.HostExecutor.order_after_copies`). Raises the run's
-        error if it failed first. Without a look-ahead only (its params land with the next
-        step's grads). A leaf landed here is left out of :meth:`land`'s copies."""
+        until the run has issued their new params' copies up, order the caller's stream after
+        the copies up issued so far, and copy the new params over the params on the caller's
+        stream (after its reads of the old ones). The copy stream is not made to wait for the
+        caller's stream, so the run's later copies up go on while the caller computes. Raises
+        the run's error if it failed first. Without a look-ahead only (its params land with the
+        next step's grads). A leaf landed here is left out of :meth:`land`'s copies."""
         if self.ahead is not None:
             raise ValueError("a look-ahead's params land with the next step's grads, all at "
                              "once: land leaves early only without one (fo.Delay(lookahead="
@@ -220,9 +221,8 @@ class Landing:
                     raise self.run.error
             pairs = [(self.targets[j], self._up[j]) for j in want if self.targets[j] is not None]
             if pairs:
-                t = self.ex.transport(self.device)
-                t.wait_out(ready)
-                t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
+                self.ex.order_after_copies(self.device)  # their copies up are issued
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             self._landed_leaves.update(want)
 
     @torch.no_grad()

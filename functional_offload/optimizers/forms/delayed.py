@@ -99,8 +99,7 @@ class Pending:
             if not self.landing.landed_early:
                 self.cache.land_order = []
             self.cache.land_order.extend(self.indices[j] for j in dict.fromkeys(which))
-        ex, device = self.landing.ex, self.landing.device
-        interrupt = self._shielded(self.landing.land_leaves, ex.ready(device), which)
+        interrupt = self._shielded(self.landing.land_leaves, which)
         if interrupt is not None:
             raise interrupt
 
