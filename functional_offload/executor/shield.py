@@ -30,6 +30,19 @@ def shielding() -> bool:
     return getattr(_local, "shielded", False)
 
 
+_scan: list[Any] = [None, []]  # the handlers by signal last read, and those that are Python's
+
+
+def _python_handlers() -> list[tuple[int, Any]]:
+    """The (signal, handler) pairs whose handler is a Python callable, now. The handlers are read
+    each time (one C call per signal); which of them are callables is found again only when
+    one changed since the last call."""
+    now = list(map(_signal.getsignal, _SIGNALS))
+    if now != _scan[0]:
+        _scan[:] = [now, [(s, h) for s, h in zip(_SIGNALS, now) if callable(h)]]
+    return _scan[1]
+
+
 class _Held:
     """The Python-level signal handlers of this process, replaced by :attr:`record` from
     :meth:`take` to :meth:`give_back` (main thread only)."""
@@ -47,8 +60,8 @@ class _Held:
     def take(self) -> None:
         while True:  # a handler not yet replaced may raise meanwhile: kept, and go on
             try:
-                for s, h in zip(_SIGNALS, map(_signal.getsignal, _SIGNALS)):
-                    if callable(h) and h is not self.record:
+                for s, h in _python_handlers():
+                    if h is not self.record:
                         self.handlers[s] = h
                         _signal.signal(s, self.record)
                 return
