@@ -59,10 +59,15 @@ def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
         >>> hooks.remove()
 
     ``nn.MultiheadAttention``'s hook lands its ``out_proj``'s params too (it reads them without
-    calling it). A param another module reads itself is not landed by these hooks: the next
-    update then raises, naming it (:func:`~functional_offload.land`). Register the hooks before
-    the first forward of a compiled (``torch.compile``) model. Not for FSDP2 (``fully_shard``)
-    models yet: their all-gather runs before these hooks; refused with a ``ValueError``.
+    calling it). Each hook runs before the module's other forward pre-hooks. A param another
+    module reads itself, never calling its module, is not landed by these hooks: the next update
+    then raises, naming it (:func:`~functional_offload.land`). A param read before its module's
+    forward begins (by a parent that calls the module afterwards, or by a method other than
+    ``forward``) reads the previous step's value, undetected: ``fo.land(state, model)`` first
+    in such code. Register the hooks before compiling anything (``torch.compile`` does not check
+    hooks: code compiled for another instance of the module's class is reused without them), or
+    call ``torch._dynamo.reset()`` after. Not for FSDP2 (``fully_shard``) models yet: refused
+    with a ``ValueError``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"land_before_forward takes an nn.Module, got {type(model).__name__}")
@@ -83,8 +88,9 @@ def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
                                  "FSDP2's all-gather yet; use fo.flush(state) before the forward")
             # nn.MultiheadAttention reads its out_proj's params itself, never calling it
             own = list(module.parameters(recurse=isinstance(module, nn.MultiheadAttention)))
-            if own:
-                handles.append(module.register_forward_pre_hook(_Land(own, shared)))
+            if own:  # first: before other pre-hooks that read the params (weight_norm's)
+                handles.append(module.register_forward_pre_hook(
+                    torch.compiler.disable(_Land(own, shared)), prepend=True))
     except BaseException:
         for h in handles:
             h.remove()
@@ -107,7 +113,7 @@ class _Shared:
     def __init__(self, state: Callable[[], OptState],
                  lander: Optional[Callable[[list[torch.Tensor]], None]]):
         self.state, self.lander = state, lander
-        self.seen: Any = None
+        self.seen: Any = _Shared  # no state seen yet (a returned None is checked too)
         self.terminals: list[Any] = []  # the terminal states inside ``seen``
 
     def land(self, params: list[torch.Tensor]) -> None:

@@ -285,13 +285,17 @@ def land(state: OptState, params: Any) -> OptState:
     ``.data``...). Params of no leaf of the update in flight are ignored; a state with nothing
     in flight is left as it is. Once a step's params have been landed so, the next update
     raises (after landing the rest) if a param with a grad was not: the forward read it before
-    it landed. A failed host step raises here and marks the state failed, as :func:`flush`.
-    Returns ``state``.
+    it landed. A failed host step raises here and marks the state failed, as :func:`flush`;
+    anything but an optimizer's state raises ``TypeError``. Returns ``state``.
     """
     check_usable(state, "land")
+    terminals = terminal_states(state)
+    if not terminals:  # None, an optimizer, a number...: nothing would ever land, silently
+        raise TypeError(f"fo.land: expected an optimizer state (what init or update returned), "
+                        f"got {type(state).__name__}, which holds none")
     after_load(state)
     ps = tensors_of(params, "fo.land params")
-    for s in terminal_states(state):
+    for s in terminals:
         if s.params.pending is not None:
             s.params.pending.land_params(ps)
     return state
