@@ -116,14 +116,18 @@ class Landing:
         self._done: list[Segment] = []  # segments whose new params are copied up (or in place)
         self._lock = threading.Lock()
         self._landed = False
-        self._landed_leaves: set[int] = set()  # landed before the rest (land_leaves)
+        self._landed_leaves: set[int] = set()  # asked for before the rest (land_leaves)
+        self._copied: set[int] = set()  # those and the others land_leaves copied with them
         # per leaf, its elements whose new params are not copied up yet; the run's progress
         self._left = [leaf.grad.numel() for leaf in leaves]
+        self._finished: list[int] = []  # the leaves whose copies up are all issued, in order
+        self._taken = 0  # how many of them land_leaves has seen
         self._ended = [False]  # the run called its last chunk_done (it ended, or failed)
         self._progress = threading.Condition()
         ready = executor.ready(self.device)  # the copies above are complete here
         # (not self in the callback: no cycle through the run keeps the buffer past its step)
         done, left, ended, progress = self._done, self._left, self._ended, self._progress
+        finished = self._finished
 
         def chunk_done(_: Any, segs: Optional[list[Segment]]) -> None:
             with progress:
@@ -132,6 +136,8 @@ class Landing:
                 for seg in segs or ():
                     done.append(seg)
                     left[seg.leaf] -= seg.stop - seg.start
+                    if left[seg.leaf] <= 0:
+                        finished.append(seg.leaf)
                 progress.notify_all()
 
         self.run = executor.open(self.device, kernel, threads, chunk_done=chunk_done,
@@ -144,7 +150,7 @@ class Landing:
 
     @property
     def landed_early(self) -> set[int]:
-        """The leaves :meth:`land_leaves` landed."""
+        """The leaves :meth:`land_leaves` was asked for (those it copied besides are not)."""
         return self._landed_leaves
 
     @property
@@ -195,15 +201,26 @@ class Landing:
             self.targets[i].copy_(self._values[i])
         self._up = self._rates = self._residuals = self._values = self._hypers = []
 
+    def note_landed(self, which: Sequence[int]) -> bool:
+        """Whether leaves ``which`` were all copied by :meth:`land_leaves` already (along with
+        others); if so they count as asked for, as if it had been called for them."""
+        with self._lock:
+            if not self._copied.issuperset(which):
+                return False
+            self._landed_leaves.update(which)
+            return True
+
     @torch.no_grad()
     def land_leaves(self, which: Sequence[int]) -> None:
         """Land leaves ``which`` (positions in ``leaves``) before the rest: wait (on the host)
         until the run has issued their new params' copies up, order the caller's stream after
         the copies up issued so far, and copy the new params over the params on the caller's
         stream (after its reads of the old ones). The copy stream is not made to wait for the
-        caller's stream, so the run's later copies up go on while the caller computes. Raises
-        the run's error if it failed first. Without a look-ahead only (its params land with the
-        next step's grads). A leaf landed here is left out of :meth:`land`'s copies."""
+        caller's stream, so the run's later copies up go on while the caller computes. Every
+        other leaf whose copies up were issued meanwhile lands with them (one copy for all: the
+        later calls for those find them landed). Raises the run's error if it failed first.
+        Without a look-ahead only (its params land with the next step's grads). A leaf landed
+        here is left out of :meth:`land`'s copies."""
         if self.ahead is not None:
             raise ValueError("a look-ahead's params land with the next step's grads, all at "
                              "once: land leaves early only without one (fo.Delay(lookahead="
@@ -215,21 +232,24 @@ class Landing:
             with self._progress:
                 self._progress.wait_for(lambda: self._ended[0] or all(
                     self._left[j] <= 0 for j in want))
+                more, self._taken = self._finished[self._taken:], len(self._finished)
             if self._ended[0]:  # the run ended (all done, or failed: then raise its error)
                 self.run.wait()
                 if self.run.error is not None:
                     raise self.run.error
-            pairs = [(self.targets[j], self._up[j]) for j in want if self.targets[j] is not None]
+            copy = [j for j in dict.fromkeys(want + more) if j not in self._copied]
+            pairs = [(self.targets[j], self._up[j]) for j in copy if self.targets[j] is not None]
             if pairs:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+            self._copied.update(copy)
             self._landed_leaves.update(want)
 
     @torch.no_grad()
     def _land(self, ready: Any) -> None:
         self.run.wait()
         t, tl = self.ex.transport(self.device), self.ex.timeline
-        early = self._landed_leaves
+        early = self._copied
         if self.run.error is None:  # every chunk is done: whole leaves, no slice per segment
             pairs = [(d, s) for j, (d, s) in enumerate(zip(self.targets, self._up))
                      if d is not None and j not in early]

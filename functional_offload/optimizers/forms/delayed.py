@@ -99,22 +99,27 @@ class Pending:
             if not self.landing.landed_early:
                 self.cache.land_order = []
             self.cache.land_order.extend(self.indices[j] for j in dict.fromkeys(which))
-        interrupt = self._shielded(self.landing.land_leaves, which)
+        if self.landing.note_landed(which):  # copied with an earlier module's: nothing to do
+            return
+        interrupt = self._shielded(self.landing.land_leaves, which, order=False)
         if interrupt is not None:
             raise interrupt
 
-    def _shielded(self, fn: Callable[..., None], *args: Any) -> Optional[BaseException]:
+    def _shielded(self, fn: Callable[..., None], *args: Any,
+                  order: bool = True) -> Optional[BaseException]:
         """``fn(*args)``, a landing, run shielded: on its error the step is failed (the state
         marked) and the error raised; an interrupt that arrived meanwhile is returned. The
-        caller's stream is ordered after the copies either way."""
+        caller's stream is then ordered after the copies issued (``order=False``: only after an
+        error; ``fn`` orders it itself)."""
         ex, device = self.landing.ex, self.landing.device
         try:
             _, interrupt = shielded(fn, *args)
         except BaseException as e:
+            ex.order_after_copies(device)
             self.done, self.error = True, e
             mark_failed(self.count, self.cache, self.lost)
             raise
-        finally:
+        if order:
             ex.order_after_copies(device)
         return interrupt
 
