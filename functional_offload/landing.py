@@ -76,7 +76,7 @@ def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
         if not callable(state):
             raise TypeError("land_before_forward takes a function returning the optimizer's "
                             "current state (e.g. lambda: state) or an object with a land(params) "
-                            f"method (fo.TorchOptimizer), got a {type(state).__name__}")
+                            f"method (fo.TorchOptimizer), got {type(state).__name__}")
         lander = None
     handles = []
     shared = _Shared(state, lander)

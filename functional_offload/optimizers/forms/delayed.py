@@ -67,8 +67,9 @@ class Pending:
                 f"params {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} got grads but "
                 "were not landed before the forward read them (their module's forward did not "
                 "run: e.g. a parent reads them itself): those grads were computed from the params "
-                "of the step before. Land them before they are read (fo.land(state, [...]) where "
-                "they are used). This update did not run; the state holds the last one, landed")
+                "of the step before. Land them before they are read (fo.land(state, [...]), or "
+                "optimizer.land([...]) with fo.TorchOptimizer, where they are used). This update "
+                "did not run; the state holds the last one, landed")
 
     def land_params(self, params: list[torch.Tensor]) -> None:
         """Land the leaves of ``params`` (tensors sharing the memory of the params tree's, or of
