@@ -173,28 +173,19 @@ def test_landing_is_exact_under_torch_compile():
     class Net(nn.Sequential):
         pass
 
+    def losses(model: nn.Module):  # compiled once fit has registered the hooks
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="eager")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            yield compiled(torch.randn(3, 4, generator=g)).square().mean()
+
     out = []
     for delay in (False, fo.Delay(lookahead=False)):
         torch.manual_seed(0)
         model = Net(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=delay)
-        params = dict(model.named_parameters())
-        holder = [opt.init(params)]
-        hooks = fo.land_before_forward(model, lambda: holder[0]) if delay else None
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="eager")
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(4):
-            loss = compiled(torch.randn(3, 4, generator=g)).square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
-            model.zero_grad(set_to_none=True)
-        fo.flush(holder[0])
-        if hooks is not None:
-            hooks.remove()
-        out.append(torch.stack(losses))
+        out.append(fit(model, opt, bool(delay), losses(model))[0])
     assert torch.equal(out[0], out[1])
 
 
