@@ -243,8 +243,8 @@ def _leaf(n: int, dtypes, split: bool = False) -> Leaf:
     value = torch.zeros((2, n), dtype=torch.int16) if split else torch.zeros(n)
     moments = tuple(torch.zeros(blockwise.nbytes(n), dtype=torch.uint8) if d == torch.uint8
                     else torch.zeros(n, dtype=d) for d in dtypes)
-    return with_flat_views(Leaf("w", value, value, torch.zeros(n, dtype=torch.bfloat16), moments,
-                                None, True, True))
+    param = torch.zeros(n, dtype=torch.bfloat16)
+    return with_flat_views(Leaf("w", param, param, value, moments, None, True, True))
 
 
 @pytest.mark.parametrize("numel", [70_000, 4_100, 1_050, 300])

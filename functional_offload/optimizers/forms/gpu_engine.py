@@ -100,8 +100,9 @@ def steppable(leaf: Leaf, capacity: int) -> bool:
     """Whether the engine can cut a leaf's state into its chunks of ``capacity`` bytes: one that
     must go whole (:func:`_whole`) has to fit one."""
     state = state_of(leaf)
-    return not _whole(state, leaf.value.numel()) or sum(
-        _aligned(_span_bytes(x, 0, leaf.value.numel())) for x in state) <= capacity
+    numel = state[0].numel()
+    return not _whole(state, numel) or sum(
+        _aligned(_span_bytes(x, 0, numel)) for x in state) <= capacity
 
 
 def _cut(room: int, left: int, numel: int) -> int:
@@ -133,7 +134,7 @@ def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
         blocks = any(blockwise.is_blockwise(x) for x in state)
         per = sum(blockwise.nbytes(block) if blockwise.is_blockwise(x) else
                   x.element_size() * block for x in state) / block  # bytes an element
-        lo, numel = 0, leaves[i].value.numel()
+        lo, numel = 0, state[0].numel()
         whole = _whole(state, numel)
         while lo < numel:
             free = capacity - used - ALIGN * len(state)
