@@ -28,11 +28,13 @@ Systems (``F``: offload fraction, Megatron's semantics):
   ``lion:F`` / ``streamlion:F``   ``fo.lion`` (lr / 10, weight decay x 10), plain / streamed.
   ``engine:F`` / ``engine16:F``   plain, the host-resident state stepped on the GPU
                    (``HostExecutor(engine="gpu")``: the pinned state up and back in place,
-                   grads and params stay in HBM), fp32 / bf16 moments.
+                   grads and params stay in HBM), fp32 / bf16 moments (``engine8``, and
+                   ``enginer``... with the split master, as for ``plain``).
   ``both:F`` / ``both16:F``   plain, the host-resident leaves divided between the GPU engine
                    and the CPU kernel, run at once (``HostExecutor(engine="both")``; the GPU's
                    share planned from the step before, or ``--gpu-share``); the last split in
-                   the row.
+                   the row (``both8``, ``bothr16``, ``bothr8``...: the formats, as for
+                   ``plain``).
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
 Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
@@ -73,8 +75,8 @@ from ours import HYPER, MOMENTS, Timeline, build_ours, fo, moments_of
 LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
-OURS = ("lion", "streamlion", "engine", "engine16", "both", "both16",
-        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale", "land")
+OURS = ("lion", "streamlion",
+        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale", "land", "engine", "both")
           for r in ("", "r")
           for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"

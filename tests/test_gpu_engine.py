@@ -9,7 +9,8 @@ import torch
 import functional_offload as fo
 from functional_offload.executor import HostExecutor, SplitStep
 from functional_offload.executor.pinned import pin_all
-from functional_offload.optimizers.forms.gpu_engine import chunks, state_of
+from functional_offload.kernels import blockwise
+from functional_offload.optimizers.forms.gpu_engine import chunks, state_of, steppable
 from functional_offload.optimizers.forms.split import plan
 from functional_offload.optimizers.layout import Leaf, with_flat_views
 from functional_offload.placement import on_device, on_host
@@ -27,12 +28,12 @@ def matrices(params):
 
 
 def run(entry, placement, engine, dtype=torch.float32, ema=False, mask=False, chunk_bytes=4096,
-        steps=3, delayed=False):
+        steps=3, delayed=False, **formats):
     """``steps`` updates of CUDA params (the second without a grad for one leaf); the params
-    and the state's tensors by name (on the CPU)."""
+    and the state's tensors by name (on the CPU). ``formats``: state formats' options."""
     params = make_params(0, dtype, device="cuda", big=True)
     ex = HostExecutor(chunk_bytes=chunk_bytes, slots=2, engine=engine)
-    kw = dict(entry.hypers, placement=placement, executor=ex)
+    kw = dict(entry.hypers, placement=placement, executor=ex, **formats)
     if ema:
         kw["ema_decay"] = 0.9
     if mask:
@@ -69,6 +70,28 @@ def assert_same(a, b):
 def test_bits_of_on_device(entry, dtype, ema, mask):
     assert_same(run(entry, on_host(), "gpu", dtype, ema, mask),
                 run(entry, on_device(), "cpu", dtype, ema, mask))
+
+
+FORMATS = {"split": dict(store_param_remainders=True),
+           "8bit": dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8),
+           "split-8bit": dict(store_param_remainders=True, mu_dtype=torch.uint8,
+                              nu_dtype=torch.uint8),
+           "split-bf16": dict(store_param_remainders=True, mu_dtype=torch.bfloat16,
+                              nu_dtype=torch.bfloat16)}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("ema", [False, True], ids=["", "ema"])
+@pytest.mark.parametrize("chunk_bytes", [1 << 14, 1 << 16])
+def test_formats_give_the_bits_of_on_device(fmt, ema, chunk_bytes):
+    """The split master and 8-bit moments: the engine's chunks (cut on whole blocks; the leaf of
+    a length not divisible by 4 whole) give the bits of the same formats on the device."""
+    entry = next(e for e in ELEMENTWISE if e.name == "adamw")
+    assert_same(run(entry, on_host(), "gpu", torch.bfloat16, ema, chunk_bytes=chunk_bytes,
+                    **FORMATS[fmt]),
+                run(entry, on_device(), "cpu", torch.bfloat16, ema, chunk_bytes=chunk_bytes,
+                    **FORMATS[fmt]))
 
 
 @pytest.mark.cuda
@@ -204,16 +227,49 @@ def test_split_plan():
     assert plan([100], 0, step_of(1.0, 1e6, 1.0), None)[0] == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("options, what", [
-    (dict(store_param_remainders=True), "store_param_remainders"),
-    (dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8), "block-wise 8-bit moments")])
-def test_gpu_engine_refuses_the_formats_it_does_not_step(options, what):
-    """The engine was built before the split master and the 8-bit moments: init refuses them,
-    naming the leaf, instead of stepping their bytes as fp32."""
+def test_gpu_engine_refuses_8bit_moments_it_would_have_to_cut_off_the_kernels_path():
+    """8-bit moments are cut on their blocks; a leaf of a length not divisible by 4 goes whole
+    into a chunk, and init refuses one whose state is over the chunk, naming it."""
     params = {"w": torch.randn(70_001).to(torch.bfloat16)}  # above the packed size
-    opt = fo.adamw(lr=1e-2, placement=on_host(), executor=HostExecutor(engine="gpu"), **options)
-    with pytest.raises(ValueError, match=rf"param 'w'.*engine='gpu'.*{what}"):
+    opt = fo.adamw(lr=1e-2, placement=on_host(), mu_dtype=torch.uint8, nu_dtype=torch.uint8,
+                   executor=HostExecutor(engine="gpu", chunk_bytes=1 << 16))
+    with pytest.raises(ValueError, match=r"param 'w'.*engine='gpu'.*8-bit moments of a length "
+                                         r"not divisible by 4.*chunk_bytes \(65536\)"):
         opt.init(params)
+
+
+def _leaf(n: int, dtypes, split: bool = False) -> Leaf:
+    """A host leaf of ``n`` elements: a split or fp32 value, moments of ``dtypes``."""
+    value = torch.zeros((2, n), dtype=torch.int16) if split else torch.zeros(n)
+    moments = tuple(torch.zeros(blockwise.nbytes(n), dtype=torch.uint8) if d == torch.uint8
+                    else torch.zeros(n, dtype=d) for d in dtypes)
+    param = torch.zeros(n, dtype=torch.bfloat16)
+    return with_flat_views(Leaf("w", param, param, value, moments, None, True, True))
+
+
+@pytest.mark.parametrize("numel", [70_000, 4_100, 1_050, 300])
+@pytest.mark.parametrize("split", [False, True], ids=["fp32", "split"])
+def test_8bit_chunks_are_cut_on_whole_blocks(numel, split):
+    """Pieces of a leaf with 8-bit moments start on a block, cover it in order, and take the
+    bytes of their blocks; one of a length not divisible by 4 is never cut."""
+    leaves = [_leaf(700, [torch.float32, torch.float32]),
+              _leaf(numel, [torch.uint8, torch.uint8], split)]
+    capacity = 1 << 14
+    if not steppable(leaves[1], capacity):
+        assert numel % 4 != 0
+        return
+    out = chunks(leaves, [0, 1], capacity)
+    assert all(c.nbytes <= capacity for c in out)
+    pieces = [p for c in out for p in c.pieces if p.index == 1]
+    assert pieces[0].lo == 0 and pieces[-1].hi == numel
+    assert all(a.hi == b.lo and a.lo % blockwise.BLOCK == 0 for a, b in zip(pieces, pieces[1:]))
+    if numel % 4 != 0:
+        assert len(pieces) == 1
+    for p in pieces:
+        sizes = [off2 - off1 for off1, off2 in zip(p.offsets, p.offsets[1:])]
+        state = state_of(leaves[1])
+        assert sizes[-1] >= blockwise.nbytes(p.hi - p.lo)  # the first moment's blocks
+        assert sizes[0] >= (p.hi - p.lo) * state[0].element_size()
 
 
 def test_chunks_cover_the_leaves():
@@ -299,13 +355,15 @@ def split_params(dtype=torch.float32):
     return {k: torch.randn(s, generator=g).to("cuda", dtype) for k, s in shapes.items()}
 
 
-def run_split(engine, share=None, dtype=torch.float32, steps=3, **options):
-    """``steps`` updates of :func:`split_params` with all state on the host (the second without
-    a grad for ``b1``): params and state on the CPU by name, and the executor's last split."""
+def run_split(engine, share=None, dtype=torch.float32, steps=3, placement=None, **options):
+    """``steps`` updates of :func:`split_params` with all state on the host (or ``placement``;
+    the second without a grad for ``b1``): params and state on the CPU by name, and the
+    executor's last split."""
     params = split_params(dtype)
     ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine,
                       gpu_share=share if engine == "both" else None)
-    opt = fo.adamw(1e-2, weight_decay=0.1, placement=on_host(), executor=ex, **options)
+    opt = fo.adamw(1e-2, weight_decay=0.1, placement=placement or on_host(), executor=ex,
+                   **options)
     state = opt.init(params)
     for n, g in enumerate(grad_seq(params, steps)):
         if n == 1:
@@ -348,19 +406,24 @@ def test_split_share_is_planned_from_the_rates_of_the_step_before():
 
 
 @pytest.mark.cuda
-def test_split_leaves_what_the_engine_does_not_step_to_the_cpu():
-    """8-bit moments and the split master are not refused with engine='both' (as with 'gpu'):
-    those leaves run on the CPU kernel, with its bits."""
-    for options in (dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8),
-                    dict(store_param_remainders=True)):
-        dtype = torch.bfloat16
-        params, state, split = run_split("both", 1.0, dtype, **options)
-        ref_params, ref_state, _ = run_split("cpu", dtype=dtype, **options)
-        assert split.gpu == ()
-        for k in params:
-            assert torch.equal(params[k], ref_params[k]), k
-        for k in state:
-            assert torch.equal(state[k], ref_state[k]), k
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_split_steps_the_formats_and_leaves_what_it_cannot_cut_to_the_cpu(fmt):
+    """The split master and 8-bit moments go to the GPU engine with engine='both'; with 8-bit
+    moments the leaf of a length not divisible by 4 over a chunk (``w2``: 70,001) is not
+    refused (as with 'gpu'): it runs on the CPU kernel. Each leaf has the bits of its engine."""
+    dtype = torch.bfloat16
+    params, state, split = run_split("both", 1.0, dtype, **FORMATS[fmt])
+    eight = "mu_dtype" in FORMATS[fmt]
+    assert set(split.gpu) == ({"emb", "w1"} if eight else {"emb", "w1", "w2"})
+    by = {"gpu": run_split("cpu", dtype=dtype, placement=on_device(), **FORMATS[fmt]),
+          "cpu": run_split("cpu", dtype=dtype, **FORMATS[fmt])}
+    for k in params:
+        ref_params, ref_state, _ = by["gpu" if k in split.gpu else "cpu"]
+        assert torch.equal(params[k], ref_params[k]), k
+        mine, theirs = of_leaf(state, k), of_leaf(ref_state, k)
+        assert mine.keys() == theirs.keys() and mine, k
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
 
 
 @pytest.mark.cuda

@@ -24,11 +24,13 @@ import torch
 import functional_offload.executor.faults as faults
 from functional_offload.executor import HostStepError
 from functional_offload.executor.transport import Transport
+from functional_offload.kernels import blockwise
 from functional_offload.optimizers.device_math import device_groups, run_groups
 from functional_offload.optimizers.forms.base import AtFinish, HostWork, by_device
+from functional_offload.kernels.remainder import is_split
 from functional_offload.optimizers.layout import Leaf
 
-__all__ = ["GpuEngine", "Chunk", "Piece", "Prepared", "chunks"]
+__all__ = ["GpuEngine", "Chunk", "Piece", "Prepared", "chunks", "steppable", "whole_bytes"]
 
 ALIGN = 64  # bytes: where each piece's tensor starts in a chunk
 
@@ -59,12 +61,48 @@ class Prepared(NamedTuple):
 
 
 def state_of(leaf: Leaf) -> tuple[torch.Tensor, ...]:
-    """A host leaf's state, 1-D: value, moments..., EMA."""
+    """A host leaf's state, 1-D: value (a split master's high half and remainder), moments
+    (a block-wise 8-bit one's bytes), EMA."""
     return (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def _span(x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``lo:hi`` of the 1-D state tensor ``x`` (of a block-wise moment: the bytes of
+    their blocks, ``lo`` starting one)."""
+    return blockwise.part(x, lo, hi) if blockwise.is_blockwise(x) else x[lo:hi]
+
+
+def _span_bytes(x: torch.Tensor, lo: int, hi: int) -> int:
+    if blockwise.is_blockwise(x):
+        return blockwise.nbytes(hi) - lo // blockwise.BLOCK * blockwise.nbytes(blockwise.BLOCK)
+    return (hi - lo) * x.element_size()
+
+
+def _whole(state: tuple[torch.Tensor, ...], numel: int) -> bool:
+    """Whether a leaf's pieces must be it whole: with block-wise 8-bit moments (cut on their
+    blocks) and a length not divisible by 4, a cut would take another path through the
+    multi-tensor kernels than the whole leaf (see ``_cut``), whose results may differ."""
+    return numel % 4 != 0 and any(blockwise.is_blockwise(x) for x in state)
+
+
+def whole_bytes(numel: int, moments: list[torch.dtype], ema: bool) -> int:
+    """At most the bytes a leaf of ``numel`` elements takes in a chunk, whole: an fp32 or split
+    value, ``moments`` (``torch.uint8``: block-wise 8-bit), an fp32 EMA."""
+    per = [blockwise.nbytes(numel) if d == torch.uint8 else numel * d.itemsize for d in moments]
+    return sum(map(_aligned, [4 * numel, *per, *([4 * numel] if ema else [])])) + ALIGN
+
+
+def steppable(leaf: Leaf, capacity: int) -> bool:
+    """Whether the engine can cut a leaf's state into its chunks of ``capacity`` bytes: one that
+    must go whole (:func:`_whole`) has to fit one."""
+    state = state_of(leaf)
+    numel = state[0].numel()
+    return not _whole(state, numel) or sum(
+        _aligned(_span_bytes(x, 0, numel)) for x in state) <= capacity
 
 
 def _cut(room: int, left: int, numel: int) -> int:
@@ -84,21 +122,31 @@ def _cut(room: int, left: int, numel: int) -> int:
 
 def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
     """The state of leaves ``idx`` cut into chunks of at most ``capacity`` bytes, in order; a
-    leaf that does not fit the rest of a chunk goes on in the next. (``capacity`` is at least
-    4096 bytes and a state at most 32 bytes an element: an empty chunk has room.)"""
+    leaf that does not fit the rest of a chunk goes on in the next (with block-wise moments: on
+    a block's start). (``capacity`` is at least 4096 bytes and a state at most 32 bytes an
+    element: an empty chunk has room, but for block-wise moments, which need a block's.)"""
     out: list[Chunk] = []
     pieces: list[Piece] = []
     used = 0
+    block = blockwise.BLOCK
     for i in idx:
         state = state_of(leaves[i])
-        per = sum(x.element_size() for x in state)
+        blocks = any(blockwise.is_blockwise(x) for x in state)
+        per = sum(blockwise.nbytes(block) if blockwise.is_blockwise(x) else
+                  x.element_size() * block for x in state) / block  # bytes an element
         lo, numel = 0, state[0].numel()
+        whole = _whole(state, numel)
         while lo < numel:
-            room = _cut((capacity - used - ALIGN * len(state)) // per, numel - lo, numel)
+            free = capacity - used - ALIGN * len(state)
+            if blocks:  # whole blocks, or the rest of the leaf where it fits (a whole leaf: all)
+                fits = sum(_span_bytes(x, lo, numel) for x in state) <= free
+                room = numel - lo if fits else 0 if whole else int(free // per) // block * block
+            else:
+                room = _cut(int(free // per), numel - lo, numel)
             if room <= 0:
                 if not pieces:
-                    raise ValueError(f"chunk capacity {capacity} bytes holds no element of a "
-                                     f"state of {per} bytes an element")
+                    raise ValueError(f"chunk capacity {capacity} bytes holds no piece of the "
+                                     f"state of {leaves[i].path!r} ({per:g} bytes an element)")
                 out.append(Chunk(pieces, used))
                 pieces, used = [], 0
                 continue
@@ -106,7 +154,7 @@ def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
             offsets = []
             for x in state:
                 offsets.append(used)
-                used += _aligned((hi - lo) * x.element_size())
+                used += _aligned(_span_bytes(x, lo, hi))
             pieces.append(Piece(i, lo, hi, tuple(offsets)))
             lo = hi
     if pieces:
@@ -114,9 +162,10 @@ def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
     return out
 
 
-def _view(buf: torch.Tensor, offset: int, like: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` elements of ``like``'s dtype in the bytes ``buf`` holds at ``offset``."""
-    return buf[offset: offset + n * like.element_size()].view(like.dtype)
+def _view(buf: torch.Tensor, offset: int, like: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Where elements ``lo:hi`` of the state tensor ``like`` (as :func:`_span` cuts it) lie in
+    ``buf``, from ``offset``."""
+    return buf[offset: offset + _span_bytes(like, lo, hi)].view(like.dtype)
 
 
 class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
@@ -185,7 +234,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             faults.before_chunk(k, list(dict.fromkeys(leaves[p.index].path for p in chunk.pieces)))
         for p in chunk.pieces:
             for x, offset in zip(state_of(leaves[p.index]), p.offsets):
-                t.copy_out(_view(buf, offset, x, p.hi - p.lo), x[p.lo:p.hi])
+                t.copy_out(_view(buf, offset, x, p.lo, p.hi), _span(x, p.lo, p.hi))
         t.end()  # the caller's stream waits for the state
         self.begun = True
         spec = work.t.spec
@@ -196,14 +245,18 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         t.wait_in(t.ready())
         for p in chunk.pieces:
             for x, offset in zip(state_of(leaves[p.index]), p.offsets):
-                t.copy_in(x[p.lo:p.hi], _view(buf, offset, x, p.hi - p.lo))
+                t.copy_in(_span(x, p.lo, p.hi), _view(buf, offset, x, p.lo, p.hi))
         return t.mark_in()
 
     def _on_device(self, p: Piece, buf: torch.Tensor) -> Leaf:
         """Piece ``p`` as a device-resident leaf: its state in ``buf``, its param the param's
         elements (a strided param's: its new values' buffer)."""
         leaf = self.work.leaves[p.index]
-        state = [_view(buf, offset, x, p.hi - p.lo) for x, offset in zip(state_of(leaf), p.offsets)]
+        state = [_view(buf, offset, x, p.lo, p.hi) for x, offset in zip(state_of(leaf), p.offsets)]
+        if is_split(leaf.value):  # its halves, one after the other: as a split master, (2, n)
+            hi, lo = state[0], state[1]
+            gap = (lo.data_ptr() - hi.data_ptr()) // hi.element_size()
+            state[:2] = [hi.as_strided((2, p.hi - p.lo), (gap, 1))]
         k = 1 + len(leaf.moments)
         if leaf.param.is_contiguous():
             param = leaf.param.view(-1)[p.lo:p.hi]

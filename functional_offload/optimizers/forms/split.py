@@ -12,7 +12,7 @@ DRAM, which the engine's copies also use. Which leaves go where: leaves in order
 GPU engine while it has less than ``share`` of the elements with a grad it can step (a leaf
 that would take it past by more than half its size stops it), the rest to the CPU kernel,
 which also takes the small packed leaves and those the engine does not step (quantized params,
-split masters, 8-bit moments). ``share`` is the executor's ``gpu_share`` if set, else planned
+8-bit moments of a length not divisible by 4). ``share`` is the executor's ``gpu_share`` if set, else planned
 from the rates known (the :class:`~functional_offload.executor.SplitStep` of the step before):
 halfway from the last share to the one at which both would take as long; 0.5 at the first
 step, and a quarter towards an engine whose rate is not known yet. Leaves the CPU kernel takes
@@ -27,9 +27,8 @@ from typing import Optional
 import torch
 
 from functional_offload.executor import SplitStep
-from functional_offload.kernels.remainder import is_split
 from functional_offload.optimizers.forms.base import HostWork
-from functional_offload.optimizers.forms.gpu_engine import GpuEngine
+from functional_offload.optimizers.forms.gpu_engine import GpuEngine, steppable
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.quantized import is_quantized
 
@@ -37,12 +36,11 @@ __all__ = ["Split", "engine_steps", "plan"]
 
 
 def engine_steps(work: HostWork, index: int) -> bool:
-    """Whether the GPU engine can step host leaf ``index`` (not packed, a plain param, a whole
-    master, no 8-bit moment)."""
+    """Whether the GPU engine can step host leaf ``index`` (not packed, a plain param, formats
+    it can cut: :func:`~functional_offload.optimizers.forms.gpu_engine.steppable`)."""
     leaf = work.leaves[index]
     return (leaf.on_host and index not in work.static.packed and not is_quantized(leaf.param)
-            and not is_split(leaf.value)
-            and not any(m is not None and m.dtype == torch.uint8 for m in leaf.moments))
+            and steppable(leaf, work.ex.chunk_bytes))
 
 
 def plan(sizes: list[int], cpu_only: int, last: Optional[SplitStep],
