@@ -97,6 +97,15 @@ def test_host_memory_measures():
         assert r["copies"] is None and r["overlap"] == [] and "copies skipped: no CUDA device" in r["notes"]
 
 
+def test_adamw_parity_counts():
+    import adamw_parity
+
+    total, pairs = adamw_parity.differences(2)
+    assert total == sum(torch.Size(s).numel() for s in adamw_parity.SHAPES)
+    assert pairs[("torch for-loop", "ours, torch kernel")] == [0, 0]  # bit for bit
+    assert all(len(c) == 2 and all(0 <= n <= total for n in c) for c in pairs.values())
+
+
 def test_convergence_runs_save_and_tabulate(tmp_path):
     args = argparse.Namespace(device="cpu", model="smoke", seed=0, steps=4, batch=2, threads=1, eval_every=2,
                               val_sequences=8, save_every=2, out=str(tmp_path))
