@@ -242,3 +242,28 @@ def test_an_update_leaves_no_reference_cycle(delayed):
         gc.garbage.clear()
         gc.enable()
     assert left == [], sorted(set(left))
+
+
+def test_a_signal_handler_replaced_between_updates_is_the_one_kept():
+    """An update holds the process's Python signal handlers while it runs and puts them back:
+    the ones set now, also when a new handler compares equal to the one before."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Handler:
+        def __call__(self, signum, frame):
+            pass
+
+    first, second = Handler(), Handler()
+    assert first == second and first is not second
+    old = signal.getsignal(signal.SIGUSR1)
+    params = {"w": torch.zeros(4)}
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host())
+    state = opt.init(params)
+    try:
+        for handler in (first, second):
+            signal.signal(signal.SIGUSR1, handler)
+            params, state = opt.update({"w": torch.ones(4)}, state)
+            assert signal.getsignal(signal.SIGUSR1) is handler
+    finally:
+        signal.signal(signal.SIGUSR1, old)

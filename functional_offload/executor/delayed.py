@@ -205,8 +205,8 @@ class Landing:
         """Whether leaves ``which`` were all copied by :meth:`land_leaves` already (along with
         others); if so they count as asked for, as if it had been called for them."""
         with self._lock:
-            if not self._copied.issuperset(which):
-                return False
+            if not self._copied.issuperset(which) or self.run.error is not None:
+                return False  # (a failed run: land_leaves raises its error)
             self._landed_leaves.update(which)
             return True
 
@@ -241,6 +241,8 @@ class Landing:
             pairs = [(self.targets[j], self._up[j]) for j in copy if self.targets[j] is not None]
             if pairs:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
+                if self.device.type == "cuda":  # the buffer is read on this stream too
+                    pairs[0][1].record_stream(torch.cuda.current_stream(self.device))
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             self._copied.update(copy)
             self._landed_leaves.update(want)

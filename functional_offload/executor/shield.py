@@ -38,7 +38,8 @@ def _python_handlers() -> list[tuple[int, Any]]:
     each time (one C call per signal); which of them are callables is found again only when
     one changed since the last call."""
     now = list(map(_signal.getsignal, _SIGNALS))
-    if now != _scan[0]:
+    last = _scan[0]
+    if last is None or any(a is not b for a, b in zip(now, last)):  # by identity, not ==
         _scan[:] = [now, [(s, h) for s, h in zip(_SIGNALS, now) if callable(h)]]
     return _scan[1]
 
