@@ -25,7 +25,7 @@ from functional_offload.executor.shield import shielded
 from functional_offload.kernels import blockwise, native
 from functional_offload.kernels.remainder import is_split, new_split
 from functional_offload.optimizers.delay import Delay, as_delay
-from functional_offload.optimizers.forms.gpu_engine import whole_bytes
+from functional_offload.optimizers.forms.gpu_engine import takes
 from functional_offload.optimizers.packing import PACK_MAX, arrange
 from functional_offload.optimizers.spec import OptimizerSpec, check_representable, check_schedule
 from functional_offload.optimizers.layout import Leaf, decay_flags, layout
@@ -256,13 +256,15 @@ class Terminal:
                                  "it, or keep its state on the device with placement.select)")
             if (host and self.executor.engine == "gpu" and not self.delayed
                     and self.spec.elementwise):
-                whole = (torch.uint8 in moment_dtypes and p.numel() % 4 != 0 and whole_bytes(
-                    p.numel(), [self._moment_dtype(m.name, p) for m in self.spec.moments],
-                    self.ema_decay is not None) > self.executor.chunk_bytes)
+                whole = not takes(p.numel(), self._split(p, True),
+                                  [self._moment_dtype(m.name, p) for m in self.spec.moments
+                                   if self._moment_shape(m, p) is not None],
+                                  self.ema_decay is not None, self.executor.chunk_bytes)
                 built = [what for what, on in (
                     ("a quantized param", is_quantized(p)),
-                    ("block-wise 8-bit moments of a length not divisible by 4 whose state is "
-                     f"over the executor's chunk_bytes ({self.executor.chunk_bytes})", whole)) if on]
+                    ("a split master or block-wise 8-bit moments of a length not divisible by 4 "
+                     f"whose state is over the executor's chunk_bytes ({self.executor.chunk_bytes})",
+                     whole)) if on]
                 if built:
                     raise ValueError(f"param {path!r}: HostExecutor(engine='gpu') does not step "
                                      f"{built[0]} yet; use engine='cpu' (the default) for it")
@@ -335,13 +337,11 @@ class Terminal:
         if engine:  # the GPU engine copies its host state in place: pinned (with "both", of
             #         the leaves it can step; packed leaves run on the CPU kernel there)
             packed = {i for pack in packs for i in pack.members}
-            dtypes = [[f[i].dtype for f in moments.values() if f[i] is not None]
-                      for i in range(len(locals_))]
-            steps = [not is_quantized(p) and (
-                         p.numel() % 4 == 0 or torch.uint8 not in dtypes[i] or whole_bytes(
-                             p.numel(), dtypes[i], self.ema_decay is not None)
-                         <= self.executor.chunk_bytes)
-                     for i, p in enumerate(locals_)]
+            steps = [not is_quantized(p) and takes(
+                         p.numel(), m is not None and is_split(m),
+                         [f[i].dtype for f in moments.values() if f[i] is not None],
+                         self.ema_decay is not None, self.executor.chunk_bytes)
+                     for i, (p, m) in enumerate(zip(locals_, masters))]
             own = [(f, i) for f in fields for i, host in enumerate(on_host)
                    if host and i not in packed and f[i] is not None
                    and (steps[i] or self.executor.engine == "gpu")]

@@ -30,7 +30,7 @@ from functional_offload.optimizers.forms.base import AtFinish, HostWork, by_devi
 from functional_offload.kernels.remainder import is_split
 from functional_offload.optimizers.layout import Leaf
 
-__all__ = ["GpuEngine", "Chunk", "Piece", "Prepared", "chunks", "steppable", "whole_bytes"]
+__all__ = ["GpuEngine", "Chunk", "Piece", "Prepared", "chunks", "steppable", "takes"]
 
 ALIGN = 64  # bytes: where each piece's tensor starts in a chunk
 
@@ -82,27 +82,38 @@ def _span_bytes(x: torch.Tensor, lo: int, hi: int) -> int:
     return (hi - lo) * x.element_size()
 
 
-def _whole(state: tuple[torch.Tensor, ...], numel: int) -> bool:
-    """Whether a leaf's pieces must be it whole: with block-wise 8-bit moments (cut on their
-    blocks) and a length not divisible by 4, a cut would take another path through the
+def _whole(numel: int, split: bool, eight: bool) -> bool:
+    """Whether a leaf goes into one chunk whole: of a length not divisible by 4, with a split
+    master or block-wise 8-bit moments (whose math runs on fresh fp32 copies, aligned, and an
+    8-bit moment is cut on its blocks), a piece could take another path through the
     multi-tensor kernels than the whole leaf (see ``_cut``), whose results may differ."""
-    return numel % 4 != 0 and any(blockwise.is_blockwise(x) for x in state)
+    return numel % 4 != 0 and (split or eight)
 
 
-def whole_bytes(numel: int, moments: list[torch.dtype], ema: bool) -> int:
-    """At most the bytes a leaf of ``numel`` elements takes in a chunk, whole: an fp32 or split
-    value, ``moments`` (``torch.uint8``: block-wise 8-bit), an fp32 EMA."""
-    per = [blockwise.nbytes(numel) if d == torch.uint8 else numel * d.itemsize for d in moments]
-    return sum(map(_aligned, [4 * numel, *per, *([4 * numel] if ema else [])])) + ALIGN
+def _need(sizes: list[int]) -> int:
+    """The bytes state tensors of ``sizes`` bytes need of an empty chunk, whole (each padded
+    to ``ALIGN``: at most ``ALIGN`` more)."""
+    return sum(sizes) + ALIGN * len(sizes)
+
+
+def takes(numel: int, split: bool, moments: list[torch.dtype], ema: bool, capacity: int) -> bool:
+    """Whether the engine, with chunks of ``capacity`` bytes, takes a leaf of ``numel`` elements
+    with a split or fp32 master, moments of ``moments`` (``torch.uint8``: block-wise 8-bit) and
+    an fp32 EMA or none: a leaf that goes whole (:func:`_whole`) has to fit one chunk."""
+    if not _whole(numel, split, torch.uint8 in moments):
+        return True
+    sizes = [2 * numel, 2 * numel] if split else [4 * numel]
+    sizes += [blockwise.nbytes(numel) if d == torch.uint8 else numel * d.itemsize for d in moments]
+    return _need(sizes + ([4 * numel] if ema else [])) <= capacity
 
 
 def steppable(leaf: Leaf, capacity: int) -> bool:
-    """Whether the engine can cut a leaf's state into its chunks of ``capacity`` bytes: one that
-    must go whole (:func:`_whole`) has to fit one."""
+    """:func:`takes` for a host leaf, from its state."""
     state = state_of(leaf)
     numel = state[0].numel()
-    return not _whole(state, numel) or sum(
-        _aligned(_span_bytes(x, 0, numel)) for x in state) <= capacity
+    eight = any(blockwise.is_blockwise(x) for x in state)
+    return (not _whole(numel, is_split(leaf.value), eight)
+            or _need([_span_bytes(x, 0, numel) for x in state]) <= capacity)
 
 
 def _cut(room: int, left: int, numel: int) -> int:
@@ -135,12 +146,15 @@ def chunks(leaves: list[Leaf], idx: list[int], capacity: int) -> list[Chunk]:
         per = sum(blockwise.nbytes(block) if blockwise.is_blockwise(x) else
                   x.element_size() * block for x in state) / block  # bytes an element
         lo, numel = 0, state[0].numel()
-        whole = _whole(state, numel)
+        whole = _whole(numel, is_split(leaves[i].value), blocks)
         while lo < numel:
             free = capacity - used - ALIGN * len(state)
-            if blocks:  # whole blocks, or the rest of the leaf where it fits (a whole leaf: all)
-                fits = sum(_span_bytes(x, lo, numel) for x in state) <= free
-                room = numel - lo if fits else 0 if whole else int(free // per) // block * block
+            if sum(_span_bytes(x, lo, numel) for x in state) <= free:  # the rest fits
+                room = numel - lo
+            elif whole:  # in the next chunk
+                room = 0
+            elif blocks:  # whole blocks
+                room = int(free // per) // block * block
             else:
                 room = _cut(int(free // per), numel - lo, numel)
             if room <= 0:

@@ -12,7 +12,7 @@ DRAM, which the engine's copies also use. Which leaves go where: leaves in order
 GPU engine while it has less than ``share`` of the elements with a grad it can step (a leaf
 that would take it past by more than half its size stops it), the rest to the CPU kernel,
 which also takes the small packed leaves and those the engine does not step (quantized params,
-8-bit moments of a length not divisible by 4). ``share`` is the executor's ``gpu_share`` if set, else planned
+leaves of a length not divisible by 4 with a split master or 8-bit moments over a chunk). ``share`` is the executor's ``gpu_share`` if set, else planned
 from the rates known (the :class:`~functional_offload.executor.SplitStep` of the step before):
 halfway from the last share to the one at which both would take as long; 0.5 at the first
 step, and a quarter towards an engine whose rate is not known yet. Leaves the CPU kernel takes
