@@ -93,11 +93,7 @@ def test_formats_give_the_bits_of_on_device(fmt, ema):
     want, want_state, _ = run_split("cpu", dtype=torch.bfloat16, placement=on_device(),
                                     chunk_bytes=2 << 20, **options)
     for k in ("emb", "w1", "w2"):
-        assert torch.equal(got[k], want[k]), k
-        mine, theirs = of_leaf(got_state, k), of_leaf(want_state, k)
-        assert mine.keys() == theirs.keys() and mine, k
-        for name in mine:
-            assert torch.equal(mine[name], theirs[name]), name
+        assert_leaf_same(k, got, got_state, want, want_state)
 
 
 @pytest.mark.cuda
@@ -404,6 +400,15 @@ def of_leaf(state, path):
     return {k: v for k, v in state.items() if k.split(".", 1)[-1] == path}
 
 
+def assert_leaf_same(k, got, got_state, want, want_state):
+    """Leaf ``k``'s param and every state tensor of it, bit for bit."""
+    assert torch.equal(got[k], want[k]), k
+    mine, theirs = of_leaf(got_state, k), of_leaf(want_state, k)
+    assert mine.keys() == theirs.keys() and mine, k
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("share", [0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -416,11 +421,7 @@ def test_split_gives_each_leaf_the_bits_of_its_engine(share, dtype):
     assert split.gpu_elements == sum(params[k].numel() for k in split.gpu)
     for k in params:
         ref_params, ref_state, _ = by["gpu" if k in split.gpu else "cpu"]
-        assert torch.equal(params[k], ref_params[k]), k
-        mine, theirs = of_leaf(state, k), of_leaf(ref_state, k)
-        assert mine.keys() == theirs.keys() and mine, k
-        for name in mine:
-            assert torch.equal(mine[name], theirs[name]), name
+        assert_leaf_same(k, params, state, ref_params, ref_state)
 
 
 @pytest.mark.cuda
@@ -446,11 +447,7 @@ def test_split_steps_the_formats_and_leaves_what_it_cannot_cut_to_the_cpu(fmt):
           "cpu": run_split("cpu", dtype=dtype, **FORMATS[fmt])}
     for k in params:
         ref_params, ref_state, _ = by["gpu" if k in split.gpu else "cpu"]
-        assert torch.equal(params[k], ref_params[k]), k
-        mine, theirs = of_leaf(state, k), of_leaf(ref_state, k)
-        assert mine.keys() == theirs.keys() and mine, k
-        for name in mine:
-            assert torch.equal(mine[name], theirs[name]), name
+        assert_leaf_same(k, params, state, ref_params, ref_state)
 
 
 @pytest.mark.cuda
