@@ -185,6 +185,7 @@ struct QMap {
   float near;  // twice the margin: a lane whose fraction (plus the margin) is below it is searched
 #if defined(__AVX512F__)
   alignas(64) float table[256];  // the values, aligned for the permutes' loads
+  alignas(64) uint8_t planes[4][256];  // byte k of each value (AVX512-VBMI's byte permutes)
 #endif
   explicit QMap(const float* m) : values(m), mids(m + 256) {
     std::memcpy(&zero, m + 512, 4);
@@ -198,6 +199,8 @@ struct QMap {
     near = t[128];
 #if defined(__AVX512F__)
     std::memcpy(table, values, sizeof(table));
+    for (int c = 0; c < 256; ++c)
+      for (int k = 0; k < 4; ++k) planes[k][c] = reinterpret_cast<const uint8_t*>(values + c)[k];
 #endif
   }
 };
@@ -272,11 +275,68 @@ inline __m512 lookup(const float* t, __m512i idx) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// With AVX512-VBMI: 64 codes at a time, each byte of their values looked up in its plane by two
+// byte permutes (128 entries each) and a blend on the code's top bit, the four bytes put
+// together by unpacks. The unpacks interleave 128-bit lanes, so the codes are first permuted to
+// the order they undo: output element 16 * k + 4 * L + w comes from input byte 16 * L + 4 * k + w.
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+inline void q_dequantize_vbmi(const QMap& q, const uint8_t* __restrict c, int64_t n,
+                              float* __restrict f, float a) {
+  alignas(64) static const uint8_t order[64] = {
+      0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+      4, 5, 6, 7, 20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+      8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i perm = _mm512_load_si512(order);
+  const __m512 scale = _mm512_set1_ps(a);
+  __m512i lo[4], hi[4];
+  for (int k = 0; k < 4; ++k) {
+    lo[k] = _mm512_load_si512(q.planes[k]);
+    hi[k] = _mm512_load_si512(q.planes[k] + 64);
+  }
+  __m512i lo2[4], hi2[4];
+  for (int k = 0; k < 4; ++k) {
+    lo2[k] = _mm512_load_si512(q.planes[k] + 128);
+    hi2[k] = _mm512_load_si512(q.planes[k] + 192);
+  }
+  for (int64_t j = 0; j < n; j += 64) {
+    const int64_t left = n - j;
+    const __mmask64 m = left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1;
+    const __m512i idx = _mm512_permutexvar_epi8(perm, _mm512_maskz_loadu_epi8(m, c + j));
+    const __mmask64 top = _mm512_movepi8_mask(idx);  // codes 128..255
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k)
+      b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(lo[k], idx, hi[k]),
+                                    _mm512_permutex2var_epi8(lo2[k], idx, hi2[k]));
+    const __m512i b01l = _mm512_unpacklo_epi8(b[0], b[1]), b01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i b23l = _mm512_unpacklo_epi8(b[2], b[3]), b23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    const __m512i w[4] = {_mm512_unpacklo_epi16(b01l, b23l), _mm512_unpackhi_epi16(b01l, b23l),
+                          _mm512_unpacklo_epi16(b01h, b23h), _mm512_unpackhi_epi16(b01h, b23h)};
+    for (int k = 0; k < 4; ++k) {
+      const int64_t at = j + 16 * k;
+      if (at >= n) break;
+      const __mmask16 mk = n - at >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - at)) - 1);
+      _mm512_mask_storeu_ps(f + at, mk, _mm512_mul_ps(_mm512_castsi512_ps(w[k]), scale));
+    }
+  }
+}
+
+inline bool has_vbmi() {
+  static const bool yes = __builtin_cpu_supports("avx512vbmi");
+  return yes;
+}
+#endif
+
 // Block `c` (codes, then absmax) of `n` <= kQBlock elements into fp32 `f`.
 inline void q_dequantize(const QMap& q, const uint8_t* __restrict c, int64_t n, float* __restrict f) {
   float a;
   std::memcpy(&a, c + kQBlock, 4);
 #if defined(__AVX512F__)
+  if (has_vbmi()) {
+    q_dequantize_vbmi(q, c, n, f, a);
+    return;
+  }
   const __m512 scale = _mm512_set1_ps(a);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
