@@ -66,7 +66,7 @@ def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
     ``forward``) reads the previous step's value, undetected: ``fo.land(state, model)`` first
     in such code. Register the hooks before compiling anything (``torch.compile`` does not check
     hooks: code compiled for another instance of the module's class is reused without them), or
-    call ``torch._dynamo.reset()`` after. Not for FSDP2 (``fully_shard``) models yet: refused
+    call ``torch.compiler.reset()`` after. Not for FSDP2 (``fully_shard``) models yet: refused
     with a ``ValueError``.
     """
     if not isinstance(model, nn.Module):

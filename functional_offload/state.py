@@ -273,6 +273,7 @@ def flush(state: OptState) -> OptState:
             s.params.pending.land()
     return state
 
+
 def land(state: OptState, params: Any) -> OptState:
     """Land the new values of ``params`` from the update in flight in ``state`` before the rest
     of it: wait (on the host) until its host step has copied them up, copy them over the params

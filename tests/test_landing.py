@@ -168,13 +168,13 @@ def test_the_landing_runs_before_the_modules_other_pre_hooks():
 
 def test_landing_is_exact_under_torch_compile():
     """Hooks registered before the first compiled forward run (outside the graph), exactly;
-    compiled after ``torch._dynamo.reset()``, which drops code compiled without them (for the
+    compiled after ``torch.compiler.reset()``, which drops code compiled without them (for the
     plain run here: compiled code does not check hooks)."""
     class Net(nn.Sequential):
         pass
 
     def losses(model: nn.Module):  # compiled once fit has registered the hooks
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled = torch.compile(model, backend="eager")
         g = torch.Generator().manual_seed(1)
         for _ in range(4):
