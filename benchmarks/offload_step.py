@@ -32,8 +32,8 @@ Systems (``F``: offload fraction, Megatron's semantics):
                    ``enginer``... with the split master, as for ``plain``).
   ``both:F`` / ``both16:F``   plain, the host-resident leaves divided between the GPU engine
                    and the CPU kernel, run at once (``HostExecutor(engine="both")``; the GPU's
-                   share planned from the step before, or ``--gpu-share``); the last split in
-                   the row (``both8``, ``bothr16``, ``bothr8``...: the formats, as for
+                   share searched for over the first steps, which the warm-up runs until it
+                   settles, or ``--gpu-share``); the last split in the row (``both8``, ``bothr16``, ``bothr8``...: the formats, as for
                    ``plain``).
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
@@ -100,6 +100,7 @@ def pinned_bytes(device: torch.device) -> Optional[int]:
 
 
 MAX_NORM = [1.0]  # --max-norm
+SEARCHING: list[Callable[[], bool]] = []  # both:F: whether the GPU share is still searched for
 
 
 def torch_clip(params: list[torch.Tensor]) -> None:
@@ -171,6 +172,9 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         if mode == "land":  # the hooks stay for the process's one model
             fo.land_before_forward(model, ours.state)
         if mode == "both":
+            SEARCHING.append(lambda: ours.executor.last_split is None
+                             or ours.executor.last_split.phase in ("warm-up", "search"))
+
             def flush() -> None:  # the row takes the last step's split (its times and share)
                 ours.flush()
                 info["split"] = str(ours.executor.last_split)
@@ -235,6 +239,11 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
 
     for _ in range(args.warmup):
         step(loss_fn)
+    warm = args.warmup
+    while SEARCHING and SEARCHING[0]() and warm < args.warmup + 16:  # until the share settles
+        step(loss_fn)
+        warm += 1
+    info["warmup"] = warm
     flush()
     sync(device)
     if device.type == "cuda":

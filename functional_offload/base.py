@@ -169,21 +169,22 @@ class StepCache:
     restore_params: bool = False  # loaded into a failed state: set the params from the masters
     adopt_masters: list = dataclasses.field(default_factory=list)  # leaves whose masters a
     #     checkpoint lacked (saved in a mode keeping none): set from their params at next use
-    split: Any = None  # engine="both": the last step's split (executor.host.SplitStep), whose
-    #                    measured rates plan the next one
+    split: Any = None  # engine="both": what the split steps measured (forms.split.SplitPlan),
+    #                    which plans the next one
     land_order: list = dataclasses.field(default_factory=list)  # leaves in the order the last
     #     forward landed them (fo.land): the next delayed step's host run takes them so
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all
-        derived from it), ``"params"`` (a param's dtype or shape changed: the static part and
-        the packs' buffers), ``"views"`` (host storages replaced: the kernel over them)."""
+        derived from it), ``"params"`` (a param's dtype or shape changed: the static part, the
+        packs' buffers and the split's measurements), ``"views"`` (host storages replaced: the kernel over them)."""
         if why not in ("layout", "params", "views"):
             raise ValueError(f"unknown reason {why!r}")
         if why == "layout":
             self.key, self.layout = (), None
         if why in ("layout", "params"):
             self.static = None
+            self.split = None  # the share is searched anew
         if why == "params":
             self.pack_buffers.clear()
         if why in ("layout", "views"):

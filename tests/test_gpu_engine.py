@@ -2,6 +2,10 @@
 GPU give the bits of ``placement=on_device()``. The CUDA tests (marker ``cuda``) skip without a
 GPU; the option's checks and the chunking run everywhere."""
 
+import os
+import subprocess
+import sys
+
 import optree
 import pytest
 import torch
@@ -11,7 +15,8 @@ from functional_offload.executor import HostExecutor, SplitStep
 from functional_offload.executor.pinned import pin_all
 from functional_offload.kernels import blockwise
 from functional_offload.optimizers.forms.gpu_engine import chunks, state_of, steppable, takes
-from functional_offload.optimizers.forms.split import plan
+from functional_offload.optimizers.forms.split import (PHI, TOL, SplitPlan, next_share, plan,
+                                                        remember)
 from functional_offload.optimizers.layout import Leaf, with_flat_views
 from functional_offload.placement import on_device, on_host
 from functional_offload.testing import fail_host_kernel
@@ -205,28 +210,62 @@ def test_gpu_engine_refuses_cpu_params(engine, delayed):
         opt.init(params)  # (CPU params' state is host-resident whatever the placement)
 
 
-def step_of(share, gpu_rate, cpu_rate):
-    return SplitStep(share, (), 0, 0, None, None, 0.0, 0.0, gpu_rate, cpu_rate)
+def step_of(share, phase, gpu_rate=0.0, cpu_rate=0.0):
+    return SplitStep(share, (), 0, 0, None, None, 0.0, 0.0, gpu_rate, cpu_rate, phase)
 
 
-def test_split_plan():
-    """Half at the first step; the executor's share when set; else halfway to the share at which
-    both engines, at the rates known, take as long; predicted times from them; a quarter towards
-    an engine whose rate is not known yet."""
-    assert plan([100, 300], 0, None, None) == (0.5, None, None)
-    assert plan([100, 300], 0, None, 0.25)[0] == 0.25
-    # rates 200/s each, 400 elements the GPU can step and 50 more (packed) for the CPU: balanced
-    # GPU elements g = 200 * 450 / 400 = 225 of 400; halfway from 0.5
-    share, pg, pc = plan([100, 300], 50, step_of(0.5, 200.0, 200.0), None)
-    assert share == pytest.approx((0.5 + 225 / 400) / 2)
-    assert pg == pytest.approx(share * 400 / 200) and pc == pytest.approx((450 - share * 400) / 200)
-    fast = step_of(0.5, 400.0, 200.0)  # GPU twice as fast: g = 400 * 450 / 600 = 300
-    assert plan([100, 300], 50, fast, None)[0] == pytest.approx((0.5 + 300 / 400) / 2)
-    assert plan([100, 300], 50, fast, 0.9)[0] == 0.9  # the override
-    assert plan([100], 0, step_of(1.0, 100.0, 0.0), None)[0] == 0.75  # CPU rate unknown
-    assert plan([100], 0, step_of(0.0, 0.0, 100.0), None)[0] == 0.25  # GPU rate unknown
-    # both known, the GPU far faster: the share goes to 1 and stays (no saw-tooth)
-    assert plan([100], 0, step_of(1.0, 1e6, 1.0), None)[0] == pytest.approx(1.0)
+def search(host_s, steps=14, fixed=None):
+    """``steps`` plans of a split whose host step takes ``host_s(share)`` seconds an element:
+    the (share, phase) of each step and the last memory."""
+    memory, out = SplitPlan(), []
+    for _ in range(steps):
+        share, phase, _, _ = plan([100, 300], 0, memory, fixed)
+        out.append((share, phase))
+        memory = remember(memory, share, host_s(share), step_of(share, phase, 1.0, 1.0))
+    return out, memory
+
+
+@pytest.mark.parametrize("best", [0.0, 0.3, 0.62, 1.0])
+def test_split_share_is_searched_from_the_measured_times(best):
+    """A warm-up step at 0, the CPU kernel alone measured, then a golden-section search; within
+    ten steps the share settles within the search's tolerance of the fastest (0: the CPU kernel
+    alone, where both engines at once are slower at every share) and stays there."""
+    steps, memory = search(lambda x: 1.0 + abs(x - best))
+    assert steps[0] == (0.0, "warm-up") and steps[1] == (0.0, "search")
+    assert all(phase == "search" for _, phase in steps[1:9])
+    settled = [x for x, phase in steps if phase == "settled"]
+    assert len(settled) == len(steps) - 9 and len(set(settled)) == 1
+    assert abs(settled[0] - best) < TOL
+    assert memory.steps == len(steps)
+
+
+def test_split_search_keeps_the_least_time_of_a_share_and_the_override_is_fixed():
+    """A share measured again keeps its least time (a slow first step does not count against it
+    for ever); ``gpu_share`` is taken as it is at every step and counts for no search."""
+    times = iter([5.0, 1.0])
+    memory = SplitPlan()
+    for _ in range(2):
+        memory = remember(memory, 0.0, next(times), step_of(0.0, "search"))
+    assert [(x, t) for x, t, _, _ in memory.tried] == [(0.0, 1.0)]
+    assert next_share({0.0: 1.0}) == (round(1 - PHI, 6), "search")
+    steps, memory = search(lambda x: 1.0, steps=3, fixed=0.25)
+    assert steps == [(0.25, "fixed")] * 3 and memory.tried == ()
+
+
+def test_split_predictions_use_the_rates_measured_at_the_share():
+    """The predicted times of a share come from the rates measured at it, else the last step's;
+    an engine with no rate known yet has no prediction (one with no elements: 0)."""
+    memory = SplitPlan()
+    share, phase, pg, pc = plan([100, 300], 50, memory, None)
+    assert (share, phase, pg, pc) == (0.0, "warm-up", 0.0, None)
+    memory = remember(memory, 0.0, 1.0, step_of(0.0, "warm-up", 0.0, 900.0))
+    assert plan([100, 300], 50, memory, None) == (0.0, "search", 0.0, 450 / 900)
+    memory = remember(memory, 0.0, 1.0, step_of(0.0, "search", 0.0, 450.0))
+    share, phase, pg, pc = plan([100, 300], 50, memory, None)
+    assert share == round(1 - PHI, 6) and pg is None and pc == pytest.approx((450 - share * 400) / 450)
+    memory = remember(memory, share, 0.5, step_of(share, "search", 200.0, 300.0))
+    _, _, pg, pc = plan([100, 300], 50, memory, share)  # at the share measured: its rates
+    assert pg == pytest.approx(share * 400 / 200) and pc == pytest.approx((450 - share * 400) / 300)
 
 
 def test_gpu_engine_refuses_8bit_moments_it_would_have_to_cut_off_the_kernels_path():
@@ -339,6 +378,50 @@ def test_a_chunk_too_small_for_one_element_is_refused():
         chunks([leaf], [0], 200)
 
 
+ENGINE_INIT = """
+import resource, sys, torch
+import functional_offload as fo
+from functional_offload.executor import HostExecutor
+from functional_offload.placement import on_host
+engine, fmt = sys.argv[1], sys.argv[2]
+dtype = torch.bfloat16 if fmt == "split" else torch.float32
+options = dict(store_param_remainders=True) if fmt == "split" else {}
+params = {f"w{i}": torch.randn(1 << 24, device="cuda", dtype=dtype) for i in range(6)}
+ex = HostExecutor(engine=engine)
+fo.adamw(1e-3, placement=on_host(), executor=ex).init({"a": torch.zeros(1 << 12, device="cuda")})
+torch.cuda.synchronize()  # the CUDA context and the executor's ring are made
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+before, pinned = rss(), torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+opt = fo.adamw(1e-3, placement=on_host(), executor=ex, **options)
+state = opt.init(params)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"] - pinned
+state_bytes = sum(v.numel() * v.element_size() for k, v in fo.state_dict(state).items()
+                  if v.numel() > 1)
+print("RESULT", max(0, peak - before), pinned, state_bytes)
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["gpu", "both"])
+@pytest.mark.parametrize("fmt", ["fp32", "split"])
+def test_engine_state_is_made_pinned_without_a_second_copy(engine, fmt):
+    """The GPU engine's host state (1.2 GiB here) is made in pinned arenas: init's host memory
+    grows by about the state's bytes, not twice them (state made pageable, then pinned), and
+    what is pinned is the state's bytes (a split master is not pinned twice). In a fresh
+    process, whose peak resident memory is init's."""
+    out = subprocess.run([sys.executable, "-c", ENGINE_INIT, engine, fmt], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+    assert line, out.stderr[-2000:]
+    grew, pinned, state_bytes = map(int, line[0].split()[1:])
+    assert state_bytes >= 6 * (1 << 24) * 12
+    assert pinned <= 1.05 * state_bytes + (1 << 22), (pinned, state_bytes)
+    assert grew <= 1.25 * state_bytes, (grew, state_bytes)
+
+
 def test_pinned_arenas_hold_the_state_in_little_more_than_its_bytes():
     """pin_all lays the tensors out in arenas of about the binary digits of their bytes, so torch's
     pinned allocator, which rounds each block up to a power of two, takes little more than the
@@ -425,8 +508,11 @@ def test_split_gives_each_leaf_the_bits_of_its_engine(share, dtype):
 
 
 @pytest.mark.cuda
-def test_split_share_is_planned_from_the_rates_of_the_step_before():
+def test_split_share_is_searched_and_predicted_from_the_steps_before():
+    """The fourth step is the search's second share, its times predicted from the rates of the
+    step before."""
     params, state, split = run_split("both", None, steps=4)
+    assert split.phase == "search"
     assert 0.0 < split.share <= 1.0 and split.gpu_s > 0 and split.cpu_s > 0
     assert split.predicted_gpu_s is not None and split.predicted_cpu_s is not None
     assert "predicted ms" in str(split)

@@ -48,11 +48,14 @@ class SplitStep(NamedTuple):
     cpu_s: float
     gpu_rate: float
     cpu_rate: float
+    phase: str  # how the share was chosen: "fixed" (the executor's gpu_share), "warm-up",
+    #             "search", "settled" (see forms/split.py)
 
     def __str__(self) -> str:
         def ms(x: Optional[float]) -> str:
             return "-" if x is None else f"{x * 1e3:.1f}"
-        return (f"engine  elements        predicted ms  measured ms   (GPU share {self.share:.3f})\n"
+        return (f"engine  elements        predicted ms  measured ms   "
+                f"(GPU share {self.share:.3f}, {self.phase})\n"
                 f"gpu     {self.gpu_elements:>14,}  {ms(self.predicted_gpu_s):>12}  {ms(self.gpu_s):>11}\n"
                 f"cpu     {self.cpu_elements:>14,}  {ms(self.predicted_cpu_s):>12}  {ms(self.cpu_s):>11}")
 

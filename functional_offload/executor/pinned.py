@@ -9,11 +9,12 @@ that what is pinned exceeds the tensors' bytes by little more than the last aren
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
-__all__ = ["pin_all"]
+__all__ = ["empty_pinned", "pin_all"]
 
 ALIGN = 64  # bytes: where each tensor starts in its arena
 MIN_ARENA = 1 << 21  # bytes: the smallest arena (tiny tensors share one)
@@ -27,13 +28,14 @@ def _ceil_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pin_all(tensors: list[Optional[torch.Tensor]],
-            pin: bool = True) -> list[Optional[torch.Tensor]]:
-    """Copies of the CPU ``tensors`` (``None`` kept) as views of pinned arenas, each contiguous,
-    of its tensor's shape and dtype; ``pin=False`` lays them out the same in pageable memory
-    (what a machine without CUDA can test)."""
-    sizes = {i: -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-             for i, t in enumerate(tensors) if t is not None}
+def empty_pinned(specs: list[tuple[tuple[int, ...], torch.dtype]],
+                 pin: bool = True) -> list[torch.Tensor]:
+    """Empty contiguous tensors of the ``(shape, dtype)`` ``specs``, as views of pinned arenas
+    (see the module); ``pin=False`` lays them out the same in pageable memory (what a machine
+    without CUDA can test). Filling them in place needs no second copy of the bytes: state made
+    here is never made in pageable memory first."""
+    sizes = {i: -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
+             for i, (shape, dtype) in enumerate(specs)}
     left = sum(sizes.values())
     arenas: list[list] = []  # [bytes, used]
     at: dict[int, tuple[int, int]] = {}  # tensor -> (arena, offset)
@@ -48,11 +50,18 @@ def pin_all(tensors: list[Optional[torch.Tensor]],
         arenas[k][1] += n
         left -= n
     bufs = [torch.empty(used, dtype=torch.uint8, pin_memory=pin) for _, used in arenas]
-    out: list[Optional[torch.Tensor]] = [None] * len(tensors)
-    for i, (k, offset) in at.items():
-        t = tensors[i]
-        nbytes = t.numel() * t.element_size()
-        view = bufs[k][offset: offset + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        out[i] = view
+    out = []
+    for i, (shape, dtype) in enumerate(specs):
+        k, offset = at[i]
+        out.append(bufs[k][offset: offset + math.prod(shape) * dtype.itemsize]
+                   .view(dtype).view(shape))
     return out
+
+
+def pin_all(tensors: list[Optional[torch.Tensor]],
+            pin: bool = True) -> list[Optional[torch.Tensor]]:
+    """Copies of the CPU ``tensors`` (``None`` kept) as views of pinned arenas, each contiguous,
+    of its tensor's shape and dtype (:func:`empty_pinned`)."""
+    kept = [t for t in tensors if t is not None]
+    views = iter(empty_pinned([(tuple(t.shape), t.dtype) for t in kept], pin))
+    return [None if t is None else next(views).copy_(t) for t in tensors]

@@ -49,10 +49,10 @@ def is_split(master: torch.Tensor) -> bool:
     return master.dtype == torch.int16
 
 
-def new_split(param: torch.Tensor, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """A split master of the bf16 ``param`` on ``device`` (pinned host memory with ``pin``): the
-    param's bits as the high half, a zero remainder (the master equals the param)."""
-    out = torch.empty((2, *param.shape), dtype=torch.int16, device=device, pin_memory=pin)
+def new_split(param: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (``int16``, of shape ``(2, *param.shape)``) made a split master of the bf16
+    ``param``: the param's bits as the high half, a zero remainder (the master equals the
+    param); returns ``out``."""
     out[0].copy_(param.detach().contiguous().view(torch.int16))
     out[1].zero_()
     return out

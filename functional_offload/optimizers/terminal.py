@@ -20,7 +20,7 @@ import torch
 from functional_offload.base import Optimizer, ParamRefs, Step, StepCache
 from functional_offload.checks import real
 from functional_offload.executor import HostExecutor, default_executor
-from functional_offload.executor.pinned import pin_all
+from functional_offload.executor.pinned import empty_pinned, pin_all
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels import blockwise, native
 from functional_offload.kernels.remainder import is_split, new_split
@@ -275,33 +275,64 @@ class Terminal:
                                  f"only {', '.join(map(str, self.spec.ahead_dtypes))} cover; use "
                                  "bf16 params, or delayed=fo.Delay(lookahead=False)")
 
+    def _specs(self, p: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """The shapes and dtypes of a host leaf's state tensors as :meth:`_make_state` makes
+        them (``p`` not quantized): value (a split master's two halves), moments, EMA."""
+        out: list[tuple[tuple[int, ...], torch.dtype]] = []
+        split = self._needs_master(p, True) and self._split(p, True)
+        if split:
+            out.append(((2, *p.shape), torch.int16))
+        elif self._needs_master(p, True):
+            out.append((tuple(p.shape), self._value_dtype(p)))
+        for m in self.spec.moments:
+            shape = self._moment_shape(m, p)
+            if shape is not None:
+                out.append((tuple(shape), self._moment_dtype(m.name, p)))
+        if self.ema_decay is not None:
+            value = p.dtype if split or not self._needs_master(p, True) else self._value_dtype(p)
+            out.append((tuple(p.shape), torch.promote_types(value, torch.float32)))
+        return out
+
     @torch.no_grad()
-    def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool],
-                    preview: bool) -> tuple[list, dict[str, list], list]:
+    def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool], preview: bool,
+                    pinned: list[bool]) -> tuple[list, dict[str, list], list]:
         """Per leaf, its master (or None), moments and EMA, where the placement put it (on the
-        meta device for a preview)."""
+        meta device for a preview). The state of the ``pinned`` host leaves is made in pinned
+        arenas (:func:`~functional_offload.executor.pinned.empty_pinned`), never in pageable
+        memory first: a GPU engine's state of a large model would otherwise need twice its
+        bytes of host memory at init."""
         masters, emas = [], []
         moments: dict[str, list] = {m.name: [] for m in self.spec.moments}
-        for p, host in zip(locals_, on_host):
+        views = iter(empty_pinned([x for p, pin in zip(locals_, pinned) if pin
+                                   for x in self._specs(p)]))
+        for p, host, pin in zip(locals_, on_host, pinned):
             where = torch.device("meta") if preview else (torch.device("cpu") if host else p.device)
+
+            def new(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool = False,
+                    pin: bool = pin, where: torch.device = where) -> torch.Tensor:
+                if pin:
+                    return next(views)
+                return torch.empty(shape, dtype=dtype, device=where, pin_memory=pin_memory)
+
             master = None
             if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
-                master = new_split(p, where, pin=not preview and host and p.device.type == "cuda")
+                master = new_split(p, new((2, *p.shape), torch.int16,
+                                          not preview and host and p.device.type == "cuda"))
             elif is_quantized(p) and preview:
                 master = torch.empty(p.shape, dtype=self._value_dtype(p), device=where)
             elif is_quantized(p):  # read through its format: a master apart, always
                 master = p.dequantize(dtype=self._value_dtype(p)).to(where).contiguous()
             elif self._needs_master(p, host):
-                master = p.detach().to(where, self._value_dtype(p), copy=True).contiguous()
+                master = new(tuple(p.shape), self._value_dtype(p)).copy_(p.detach())
             masters.append(master)
             for m in self.spec.moments:
                 shape = self._moment_shape(m, p)
-                moments[m.name].append(None if shape is None else torch.zeros(
-                    shape, dtype=self._moment_dtype(m.name, p), device=where))
+                moments[m.name].append(None if shape is None else new(
+                    tuple(shape), self._moment_dtype(m.name, p)).zero_())
             if self.ema_decay is not None:
                 src = master if master is not None and not is_split(master) else p.detach()
-                emas.append(src.to(where, torch.promote_types(src.dtype, torch.float32),
-                                   copy=True).contiguous())  # fp32, fp64 for fp64 values
+                emas.append(new(tuple(p.shape), torch.promote_types(src.dtype, torch.float32))
+                            .copy_(src))  # fp32, fp64 for fp64 values
         return masters, moments, emas
 
     def init(self, params: Params) -> Any:
@@ -324,29 +355,31 @@ class Terminal:
             for p, host in zip(locals_, on_host):
                 if host:
                     self.executor.reserve(p.device)
-        masters, moments, emas = self._make_state(locals_, on_host, preview)
-        fields = [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])]
         plain = not (preview or self.delayed or not self.spec.elementwise)
         engine = plain and self.executor.engine != "cpu"  # (its leaves' params are on a GPU)
-        packs = arrange([i for i, (p, m) in enumerate(zip(locals_, masters))
-                         if on_host[i] and m is not None and not is_split(m)
-                         and not is_quantized(p) and p.numel() <= PACK_MAX],
-                        fields, decay_flags(tree, self.weight_decay_mask),
+        packable = [host and self._needs_master(p, True) and not self._split(p, True)
+                    and not is_quantized(p) and p.numel() <= PACK_MAX
+                    for p, host in zip(locals_, on_host)]
+        # the GPU engine copies its host state in place: pinned (with "both", of the leaves it
+        # can step; packed leaves run on the CPU kernel there)
+        own = [engine and host and not is_quantized(p) and (self.executor.engine == "gpu" or takes(
+                   p.numel(), self._needs_master(p, True) and self._split(p, True),
+                   [self._moment_dtype(m.name, p) for m in self.spec.moments
+                    if self._moment_shape(m, p) is not None],
+                   self.ema_decay is not None, self.executor.chunk_bytes))
+               for p, host in zip(locals_, on_host)]
+        masters, moments, emas = self._make_state(
+            locals_, on_host, preview, [o and not k for o, k in zip(own, packable)])
+        fields = [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])]
+        packs = arrange([i for i, k in enumerate(packable) if k], fields,
+                        decay_flags(tree, self.weight_decay_mask),
                         [p.dtype for p in locals_],
                         pin=plain and self.executor.engine == "gpu") if plain else []
-        if engine:  # the GPU engine copies its host state in place: pinned (with "both", of
-            #         the leaves it can step; packed leaves run on the CPU kernel there)
-            packed = {i for pack in packs for i in pack.members}
-            steps = [not is_quantized(p) and takes(
-                         p.numel(), m is not None and is_split(m),
-                         [f[i].dtype for f in moments.values() if f[i] is not None],
-                         self.ema_decay is not None, self.executor.chunk_bytes)
-                     for i, (p, m) in enumerate(zip(locals_, masters))]
-            own = [(f, i) for f in fields for i, host in enumerate(on_host)
-                   if host and i not in packed and f[i] is not None
-                   and (steps[i] or self.executor.engine == "gpu")]
-            for (f, i), x in zip(own, pin_all([f[i] for f, i in own])):
-                f[i] = x
+        packed = {i for pack in packs for i in pack.members}
+        small = [(f, i) for f in fields for i in range(len(locals_))  # packable, not packed
+                 if own[i] and packable[i] and i not in packed and f[i] is not None]
+        for (f, i), x in zip(small, pin_all([f[i] for f, i in small])):
+            f[i] = x
         unflat = lambda xs: optree.tree_unflatten(spec, xs)  # noqa: E731
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields

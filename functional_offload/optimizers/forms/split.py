@@ -3,26 +3,29 @@ between the GPU engine (:mod:`~functional_offload.optimizers.forms.gpu_engine`) 
 kernel (:mod:`~functional_offload.optimizers.forms.in_place`), which run at once. The engine's
 part is prepared first (chunks, device buffers: what can fail before anything is written); the
 CPU kernel's leaves are then handed to runs of their own threads (one worker fewer than the
-executor's, the step's thread issuing the engine's copies and math), the GPU engine steps its
+executor's, the step's thread issuing the engine's copies and math; with no leaf on the engine,
+to runs as ``engine="cpu"`` makes them), the GPU engine steps its
 leaves in the step's thread, and the step ends when both have. An error in the engine cancels
 the CPU kernel's runs and is the one raised.
 
 The engine is bound by PCIe (24 bytes per fp32-state param up and down), the kernel by host
-DRAM, which the engine's copies also use. Which leaves go where: leaves in order go to the
-GPU engine while it has less than ``share`` of the elements with a grad it can step (a leaf
-that would take it past by more than half its size stops it), the rest to the CPU kernel,
-which also takes the small packed leaves and those the engine does not step (quantized params,
-leaves of a length not divisible by 4 with a split master or 8-bit moments over a chunk). ``share`` is the executor's ``gpu_share`` if set, else planned
-from the rates known (the :class:`~functional_offload.executor.SplitStep` of the step before):
-halfway from the last share to the one at which both would take as long; 0.5 at the first
-step, and a quarter towards an engine whose rate is not known yet. Leaves the CPU kernel takes
-start as soon as they are fed (grad streaming), the engine's at ``finish``.
+DRAM, which the engine's copies also use, and the CPU kernel's grads and params cross the same
+link as the engine's state: each engine's rate depends on how much the other has. Which leaves
+go where: leaves in order go to the GPU engine while it has less than ``share`` of the elements
+with a grad it can step (a leaf that would take it past by more than half its size stops it),
+the rest to the CPU kernel, which also takes the small packed leaves and those the engine does
+not step (quantized params, leaves of a length not divisible by 4 with a split master or 8-bit
+moments over a chunk). ``share`` is the executor's ``gpu_share`` if set, else searched for over
+the first steps (:func:`next_share`): the first step warms up at 0, then each step measures the
+host step's time per element at one share (the CPU kernel alone first, then a golden-section
+search of [0, 1]), about ten steps in all, after which the share of the least time stays. Leaves
+the CPU kernel takes start as soon as they are fed (grad streaming), the engine's at ``finish``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -32,7 +35,7 @@ from functional_offload.optimizers.forms.gpu_engine import GpuEngine, steppable
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.quantized import is_quantized
 
-__all__ = ["Split", "engine_steps", "plan"]
+__all__ = ["Split", "SplitPlan", "engine_steps", "next_share", "plan", "remember"]
 
 
 def engine_steps(work: HostWork, index: int) -> bool:
@@ -43,27 +46,83 @@ def engine_steps(work: HostWork, index: int) -> bool:
             and steppable(leaf, work.ex.chunk_bytes))
 
 
-def plan(sizes: list[int], cpu_only: int, last: Optional[SplitStep],
-         fixed: Optional[float]) -> tuple[float, Optional[float], Optional[float]]:
+PHI = (5 ** 0.5 - 1) / 2  # the golden section
+TOL = 0.06  # the search ends when the bracket of the share is this narrow
+
+
+class SplitPlan(NamedTuple):
+    """What the steps of one state's split measured: the host step's seconds per element at
+    each share tried (the least of its steps, and the engines' rates then), the last step, and
+    how many split steps ran."""
+
+    tried: tuple[tuple[float, float, float, float], ...] = ()  # (share, s/elem, gpu, cpu rate)
+    last: Optional[SplitStep] = None
+    steps: int = 0
+
+
+def _key(share: float) -> float:
+    return round(share, 6)
+
+
+def next_share(tried: dict[float, float]) -> tuple[float, str]:
+    """The share to take next, from the seconds per element measured at each share tried, and
+    the phase: ``"search"``, then ``"settled"``. The CPU kernel alone (0) is measured first;
+    then a golden-section search of [0, 1] brackets the least time (the engines share host DRAM
+    and the PCIe link, so their rates depend on the share: the time is measured, not modelled);
+    once the bracket is narrower than ``TOL`` the share of the least time tried is kept (0: the
+    CPU kernel alone, where running both is slower)."""
+    if 0.0 not in tried:
+        return 0.0, "search"
+    lo, hi = 0.0, 1.0
+    while hi - lo > TOL:
+        x1, x2 = _key(hi - PHI * (hi - lo)), _key(lo + PHI * (hi - lo))
+        for x in (x1, x2):
+            if x not in tried:
+                return x, "search"
+        if tried[x1] <= tried[x2]:
+            hi = x2
+        else:
+            lo = x1
+    return min(tried, key=lambda x: (tried[x], x)), "settled"
+
+
+def plan(sizes: list[int], cpu_only: int, memory: SplitPlan, fixed: Optional[float]
+         ) -> tuple[float, str, Optional[float], Optional[float]]:
     """The GPU engine's share of ``sizes`` (the elements of the leaves it can step; the CPU
-    kernel has ``cpu_only`` more besides), and the times the rates known from ``last`` predict
-    for the GPU and the CPU part at that share (None without both rates)."""
-    total = sum(sizes)
-    rg, rc = (last.gpu_rate, last.cpu_rate) if last is not None else (0.0, 0.0)
+    kernel has ``cpu_only`` more besides), the phase (``"fixed"``: the executor's
+    ``gpu_share``; ``"warm-up"``: the first split step, at 0 and not counted, as its first
+    copies and allocations would weigh; then :func:`next_share`'s), and the times the rates
+    predict for the GPU and the CPU part at that share: the rates measured at that share, else
+    the last step's (None without both)."""
     if fixed is not None:
-        share = fixed
-    elif rg > 0 and rc > 0 and total:
-        # the GPU's elements g where g / rg == (total + cpu_only - g) / rc
-        balanced = min(1.0, rg * (total + cpu_only) / (rg + rc) / total)
-        share = (last.share + balanced) / 2
-    elif last is not None and total:  # an engine not measured yet: a quarter towards it
-        share = min(1.0, last.share + 0.25) if rc > 0 else max(0.0, last.share - 0.25)
+        share, phase = fixed, "fixed"
+    elif memory.steps == 0:
+        share, phase = 0.0, "warm-up"
     else:
-        share = 0.5
-    if rg > 0 and rc > 0:
-        g = share * total
-        return share, g / rg, (total + cpu_only - g) / rc
-    return share, None, None
+        share, phase = next_share({x: t for x, t, _, _ in memory.tried})
+    at = {x: (rg, rc) for x, _, rg, rc in memory.tried}
+    last = memory.last
+    rg, rc = at.get(_key(share), (last.gpu_rate, last.cpu_rate) if last else (0.0, 0.0))
+    total = sum(sizes)
+    g = share * total
+    pg = g / rg if rg > 0 else (0.0 if g == 0 else None)
+    pc = (total + cpu_only - g) / rc if rc > 0 else None
+    return share, phase, pg, pc
+
+
+def remember(memory: SplitPlan, share: float, per: Optional[float], step: SplitStep) -> SplitPlan:
+    """``memory`` with one more split step, ``step``, taken at the planned ``share``, whose
+    host step took ``per`` seconds an element (None: it stepped none). A step of the search or
+    settled counts (the least time of the steps at a share is kept); warm-up and fixed ones
+    do not."""
+    tried = memory.tried
+    if step.phase in ("search", "settled") and per is not None:
+        key = _key(share)
+        old = {x: t for x, t, _, _ in tried}
+        if key not in old or per < old[key]:
+            tried = tuple(e for e in tried if e[0] != key) + (
+                (key, per, step.gpu_rate, step.cpu_rate),)
+    return SplitPlan(tried, step, memory.steps + 1)
 
 
 class Split:
@@ -78,8 +137,9 @@ class Split:
         able = [i for i in host if engine_steps(work, i)]
         sizes = [work.leaves[i].param.numel() for i in able]
         rest = sum(work.leaves[i].param.numel() for i in host) - sum(sizes)
-        self.share, self.predicted_gpu, self.predicted_cpu = plan(
-            sizes, rest, work.cache.split, work.ex.gpu_share)
+        self.memory = work.cache.split or SplitPlan()
+        self.share, self.phase, self.predicted_gpu, self.predicted_cpu = plan(
+            sizes, rest, self.memory, work.ex.gpu_share)
         self.able = able
         self.on_gpu: set[int] = set()
         goal, taken = self.share * sum(sizes), 0
@@ -104,7 +164,10 @@ class Split:
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
         gpu = [i for i in rest if i in self.on_gpu]
         prepared = self.gpu.prepare(gs, gpu)  # nothing handed over yet if this fails
-        self.cpu.hand_over(gs, [i for i in rest if i not in self.on_gpu], ready, threaded=True)
+        # (with no leaf on the GPU engine, the CPU kernel runs as engine="cpu" runs it, with
+        # every worker: a share of 0 is measured as the CPU kernel alone)
+        self.cpu.hand_over(gs, [i for i in rest if i not in self.on_gpu], ready,
+                           threaded=bool(gpu))
         begun = time.perf_counter()
         try:
             self.gpu.run_prepared(prepared)
@@ -120,8 +183,10 @@ class Split:
         self._record(gs, gpu, begun, gpu_end)
 
     def _record(self, gs: list, gpu: list[int], begun: float, gpu_end: float) -> None:
-        """This step's :class:`SplitStep`, kept for the next step's plan and the executor."""
-        leaves, last = self.work.leaves, self.work.cache.split
+        """This step's :class:`SplitStep`, kept with what the steps before measured (the next
+        step's plan) and on the executor."""
+        leaves, memory = self.work.leaves, self.memory
+        last = memory.last
         size = lambda i: leaves[i].param.numel()  # noqa: E731
         g_n = sum(map(size, gpu))
         c_n = sum(size(i) for i, leaf in enumerate(leaves)
@@ -132,8 +197,10 @@ class Split:
         rg = g_n / gpu_s if g_n and gpu_s > 0 else (last.gpu_rate if last else 0.0)
         rc = c_n / cpu_s if c_n and cpu_s > 0 else (last.cpu_rate if last else 0.0)
         step = SplitStep(g_n / able_n if able_n else self.share, tuple(leaves[i].path for i in gpu),
-                         g_n, c_n, self.predicted_gpu, self.predicted_cpu, gpu_s, cpu_s, rg, rc)
-        self.work.cache.split = step
+                         g_n, c_n, self.predicted_gpu, self.predicted_cpu, gpu_s, cpu_s, rg, rc,
+                         self.phase)
+        per = max(gpu_s, cpu_s) / (g_n + c_n) if g_n + c_n else None
+        self.work.cache.split = remember(memory, self.share, per, step)
         self.work.ex.last_split = step
 
     def commit(self) -> None:
