@@ -15,8 +15,8 @@ from functional_offload.executor import HostExecutor, SplitStep
 from functional_offload.executor.pinned import pin_all
 from functional_offload.kernels import blockwise
 from functional_offload.optimizers.forms.gpu_engine import chunks, state_of, steppable, takes
-from functional_offload.optimizers.forms.split import (PHI, TOL, SplitPlan, next_share, plan,
-                                                        remember)
+from functional_offload.optimizers.forms.split import (PHI, TOL, WARM, SplitPlan, next_share,
+                                                        plan, remember)
 from functional_offload.optimizers.layout import Leaf, with_flat_views
 from functional_offload.placement import on_device, on_host
 from functional_offload.testing import fail_host_kernel
@@ -227,11 +227,11 @@ def search(host_s, steps=14, fixed=None):
 
 @pytest.mark.parametrize("best", [0.0, 0.3, 0.62, 1.0])
 def test_split_share_is_searched_from_the_measured_times(best):
-    """A warm-up step at 0, the CPU kernel alone measured, then a golden-section search; within
+    """A warm-up step of both engines, the CPU kernel alone measured, then a golden-section search; within
     ten steps the share settles within the search's tolerance of the fastest (0: the CPU kernel
     alone, where both engines at once are slower at every share) and stays there."""
     steps, memory = search(lambda x: 1.0 + abs(x - best))
-    assert steps[0] == (0.0, "warm-up") and steps[1] == (0.0, "search")
+    assert steps[0] == (WARM, "warm-up") and steps[1] == (0.0, "search")
     assert all(phase == "search" for _, phase in steps[1:9])
     settled = [x for x, phase in steps if phase == "settled"]
     assert len(settled) == len(steps) - 9 and len(set(settled)) == 1
@@ -257,8 +257,8 @@ def test_split_predictions_use_the_rates_measured_at_the_share():
     an engine with no rate known yet has no prediction (one with no elements: 0)."""
     memory = SplitPlan()
     share, phase, pg, pc = plan([100, 300], 50, memory, None)
-    assert (share, phase, pg, pc) == (0.0, "warm-up", 0.0, None)
-    memory = remember(memory, 0.0, 1.0, step_of(0.0, "warm-up", 0.0, 900.0))
+    assert (share, phase, pg, pc) == (WARM, "warm-up", None, None)
+    memory = remember(memory, WARM, 1.0, step_of(WARM, "warm-up", 0.0, 900.0))
     assert plan([100, 300], 50, memory, None) == (0.0, "search", 0.0, 450 / 900)
     memory = remember(memory, 0.0, 1.0, step_of(0.0, "search", 0.0, 450.0))
     share, phase, pg, pc = plan([100, 300], 50, memory, None)

@@ -31,8 +31,9 @@ __all__ = ["HostExecutor", "SplitStep", "default_executor", "physical_cores", "n
 
 
 class SplitStep(NamedTuple):
-    """One step of ``engine="both"``: the leaves each engine stepped, the times the rates known
-    before it predicted for them (None while an engine's rate is unknown) and the times they
+    """One step of ``engine="both"``: the leaves each engine stepped, the times predicted for
+    them (from the rates measured at that share, else in the step before; None while an
+    engine's rate is unknown) and the times they
     took, in seconds: the GPU engine's from the hand-over of the CPU kernel's leaves until its
     last copy down landed, the CPU kernel's until its runs' threads ended (their last copies up
     may still be in flight). ``gpu_rate``, ``cpu_rate``: elements a second, this step's, or the
@@ -129,9 +130,10 @@ class HostExecutor:
         and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` and ``"both"`` need
         every host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
       gpu_share: with ``engine="both"``, the fraction of the elements the GPU engine can step
-        that it steps (leaves in order until it is reached); None (the default): chosen at each
-        step from both engines' rates in the step before, so that they finish together (half at
-        the first step). The last split is :attr:`last_split`.
+        that it steps (leaves in order until it is reached); None (the default): searched for
+        over the first steps by the host step's measured time
+        (:func:`~functional_offload.optimizers.forms.split.next_share`). The last split is
+        :attr:`last_split`.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,

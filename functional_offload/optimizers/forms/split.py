@@ -16,10 +16,11 @@ with a grad it can step (a leaf that would take it past by more than half its si
 the rest to the CPU kernel, which also takes the small packed leaves and those the engine does
 not step (quantized params, leaves of a length not divisible by 4 with a split master or 8-bit
 moments over a chunk). ``share`` is the executor's ``gpu_share`` if set, else searched for over
-the first steps (:func:`next_share`): the first step warms up at 0, then each step measures the
-host step's time per element at one share (the CPU kernel alone first, then a golden-section
-search of [0, 1]), about ten steps in all, after which the share of the least time stays. Leaves
-the CPU kernel takes start as soon as they are fed (grad streaming), the engine's at ``finish``.
+the first steps (:func:`next_share`): the first step warms both engines up (not counted), then
+each step measures the host step's time per element at one share (the CPU kernel alone first,
+then a golden-section search of [0, 1]), about ten steps in all, after which the share of the
+least time stays. Leaves the CPU kernel takes start as soon as they are fed (grad streaming),
+the engine's at ``finish``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def engine_steps(work: HostWork, index: int) -> bool:
 
 PHI = (5 ** 0.5 - 1) / 2  # the golden section
 TOL = 0.06  # the search ends when the bracket of the share is this narrow
+WARM = 0.5  # the share of the first split step, which warms both engines up and is not counted
 
 
 class SplitPlan(NamedTuple):
@@ -90,14 +92,15 @@ def plan(sizes: list[int], cpu_only: int, memory: SplitPlan, fixed: Optional[flo
          ) -> tuple[float, str, Optional[float], Optional[float]]:
     """The GPU engine's share of ``sizes`` (the elements of the leaves it can step; the CPU
     kernel has ``cpu_only`` more besides), the phase (``"fixed"``: the executor's
-    ``gpu_share``; ``"warm-up"``: the first split step, at 0 and not counted, as its first
-    copies and allocations would weigh; then :func:`next_share`'s), and the times the rates
+    ``gpu_share``; ``"warm-up"``: the first split step, at ``WARM`` so that both engines run
+    once, not counted, as their first copies, allocations and kernels' loading would weigh;
+    then :func:`next_share`'s), and the times the rates
     predict for the GPU and the CPU part at that share: the rates measured at that share, else
     the last step's (None without both)."""
     if fixed is not None:
         share, phase = fixed, "fixed"
     elif memory.steps == 0:
-        share, phase = 0.0, "warm-up"
+        share, phase = WARM, "warm-up"
     else:
         share, phase = next_share({x: t for x, t, _, _ in memory.tried})
     at = {x: (rg, rc) for x, _, rg, rc in memory.tried}
