@@ -211,7 +211,7 @@ def test_gpu_engine_refuses_cpu_params(engine, delayed):
 
 
 def step_of(share, phase, gpu_rate=0.0, cpu_rate=0.0):
-    return SplitStep(share, (), 0, 0, None, None, 0.0, 0.0, gpu_rate, cpu_rate, phase)
+    return SplitStep(share, (), 0, 0, None, None, 0.0, 0.0, gpu_rate, cpu_rate, phase, ())
 
 
 def search(host_s, steps=14, fixed=None):
@@ -250,6 +250,16 @@ def test_split_search_keeps_the_least_time_of_a_share_and_the_override_is_fixed(
     assert next_share({0.0: 1.0}) == (round(1 - PHI, 6), "search")
     steps, memory = search(lambda x: 1.0, steps=3, fixed=0.25)
     assert steps == [(0.25, "fixed")] * 3 and memory.tried == ()
+
+
+def test_split_step_prints_each_leaf_with_its_engine_and_predicted_time():
+    step = SplitStep(0.5, ("w1",), 300, 100, 0.6, 0.2, 0.7, 0.3, 500.0, 300.0, "settled",
+                     (("emb", "cpu", 100), ("w1", "gpu", 300)))
+    lines = step.per_leaf().splitlines()
+    assert lines[0].split() == ["leaf", "engine", "elements", "predicted", "ms"]
+    assert lines[1].split() == ["emb", "cpu", "100", "200.00"]  # all of the CPU's 0.2 s
+    assert lines[2].split() == ["w1", "gpu", "300", "600.00"]
+    assert "settled" in str(step)
 
 
 def test_split_predictions_use_the_rates_measured_at_the_share():

@@ -51,6 +51,19 @@ class SplitStep(NamedTuple):
     cpu_rate: float
     phase: str  # how the share was chosen: "fixed" (the executor's gpu_share), "warm-up",
     #             "search", "settled" (see forms/split.py)
+    leaves: tuple[tuple[str, str, int], ...]  # (path, "gpu" or "cpu", elements) of each leaf
+    #                                           stepped, in the params' order
+
+    def per_leaf(self) -> str:
+        """A line per leaf: its path, engine, elements and predicted ms (its part, by elements,
+        of its engine's predicted time)."""
+        lines = [f"{'leaf':<40} engine  {'elements':>14}  predicted ms"]
+        for path, engine, n in self.leaves:
+            s, total = ((self.predicted_gpu_s, self.gpu_elements) if engine == "gpu"
+                        else (self.predicted_cpu_s, self.cpu_elements))
+            ms = "-" if s is None or not total else f"{s * 1e3 * n / total:.2f}"
+            lines.append(f"{path:<40} {engine:<6}  {n:>14,}  {ms:>12}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         def ms(x: Optional[float]) -> str:

@@ -199,9 +199,11 @@ class Split:
         gpu_s, cpu_s = gpu_end - begun, max(0.0, max(ended) - begun) if ended else 0.0
         rg = g_n / gpu_s if g_n and gpu_s > 0 else (last.gpu_rate if last else 0.0)
         rc = c_n / cpu_s if c_n and cpu_s > 0 else (last.cpu_rate if last else 0.0)
+        stepped = tuple((leaf.path, "gpu" if i in self.on_gpu else "cpu", size(i))
+                        for i, leaf in enumerate(leaves) if leaf.on_host and gs[i] is not None)
         step = SplitStep(g_n / able_n if able_n else self.share, tuple(leaves[i].path for i in gpu),
                          g_n, c_n, self.predicted_gpu, self.predicted_cpu, gpu_s, cpu_s, rg, rc,
-                         self.phase)
+                         self.phase, stepped)
         per = max(gpu_s, cpu_s) / (g_n + c_n) if g_n + c_n else None
         self.work.cache.split = remember(memory, self.share, per, step)
         self.work.ex.last_split = step
