@@ -176,8 +176,9 @@ class StepCache:
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all
-        derived from it), ``"params"`` (a param's dtype or shape changed: the static part, the
-        packs' buffers and the split's measurements), ``"views"`` (host storages replaced: the kernel over them)."""
+        derived from it, the split's measurements too), ``"params"`` (a param's dtype or shape
+        changed: the static part, the packs' buffers and the split's measurements), ``"views"``
+        (host storages replaced: the kernel over them)."""
         if why not in ("layout", "params", "views"):
             raise ValueError(f"unknown reason {why!r}")
         if why == "layout":

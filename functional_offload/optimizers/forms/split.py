@@ -4,8 +4,8 @@ kernel (:mod:`~functional_offload.optimizers.forms.in_place`), which run at once
 part is prepared first (chunks, device buffers: what can fail before anything is written); the
 CPU kernel's leaves are then handed to runs of their own threads (one worker fewer than the
 executor's, the step's thread issuing the engine's copies and math; with no leaf on the engine,
-to runs as ``engine="cpu"`` makes them), the GPU engine steps its
-leaves in the step's thread, and the step ends when both have. An error in the engine cancels
+to runs as ``engine="cpu"`` makes them), the GPU engine steps its leaves in the step's thread,
+and the step ends when both have. An error in the engine cancels
 the CPU kernel's runs and is the one raised.
 
 The engine is bound by PCIe (24 bytes per fp32-state param up and down), the kernel by host
@@ -94,9 +94,8 @@ def plan(sizes: list[int], cpu_only: int, memory: SplitPlan, fixed: Optional[flo
     kernel has ``cpu_only`` more besides), the phase (``"fixed"``: the executor's
     ``gpu_share``; ``"warm-up"``: the first split step, at ``WARM`` so that both engines run
     once, not counted, as their first copies, allocations and kernels' loading would weigh;
-    then :func:`next_share`'s), and the times the rates
-    predict for the GPU and the CPU part at that share: the rates measured at that share, else
-    the last step's (None without both)."""
+    then :func:`next_share`'s), and the times the rates predict for the GPU and the CPU part at
+    that share: the rates measured at that share, else the last step's (None without both)."""
     if fixed is not None:
         share, phase = fixed, "fixed"
     elif memory.steps == 0:
