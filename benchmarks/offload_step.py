@@ -33,8 +33,8 @@ Systems (``F``: offload fraction, Megatron's semantics):
   ``both:F`` / ``both16:F``   plain, the host-resident leaves divided between the GPU engine
                    and the CPU kernel, run at once (``HostExecutor(engine="both")``; the GPU's
                    share searched for over the first steps, which the warm-up runs until it
-                   settles, or ``--gpu-share``); the last split in the row (``both8``, ``bothr16``, ``bothr8``...: the formats, as for
-                   ``plain``).
+                   settles, or ``--gpu-share``); the last split in the row (``both8``,
+                   ``bothr16``, ``bothr8``...: the formats, as for ``plain``).
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
 Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
@@ -363,7 +363,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--chunk-mb", type=int, default=32, help="our executor's chunk size")
     ap.add_argument("--slots", type=int, default=4, help="our executor's ring slots")
     ap.add_argument("--gpu-share", type=float, default=None,
-                    help="both:F systems: the GPU engine's share (default: planned each step)")
+                    help="both:F systems: the GPU engine's share (default: searched for over the first steps)")
     ap.add_argument("--threads", type=int, default=0,
                     help="host threads (ours and the floor); 0: physical cores (one fewer for delayed)")
     ap.add_argument("--floor-max-numel", type=int, default=1 << 31,

@@ -64,9 +64,10 @@ def land_before_forward(model: nn.Module, state: Any) -> LandingHooks:
     then raises, naming it (:func:`~functional_offload.land`). A param read before its module's
     forward begins (by a parent that calls the module afterwards, or by a method other than
     ``forward``) reads the previous step's value (or the new one, if an earlier landing took it
-    along), undetected: ``fo.land(state, model)`` first in such code. Register the hooks before compiling anything (``torch.compile`` does not check
-    hooks: code compiled for another instance of the module's class is reused without them), or
-    call ``torch.compiler.reset()`` after. Not for FSDP2 (``fully_shard``) models yet: refused
+    along), undetected: ``fo.land(state, model)`` first in such code. Register the hooks before
+    compiling anything (``torch.compile`` does not check hooks: code compiled for another
+    instance of the module's class is reused without them), or call ``torch.compiler.reset()``
+    after. Not for FSDP2 (``fully_shard``) models yet: refused
     with a ``ValueError``.
     """
     if not isinstance(model, nn.Module):

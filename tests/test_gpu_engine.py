@@ -227,9 +227,10 @@ def search(host_s, steps=14, fixed=None):
 
 @pytest.mark.parametrize("best", [0.0, 0.3, 0.62, 1.0])
 def test_split_share_is_searched_from_the_measured_times(best):
-    """A warm-up step of both engines, the CPU kernel alone measured, then a golden-section search; within
-    ten steps the share settles within the search's tolerance of the fastest (0: the CPU kernel
-    alone, where both engines at once are slower at every share) and stays there."""
+    """A warm-up step of both engines, the CPU kernel alone measured, then a golden-section
+    search; within ten steps the share settles within the search's tolerance of the fastest (0:
+    the CPU kernel alone, where both engines at once are slower at every share) and stays
+    there."""
     steps, memory = search(lambda x: 1.0 + abs(x - best))
     assert steps[0] == (WARM, "warm-up") and steps[1] == (0.0, "search")
     assert all(phase == "search" for _, phase in steps[1:9])
@@ -272,7 +273,8 @@ def test_split_predictions_use_the_rates_measured_at_the_share():
     assert plan([100, 300], 50, memory, None) == (0.0, "search", 0.0, 450 / 900)
     memory = remember(memory, 0.0, 1.0, step_of(0.0, "search", 0.0, 450.0))
     share, phase, pg, pc = plan([100, 300], 50, memory, None)
-    assert share == round(1 - PHI, 6) and pg is None and pc == pytest.approx((450 - share * 400) / 450)
+    assert share == round(1 - PHI, 6) and pg is None
+    assert pc == pytest.approx((450 - share * 400) / 450)
     memory = remember(memory, share, 0.5, step_of(share, "search", 200.0, 300.0))
     _, _, pg, pc = plan([100, 300], 50, memory, share)  # at the share measured: its rates
     assert pg == pytest.approx(share * 400 / 200) and pc == pytest.approx((450 - share * 400) / 300)
@@ -335,8 +337,11 @@ def test_a_leaf_that_goes_whole_is_taken_exactly_when_a_chunk_holds_it(split, dt
     leaf = _leaf(numel, dtypes, split)
     need = next(c for c in range(numel, 40 * numel, 8) if steppable(leaf, c))
     need = next(c for c in range(need - 8, need + 1) if steppable(leaf, c))
-    assert takes(numel, split, dtypes, False, need) and not takes(numel, split, dtypes, False,
-                                                                  need - 1)
+    sizes = [2 * numel, 2 * numel] if split else [4 * numel]  # the state init makes, by bytes
+    sizes += [blockwise.nbytes(numel) if d == torch.uint8 else numel * d.itemsize for d in dtypes]
+    eight = torch.uint8 in dtypes
+    assert takes(numel, split, eight, sizes, need) and not takes(numel, split, eight, sizes,
+                                                                 need - 1)
     assert not steppable(leaf, need - 1)
     assert [(p.lo, p.hi) for c in chunks([leaf], [0], need) for p in c.pieces] == [(0, numel)]
     with pytest.raises(ValueError, match="holds no piece"):

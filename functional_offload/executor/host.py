@@ -35,8 +35,9 @@ class SplitStep(NamedTuple):
     them (from the rates measured at that share, else in the step before; None while an
     engine's rate is unknown) and the times they took, in seconds: the GPU engine's from the
     hand-over of the CPU kernel's leaves until its last copy down landed, the CPU kernel's until
-    its runs' threads ended (their last copies up may still be in flight). ``gpu_rate``, ``cpu_rate``: elements a second, this step's, or the
-    last one measured where an engine stepped nothing (0: none yet)."""
+    its runs' threads ended (their last copies up may still be in flight). ``gpu_rate``,
+    ``cpu_rate``: elements a second, this step's, or the last one measured where an engine
+    stepped nothing (0: none yet)."""
 
     share: float  # of the elements with a grad the GPU engine can step, those it stepped
     gpu: tuple[str, ...]  # the leaves it stepped

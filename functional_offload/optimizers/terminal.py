@@ -256,10 +256,7 @@ class Terminal:
                                  "it, or keep its state on the device with placement.select)")
             if (host and self.executor.engine == "gpu" and not self.delayed
                     and self.spec.elementwise):
-                whole = not takes(p.numel(), self._split(p, True),
-                                  [self._moment_dtype(m.name, p) for m in self.spec.moments
-                                   if self._moment_shape(m, p) is not None],
-                                  self.ema_decay is not None, self.executor.chunk_bytes)
+                whole = not is_quantized(p) and not self._engine_takes(p)
                 built = [what for what, on in (
                     ("a quantized param", is_quantized(p)),
                     ("a split master or block-wise 8-bit moments of a length not divisible by 4 "
@@ -292,6 +289,18 @@ class Terminal:
             value = p.dtype if split or not self._needs_master(p, True) else self._value_dtype(p)
             out.append((tuple(p.shape), torch.promote_types(value, torch.float32)))
         return out
+
+    def _engine_takes(self, p: torch.Tensor) -> bool:
+        """Whether the GPU engine steps host leaf ``p`` (not quantized), from the state
+        :meth:`_make_state` makes it (:func:`~functional_offload.optimizers.forms.gpu_engine.
+        takes`)."""
+        specs = self._specs(p)
+        split = self._needs_master(p, True) and self._split(p, True)
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+        if split:  # its halves apart, as the engine copies them
+            sizes[:1] = [sizes[0] // 2] * 2
+        return takes(p.numel(), split, any(dtype == torch.uint8 for _, dtype in specs), sizes,
+                     self.executor.chunk_bytes)
 
     @torch.no_grad()
     def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool], preview: bool,
@@ -362,11 +371,8 @@ class Terminal:
                     for p, host in zip(locals_, on_host)]
         # the GPU engine copies its host state in place: pinned (with "both", of the leaves it
         # can step; packed leaves run on the CPU kernel there)
-        own = [engine and host and not is_quantized(p) and (self.executor.engine == "gpu" or takes(
-                   p.numel(), self._needs_master(p, True) and self._split(p, True),
-                   [self._moment_dtype(m.name, p) for m in self.spec.moments
-                    if self._moment_shape(m, p) is not None],
-                   self.ema_decay is not None, self.executor.chunk_bytes))
+        own = [engine and host and not is_quantized(p)
+               and (self.executor.engine == "gpu" or self._engine_takes(p))
                for p, host in zip(locals_, on_host)]
         masters, moments, emas = self._make_state(
             locals_, on_host, preview, [o and not k for o, k in zip(own, packable)])

@@ -96,24 +96,20 @@ def _need(sizes: list[int]) -> int:
     return sum(sizes) + ALIGN * len(sizes)
 
 
-def takes(numel: int, split: bool, moments: list[torch.dtype], ema: bool, capacity: int) -> bool:
+def takes(numel: int, split: bool, eight: bool, sizes: list[int], capacity: int) -> bool:
     """Whether the engine, with chunks of ``capacity`` bytes, takes a leaf of ``numel`` elements
-    with a split or fp32 master, moments of ``moments`` (``torch.uint8``: block-wise 8-bit) and
-    an fp32 EMA or none: a leaf that goes whole (:func:`_whole`) has to fit one chunk."""
-    if not _whole(numel, split, torch.uint8 in moments):
-        return True
-    sizes = [2 * numel, 2 * numel] if split else [4 * numel]
-    sizes += [blockwise.nbytes(numel) if d == torch.uint8 else numel * d.itemsize for d in moments]
-    return _need(sizes + ([4 * numel] if ema else [])) <= capacity
+    (``split``: with a split master; ``eight``: with block-wise 8-bit moments) whose state
+    tensors have ``sizes`` bytes (a split master's halves apart, as :func:`state_of` gives
+    them): a leaf that goes whole (:func:`_whole`) has to fit one chunk."""
+    return not _whole(numel, split, eight) or _need(sizes) <= capacity
 
 
 def steppable(leaf: Leaf, capacity: int) -> bool:
     """:func:`takes` for a host leaf, from its state."""
     state = state_of(leaf)
     numel = state[0].numel()
-    eight = any(blockwise.is_blockwise(x) for x in state)
-    return (not _whole(numel, is_split(leaf.value), eight)
-            or _need([_span_bytes(x, 0, numel) for x in state]) <= capacity)
+    return takes(numel, is_split(leaf.value), any(blockwise.is_blockwise(x) for x in state),
+                 [_span_bytes(x, 0, numel) for x in state], capacity)
 
 
 def _cut(room: int, left: int, numel: int) -> int:

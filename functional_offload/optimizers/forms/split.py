@@ -182,25 +182,25 @@ class Split:
             raise
         gpu_end = time.perf_counter()
         self.cpu.wait_all()
-        self._record(gs, gpu, begun, gpu_end)
+        self._record(gs, begun, gpu_end)
 
-    def _record(self, gs: list, gpu: list[int], begun: float, gpu_end: float) -> None:
+    def _record(self, gs: list, begun: float, gpu_end: float) -> None:
         """This step's :class:`SplitStep`, kept with what the steps before measured (the next
         step's plan) and on the executor."""
         leaves, memory = self.work.leaves, self.memory
         last = memory.last
         size = lambda i: leaves[i].param.numel()  # noqa: E731
-        g_n = sum(map(size, gpu))
-        c_n = sum(size(i) for i, leaf in enumerate(leaves)
-                  if leaf.on_host and gs[i] is not None and i not in self.on_gpu)
+        stepped = tuple((leaf.path, "gpu" if i in self.on_gpu else "cpu", size(i))
+                        for i, leaf in enumerate(leaves) if leaf.on_host and gs[i] is not None)
+        g_n = sum(n for _, engine, n in stepped if engine == "gpu")
+        c_n = sum(n for _, engine, n in stepped if engine == "cpu")
         able_n = sum(size(i) for i in self.able if gs[i] is not None)
         ended = [r.ended_at for r in self.cpu.all_runs() if r.ended_at is not None]
         gpu_s, cpu_s = gpu_end - begun, max(0.0, max(ended) - begun) if ended else 0.0
         rg = g_n / gpu_s if g_n and gpu_s > 0 else (last.gpu_rate if last else 0.0)
         rc = c_n / cpu_s if c_n and cpu_s > 0 else (last.cpu_rate if last else 0.0)
-        stepped = tuple((leaf.path, "gpu" if i in self.on_gpu else "cpu", size(i))
-                        for i, leaf in enumerate(leaves) if leaf.on_host and gs[i] is not None)
-        step = SplitStep(g_n / able_n if able_n else self.share, tuple(leaves[i].path for i in gpu),
+        step = SplitStep(g_n / able_n if able_n else self.share,
+                         tuple(path for path, engine, _ in stepped if engine == "gpu"),
                          g_n, c_n, self.predicted_gpu, self.predicted_cpu, gpu_s, cpu_s, rg, rc,
                          self.phase, stepped)
         per = max(gpu_s, cpu_s) / (g_n + c_n) if g_n + c_n else None
