@@ -5,14 +5,19 @@ torch's fused AdamW, each system and leaf count in a fresh process.
     python benchmarks/fixed_costs.py --leaves 292 --numel 4096 --dtype float32
     python benchmarks/fixed_costs.py --clip                           # clipping at 1.0 first, both
     python benchmarks/fixed_costs.py --smoke                          # on the CPU, few updates
+    python benchmarks/fixed_costs.py --layout gpt                     # a 24-layer GPT's 292 leaves
 
-Leaves of ``--numel`` elements on the GPU in ``--dtype`` (bf16 by default: ours then keeps fp32
+Leaves of ``--numel`` elements (``--layout gpt``: the 292 leaves of a 24-layer GPT-style
+decoder of width 32, 310 k elements, shaped as its params) on the GPU in ``--dtype`` (bf16 by default: ours then keeps fp32
 masters, torch updates the bf16 params directly), fixed random grads, no forward or backward.
 Systems: ``torch`` (``torch.optim.AdamW(fused=True)``, grads set on the params), ``device``
 (``fo.adamw(placement=on_device())``), ``host`` (``fo.adamw(placement=on_host())``: D2H, CPU
-kernel, H2D per update). After ``--warmup`` updates: ``mean ms`` = wall time of ``--updates``
-back-to-back updates with one sync at the end, divided by their number; ``median ms`` = the
-median of as many updates each followed by a sync.
+kernel, H2D per update), ``delayed`` (the same with ``delayed=fo.Delay(lookahead=False, warmup=0,
+exact_when_clipped=False)``: the host part runs in the background, landed by the next update;
+the landed step's form) and ``lookahead`` (the same with the look-ahead: ``delayed=True``'s
+steady state). After ``--warmup`` updates: ``mean ms`` = wall time of ``--updates`` back-to-back
+updates with one flush and sync at the end, divided by their number; ``median ms`` = the median
+of as many updates each followed by a sync (a delayed one's host part may still run).
 """
 
 from __future__ import annotations
@@ -28,46 +33,57 @@ from typing import Callable
 
 import torch
 
+import gpt
 from ours import HYPER, fo
 
-SYSTEMS = ("torch", "device", "host")
+SYSTEMS = ("torch", "device", "host", "delayed", "lookahead")
 
 
 def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
-            clip: bool = False) -> Callable[[], None]:
-    """One update of ``params`` with ``grads`` by ``system``; ``clip``: gradient clipping at
-    1.0 first (torch: ``clip_grad_norm_``; ours: ``clip_by_global_norm`` chained in front)."""
+            clip: bool = False) -> tuple[Callable[[], None], Callable[[], None]]:
+    """One update of ``params`` with ``grads`` by ``system``, and what lands the last one;
+    ``clip``: gradient clipping at 1.0 first (torch: ``clip_grad_norm_``; ours:
+    ``clip_by_global_norm`` chained in front)."""
     if system == "torch":
         for k, p in params.items():
             p.requires_grad_(True).grad = grads[k]
         opt = torch.optim.AdamW(list(params.values()), fused=True, **HYPER)
         if not clip:
-            return opt.step
+            return opt.step, lambda: None
 
         def step() -> None:
             torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
             opt.step()
-        return step
+        return step, lambda: None
     if system not in SYSTEMS:
         raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     where = fo.placement.on_device() if system == "device" else fo.placement.on_host()
-    opt = fo.adamw(placement=where, **HYPER)
+    delayed = (fo.Delay(lookahead=system == "lookahead", warmup=0, exact_when_clipped=False)
+               if system in ("delayed", "lookahead") else False)
+    opt = fo.adamw(placement=where, delayed=delayed, **HYPER)
     if clip:
         opt = fo.chain(fo.clip_by_global_norm(1.0), opt)
     holder = [opt.init(params)]
 
     def update() -> None:
         _, holder[0] = opt.update(grads, holder[0])
-    return update
+
+    def flush() -> None:
+        holder[0] = fo.flush(holder[0])
+    return update, flush
 
 
 def run_one(system: str, leaves: int, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     g = torch.Generator(device=device).manual_seed(0)
-    params = {f"p{i}": torch.randn(args.numel, device=device, generator=g).to(dtype) for i in range(leaves)}
-    grads = {k: torch.randn(args.numel, device=device, generator=g).to(dtype) for k in params}
-    update = updater(system, params, grads, args.clip)
+    shapes = {f"p{i}": (args.numel,) for i in range(leaves)}
+    if args.layout == "gpt":
+        model = gpt.build(gpt.GPTConfig(d=32, layers=24, heads=2, vocab=128, ctx=16), "meta")
+        shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    params = {k: torch.randn(s, device=device, generator=g).to(dtype) for k, s in shapes.items()}
+    grads = {k: torch.randn(s, device=device, generator=g).to(dtype) for k, s in shapes.items()}
+    update, flush = updater(system, params, grads, args.clip)
 
     def sync() -> None:
         if device.type == "cuda":
@@ -79,6 +95,7 @@ def run_one(system: str, leaves: int, args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     for _ in range(args.updates):
         update()
+    flush()
     sync()
     mean = (time.perf_counter() - t0) / args.updates
     each = []
@@ -95,6 +112,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--leaves", default="4,64,292", help="leaf counts, comma-separated")
     ap.add_argument("--numel", type=int, default=256, help="elements per leaf")
+    ap.add_argument("--layout", choices=["flat", "gpt"], default="flat",
+                    help="gpt: a 24-layer GPT's leaves (292; --leaves is then ignored)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)

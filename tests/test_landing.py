@@ -10,6 +10,7 @@ from torch import nn
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
+from functional_offload.optimizers.packing import PACK_MAX
 from functional_offload.testing import fail_host_kernel
 
 
@@ -73,6 +74,44 @@ def test_landing_is_exact_with_split_masters(width):
     away from zero, the plain step to even); with 272 the middle leaf's master is split."""
     want_losses, want = train(False, hooks=False, width=width, rem=True)
     losses, got = train(fo.Delay(lookahead=False), hooks=True, width=width, rem=True)
+    assert torch.equal(losses, want_losses)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_small_leaves_land_packed_exactly(device):
+    """Small leaves run packed in the landed step as in the plain one: two packs (weight decay
+    on the matrices only), beside a leaf too large to pack; a step where some small leaves have
+    no grad (the packs' runs split around them); the bits of the plain update."""
+    def run(delay, hooks):
+        model, batches = model_and_batches(device=device, width=320)
+        assert model[3].weight.numel() > PACK_MAX  # the middle matrix: not packed
+        params = dict(model.named_parameters())
+        opt = fo.chain(fo.clip_by_global_norm(0.05),
+                       fo.adamw(1e-2, weight_decay=0.1, placement=fo.placement.on_host(),
+                                weight_decay_mask=lambda ps: {k: p.ndim > 1 for k, p in ps.items()},
+                                executor=HostExecutor(chunk_bytes=4096, slots=2, threads=2),
+                                delayed=delay))
+        holder = [opt.init(params)]
+        handle = fo.land_before_forward(model, lambda: holder[0]) if hooks else None
+        losses = []
+        for n, (x, y) in enumerate(batches):
+            loss = (model(x).float() - y).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            grads = {k: p.grad for k, p in params.items()}
+            if n == 2:  # the LayerNorm and the first bias get none
+                grads.update({"1.weight": None, "1.bias": None, "0.bias": None})
+            _, holder[0] = opt.update(grads, holder[0])
+            model.zero_grad(set_to_none=True)
+        fo.flush(holder[0])
+        if handle is not None:
+            handle.remove()
+        return torch.stack(losses).cpu(), {k: p.detach().cpu() for k, p in params.items()}
+
+    want_losses, want = run(False, False)
+    losses, got = run(fo.Delay(lookahead=False), True)
     assert torch.equal(losses, want_losses)
     for k in want:
         assert torch.equal(got[k], want[k]), k
@@ -235,12 +274,13 @@ def test_multihead_attention_lands_its_out_proj():
 
 
 class ReadsItsChild(nn.Module):
-    """A parent that reads its child's weight itself (the child's forward never runs)."""
+    """A parent that reads its child's weight itself (the child's forward never runs); the
+    child's weight is too large to be packed with the small leaves (which land together)."""
 
     def __init__(self):
         super().__init__()
-        self.body = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
+        self.body = nn.Linear(8, 512)
+        self.head = nn.Linear(512, 160)
 
     def forward(self, x):
         return torch.nn.functional.linear(self.body(x), self.head.weight, self.head.bias)
@@ -255,6 +295,7 @@ def test_a_param_read_before_it_landed_is_named_at_the_next_update():
     holder = [opt.init(params)]
     hooks = fo.land_before_forward(model, lambda: holder[0])
     x = torch.randn(4, 8)
+    assert model.head.weight.numel() > PACK_MAX
     for step in range(2):
         model(x).square().mean().backward()
         grads = {k: p.grad for k, p in params.items()}
@@ -267,7 +308,8 @@ def test_a_param_read_before_it_landed_is_named_at_the_next_update():
     assert int(holder[0].count) == 1  # the update did not run; the state is usable, landed
     fo.land(holder[0], model.head)  # (nothing in flight now: a no-op)
     model(x).square().mean().backward()
-    opt.update({k: p.grad for k, p in params.items()}, holder[0])
+    _, state = opt.update({k: p.grad for k, p in params.items()}, holder[0])
+    fo.flush(state)  # nothing left running into the next test
     hooks.remove()
 
 
@@ -305,11 +347,12 @@ def test_hooks_with_a_stale_state_function_raise():
 
 
 class Backwards(nn.Module):
-    """Its forward reaches its layers in the reverse of their order in named_parameters()."""
+    """Its forward reaches its layers in the reverse of their order in named_parameters();
+    their weights are too large to be packed (the small leaves run as one)."""
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.layers = nn.ModuleList(nn.Linear(272, 272) for _ in range(4))
 
     def forward(self, x):
         for layer in reversed(self.layers):
@@ -327,7 +370,8 @@ def test_the_next_host_step_takes_the_leaves_in_the_order_the_forward_landed_the
                    executor=HostExecutor(chunk_bytes=4096, slots=2, threads=1))
     holder = [opt.init(params)]
     hooks = fo.land_before_forward(model, lambda: holder[0])
-    x = torch.randn(4, 16).bfloat16()
+    x = torch.randn(4, 272).bfloat16()
+    assert model.layers[0].weight.numel() > PACK_MAX
     model(x).float().sum().backward()
     with fail_host_kernel(after=0):
         _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])

@@ -270,7 +270,7 @@ class TerminalStep(StepBase):
             refs = state.params._replace(pending=None)  # the step it held landed before this one
             if landing is not None:
                 lost = self._lost(i for i, g in enumerate(gs) if g is not None)
-                pending = Pending(landing, new_count, state.params.cache, lost, rest)
+                pending = Pending(landing, new_count, state.params.cache, lost)
                 if exact:
                     pending.land()  # before update returns: the next forward reads these params
                 else:

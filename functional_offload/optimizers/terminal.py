@@ -366,6 +366,10 @@ class Terminal:
                     self.executor.reserve(p.device)
         plain = not (preview or self.delayed or not self.spec.elementwise)
         engine = plain and self.executor.engine != "cpu"  # (its leaves' params are on a GPU)
+        # small leaves are packed for plain steps and delayed ones without a look-ahead (whose
+        # math lands per param)
+        pack = plain or (not preview and self.delayed and self.spec.elementwise
+                         and not self.delay.lookahead)
         packable = [host and self._needs_master(p, True) and not self._split(p, True)
                     and not is_quantized(p) and p.numel() <= PACK_MAX
                     for p, host in zip(locals_, on_host)]
@@ -380,7 +384,7 @@ class Terminal:
         packs = arrange([i for i, k in enumerate(packable) if k], fields,
                         decay_flags(tree, self.weight_decay_mask),
                         [p.dtype for p in locals_],
-                        pin=plain and self.executor.engine == "gpu") if plain else []
+                        pin=plain and self.executor.engine == "gpu") if pack else []
         packed = {i for pack in packs for i in pack.members}
         small = [(f, i) for f in fields for i in range(len(locals_))  # packable, not packed
                  if own[i] and packable[i] and i not in packed and f[i] is not None]

@@ -1,12 +1,15 @@
 """The delayed update (``delayed=True``): the host leaves' step runs in the background while
 the training loop goes on, their new params waiting in buffers (:class:`~functional_offload.
 executor.delayed.Landing`); the next step, a flush or a checkpoint lands them
-(:class:`Pending`, the state's ``ParamRefs.pending``)."""
+(:class:`Pending`, the state's ``ParamRefs.pending``). Without a look-ahead the small leaves run
+packed (:mod:`~functional_offload.optimizers.packing`): a run of a pack's members is one leaf of
+the landing, whose new params land into the pack's buffer and are scattered to the members'
+params from there."""
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -15,10 +18,22 @@ from functional_offload.state import mark_failed
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import AtFinish, HostWork
+from functional_offload.optimizers.forms.in_place import packed_leaves
 from functional_offload.optimizers.spec import land
 from functional_offload.tree import local
 
-__all__ = ["Delayed", "Pending"]
+__all__ = ["Delayed", "Flight", "Pending"]
+
+
+class Flight(NamedTuple):
+    """A delayed step's landing and what its leaves are: per leaf of the landing, the state's
+    leaves (layout indices: one, or a run of a pack's members); and, by their position, the
+    leaves that are packed runs: their members' params and the views of the pack's buffer
+    where their new params land, to be copied to them."""
+
+    landing: Landing
+    members: list[tuple[int, ...]]
+    packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
 def _elements_of(t: torch.Tensor) -> tuple:
@@ -30,12 +45,14 @@ def _elements_of(t: torch.Tensor) -> tuple:
 class Pending:
     """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
     waits for it and drops its result (before a checkpoint is loaded over the state).
-    ``indices``: the state's leaves (in the layout's order) its landing updates."""
+    ``flight``: its landing and the state's leaves (in the layout's order) each of the
+    landing's leaves updates."""
 
-    def __init__(self, landing: Landing, count: torch.Tensor, cache: Optional[StepCache],
-                 lost: list[str], indices: list[int]):
-        self.landing, self.count, self.cache, self.lost = landing, count, cache, lost
-        self.indices = indices
+    def __init__(self, flight: Flight, count: torch.Tensor, cache: Optional[StepCache],
+                 lost: list[str]):
+        self.landing, self.count, self.cache, self.lost = flight.landing, count, cache, lost
+        self.members, self.packed = flight.members, flight.packed
+        self._scattered: set[int] = set()  # packed runs whose members have their new params
         self.done = False
         self.error: Optional[BaseException] = None
         self._where: Optional[dict[tuple, int]] = None  # a leaf's memory -> its position
@@ -51,18 +68,20 @@ class Pending:
             return
         ready = self.landing.ex.ready(self.landing.device)  # the caller's reads of the old
         #                                                      params come first
-        mine = None if grads is None else [grads[i] for i in self.indices]
+        mine = None if grads is None else [grads[m[0]] if len(m) == 1 else None
+                                           for m in self.members]  # (a look-ahead's: no packs)
         early = self.landing.landed_early
-        missed = [] if not self._early or mine is None else [
-            j for j, g in enumerate(mine) if g is not None and j not in early]
+        missed = [] if not self._early or grads is None else [
+            i for j, m in enumerate(self.members) if j not in early
+            for i in m if grads[i] is not None]
         interrupt = self._shielded(self.landing.land, ready, mine)
+        self._scatter(self.packed)
         self.done = True
         if interrupt is not None:
             raise interrupt
         if missed:  # landed now (the state is whole), but the forward read these params before
             layout = self.cache.layout if self.cache is not None else None
-            names = [repr(layout[self.indices[j]].path) if layout is not None else f"#{j}"
-                     for j in missed]
+            names = [repr(layout[i].path) if layout is not None else f"#{i}" for i in missed]
             raise RuntimeError(
                 f"params {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} got grads but "
                 "were not landed before the forward read them (their module's forward did not "
@@ -91,20 +110,32 @@ class Pending:
             if layout is None:  # which leaf is which is not known here any more: land all
                 self.land()
                 return
-            self._where = {_elements_of(layout[i].param): j for j, i in enumerate(self.indices)}
+            self._where = {_elements_of(layout[i].param): j
+                           for j, m in enumerate(self.members) for i in m}
         which = [j for j in (self._where.get(_elements_of(local(p))) for p in params)
                  if j is not None and j not in self.landing.landed_early]
         if not which:
             return
+        which = list(dict.fromkeys(which))
         if self.cache is not None:  # the next delayed step runs its leaves in this order
             if not self.landing.landed_early:
                 self.cache.land_order = []
-            self.cache.land_order.extend(self.indices[j] for j in dict.fromkeys(which))
-        if self.landing.note_landed(which):  # copied with an earlier module's: nothing to do
-            return
-        interrupt = self._shielded(self.landing.land_leaves, which, order=False)
-        if interrupt is not None:
-            raise interrupt
+            self.cache.land_order.extend(i for j in which for i in self.members[j])
+        if not self.landing.note_landed(which):  # (else copied with an earlier module's)
+            interrupt = self._shielded(self.landing.land_leaves, which, order=False)
+            if interrupt is not None:
+                raise interrupt
+        self._scatter({j: self.packed[j] for j in which if j in self.packed})
+
+    @torch.no_grad()
+    def _scatter(self, packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
+        """The new params of the landed packed runs ``packed`` copied from their pack's buffer
+        to the members' params, on the caller's stream (ordered after the landing's copies)."""
+        todo = [j for j in packed if j not in self._scattered]
+        if todo:
+            torch._foreach_copy_([p for j in todo for p in packed[j][0]],
+                                 [x for j in todo for x in packed[j][1]])
+            self._scattered.update(todo)
 
     def _shielded(self, fn: Callable[..., None], *args: Any,
                   order: bool = True) -> Optional[BaseException]:
@@ -126,7 +157,7 @@ class Pending:
 
     def ahead_landed(self) -> set[int]:
         """The state's leaves whose params its landing set from a look-ahead."""
-        return {self.indices[j] for j in self.landing.ahead_landed}
+        return {i for j in self.landing.ahead_landed for i in self.members[j]}
 
     def settle(self) -> None:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
@@ -137,26 +168,44 @@ class Pending:
 
 class Delayed(AtFinish):
     """The delayed form (see the module): nothing starts before finish, which starts the run
-    and returns its :class:`Landing` (with look-aheads where the step's work has the next
-    step's hyperparameters, ``HostWork.ahead``); the step's count and lost params make it
-    :class:`Pending`."""
+    and returns its :class:`Flight` (with look-aheads where the step's work has the next
+    step's hyperparameters, ``HostWork.ahead``; else with the packed runs of small leaves);
+    the step's count and lost params make it :class:`Pending`."""
 
     def __init__(self, work: HostWork):
         super().__init__(work)
         self.started = False
 
-    def finish(self, gs: list, rest: list[int], ready: dict) -> Optional[Landing]:
+    def finish(self, gs: list, rest: list[int], ready: dict) -> Optional[Flight]:
         if not rest:
             return None
         work = self.work
-        landing = Landing(work.ex, [work.host_leaf(i, gs[i], None) for i in rest], work.kernel(),
-                          [work.leaves[i].param.view(-1) if work.leaves[i].has_master else None
-                           for i in rest], work.t.threads,
+        runs = packed_leaves(work, gs) if work.cache.packs else []
+        if runs and work.ahead is not None:
+            raise AssertionError("small leaves are packed only without a look-ahead")
+        run_of = {i: k for k, (_, run) in enumerate(runs) for i in run[0]}
+        leaves, targets, members = [], [], []
+        packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for i in rest:  # a packed run at its first member's place in the order
+            if i in run_of:
+                leaf, (run, bufs, first, last) = runs[run_of.pop(i)]
+                for m in run:
+                    run_of.pop(m, None)
+                packed[len(leaves)] = ([work.leaves[m].param for m in run],
+                                       bufs.outs[first:last + 1])
+                leaves.append(leaf._replace(out=None))
+                targets.append(leaf.out)
+                members.append(run)
+            elif i not in work.static.packed:
+                leaves.append(work.host_leaf(i, gs[i], None))
+                targets.append(work.leaves[i].param.view(-1) if work.leaves[i].has_master else None)
+                members.append((i,))
+        landing = Landing(work.ex, leaves, work.kernel(), targets, work.t.threads,
                           ahead=(None if work.ahead is None
                                  else partial(land, work.t.spec.land_ahead)),
-                          fresh=[i not in work.held_ahead for i in rest])
+                          fresh=[m[0] not in work.held_ahead for m in members])
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
-        return landing
+        return Flight(landing, members, packed)
 
     def touched(self) -> bool:
         return self.started

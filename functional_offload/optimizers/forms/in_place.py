@@ -15,9 +15,41 @@ from functional_offload.optimizers.packing import Buffers, buffers, span
 from functional_offload.optimizers.packing import runs as runs_of
 from functional_offload.quantized import write_params, writes_in_place
 
-__all__ = ["InPlace"]
+__all__ = ["InPlace", "PackedRun", "packed_leaves"]
 
 PackedRun = tuple[tuple[int, ...], Buffers, int, int]  # members, buffers, first, last
+
+
+def packed_leaves(work: HostWork, gs: list) -> list[tuple[HostLeaf, PackedRun]]:
+    """Each run of packed members with a grad as one host leaf over its pack's arenas, with
+    what scatters its new params: the members' grads are gathered into the pack's buffer here
+    (one multi-tensor copy on the caller's stream), the leaf's new params go to the buffer's
+    ``out`` (its ``out``), whose member views ``outs[first:last + 1]`` are copied to the
+    members' params once they are complete."""
+    leaves, out = work.leaves, []
+    for k, pack in enumerate(work.cache.packs):
+        pack_runs = work.static.pack_runs[k]
+        if any(gs[i] is None for i in pack.members):
+            pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in leaves])
+        for first, last in pack_runs:
+            members = pack.members[first:last + 1]
+            lead, g0 = leaves[members[0]], gs[members[0]]
+            key = (k, g0.device, g0.dtype)
+            kept = work.cache.pack_buffers
+            if key not in kept:
+                kept[key] = buffers(pack, g0.device, g0.dtype,
+                                    [leaves[i].param.shape for i in pack.members])
+            bufs = kept[key]
+            lo, hi = pack.offsets[first], pack.offsets[last] + leaves[members[-1]].param.numel()
+            torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
+            leaf = HostLeaf(f"{lead.path} (and {len(members) - 1} more small leaves)",
+                            bufs.grad[lo:hi], bufs.out[lo:hi],
+                            tuple(span(x, hi - lo) for x in (lead.value, *lead.moments)),
+                            work.hyper_of(lead), (),
+                            None if lead.ema is None else span(lead.ema, hi - lo),
+                            work.t.ema_decay or 0.0)
+            out.append((leaf, (members, bufs, first, last)))
+    return out
 
 
 class InPlace:
@@ -110,33 +142,13 @@ class InPlace:
 
     def _packed_leaves(self, gs: list, runs: dict, elements: dict[torch.device, int],
                        threaded: bool = False) -> list[PackedRun]:
-        """Each run of packed members with a grad: grads gathered into the pack's buffer (one
-        multi-tensor copy), handed to ``runs`` as one host leaf over the arenas."""
-        work, leaves, out = self.work, self.work.leaves, []
-        for k, pack in enumerate(work.cache.packs):
-            pack_runs = work.static.pack_runs[k]
-            if any(gs[i] is None for i in pack.members):
-                pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in leaves])
-            for first, last in pack_runs:
-                members = pack.members[first:last + 1]
-                lead, g0 = leaves[members[0]], gs[members[0]]
-                key = (k, g0.device, g0.dtype)
-                kept = work.cache.pack_buffers
-                if key not in kept:
-                    kept[key] = buffers(pack, g0.device, g0.dtype,
-                                        [leaves[i].param.shape for i in pack.members])
-                bufs = kept[key]
-                lo, hi = pack.offsets[first], pack.offsets[last] + leaves[members[-1]].param.numel()
-                torch._foreach_copy_(bufs.grads[first:last + 1], [gs[i] for i in members])
-                ready = work.ex.ready(g0.device)  # after the gather, on the caller's stream
-                leaf = HostLeaf(f"{lead.path} (and {len(members) - 1} more small leaves)",
-                                bufs.grad[lo:hi], bufs.out[lo:hi],
-                                tuple(span(x, hi - lo) for x in (lead.value, *lead.moments)),
-                                work.hyper_of(lead), (),
-                                None if lead.ema is None else span(lead.ema, hi - lo),
-                                work.t.ema_decay or 0.0)
-                work.run(g0.device, runs, elements, threaded).add(leaf, ready)
-                out.append((members, bufs, first, last))
+        """Each run of packed members with a grad (:func:`packed_leaves`) handed to ``runs``."""
+        work, out = self.work, []
+        for leaf, packed in packed_leaves(work, gs):
+            device = leaf.grad.device
+            ready = work.ex.ready(device)  # after the gather, on the caller's stream
+            work.run(device, runs, elements, threaded).add(leaf, ready)
+            out.append(packed)
         return out
 
     def all_runs(self) -> list[Run]:
