@@ -54,9 +54,10 @@ def test_cpu_loop_ours_matches_torch():
     assert all(r["allclose"] for r in rows), rows
 
 
-@pytest.mark.parametrize("clip", [False, True])
-def test_fixed_costs_runs(clip):
-    args = argparse.Namespace(device="cpu", dtype="float32", numel=256, warmup=1, updates=2, clip=clip)
+@pytest.mark.parametrize("clip, layout", [(False, "flat"), (True, "flat"), (False, "gpt")])
+def test_fixed_costs_runs(clip, layout):
+    args = argparse.Namespace(device="cpu", dtype="float32", numel=256, warmup=1, updates=2,
+                              clip=clip, layout=layout)
     for system in fixed_costs.SYSTEMS:
         assert fixed_costs.run_one(system, 4, args)["mean_ms"] > 0
 
