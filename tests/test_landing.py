@@ -274,28 +274,31 @@ def test_multihead_attention_lands_its_out_proj():
 
 
 class ReadsItsChild(nn.Module):
-    """A parent that reads its child's weight itself (the child's forward never runs); the
-    child's weight is too large to be packed with the small leaves (which land together)."""
+    """A parent that reads its child's weight itself (the child's forward never runs): with
+    ``width`` 8 every leaf is small (one packed run, landed when the body's forward asks for
+    its own params: the head's were read before), with 512 the head's weight is too large to
+    pack."""
 
-    def __init__(self):
+    def __init__(self, width: int):
         super().__init__()
-        self.body = nn.Linear(8, 512)
-        self.head = nn.Linear(512, 160)
+        self.body = nn.Linear(8, width)
+        self.head = nn.Linear(width, 160 if width > 8 else 2)
 
     def forward(self, x):
         return torch.nn.functional.linear(self.body(x), self.head.weight, self.head.bias)
 
 
-def test_a_param_read_before_it_landed_is_named_at_the_next_update():
+@pytest.mark.parametrize("width", [8, 512], ids=["packed", "unpacked"])
+def test_a_param_read_before_it_landed_is_named_at_the_next_update(width):
     torch.manual_seed(0)
-    model = ReadsItsChild()
+    model = ReadsItsChild(width)
     params = dict(model.named_parameters())
     opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False),
                    executor=HostExecutor(chunk_bytes=4096, slots=2, threads=1))
     holder = [opt.init(params)]
     hooks = fo.land_before_forward(model, lambda: holder[0])
     x = torch.randn(4, 8)
-    assert model.head.weight.numel() > PACK_MAX
+    assert (model.head.weight.numel() > PACK_MAX) == (width > 8)
     for step in range(2):
         model(x).square().mean().backward()
         grads = {k: p.grad for k, p in params.items()}

@@ -55,7 +55,9 @@ class Pending:
         self._scattered: set[int] = set()  # packed runs whose members have their new params
         self.done = False
         self.error: Optional[BaseException] = None
-        self._where: Optional[dict[tuple, int]] = None  # a leaf's memory -> its position
+        self._where: Optional[dict[tuple, tuple[int, int]]] = None  # a param's memory -> its
+        #                                       landing leaf's position and its layout index
+        self._asked: set[int] = set()  # the layout indices land_params was given the params of
         self._early = False  # land_params was called: every leaf read is to land before
 
     def land(self, grads: Optional[list] = None) -> None:
@@ -70,10 +72,8 @@ class Pending:
         #                                                      params come first
         mine = None if grads is None else [grads[m[0]] if len(m) == 1 else None
                                            for m in self.members]  # (a look-ahead's: no packs)
-        early = self.landing.landed_early
         missed = [] if not self._early or grads is None else [
-            i for j, m in enumerate(self.members) if j not in early
-            for i in m if grads[i] is not None]
+            i for m in self.members for i in m if grads[i] is not None and i not in self._asked]
         interrupt = self._shielded(self.landing.land, ready, mine)
         self._scatter(self.packed)
         self.done = True
@@ -110,13 +110,13 @@ class Pending:
             if layout is None:  # which leaf is which is not known here any more: land all
                 self.land()
                 return
-            self._where = {_elements_of(layout[i].param): j
+            self._where = {_elements_of(layout[i].param): (j, i)
                            for j, m in enumerate(self.members) for i in m}
-        which = [j for j in (self._where.get(_elements_of(local(p))) for p in params)
-                 if j is not None and j not in self.landing.landed_early]
+        hits = [h for h in (self._where.get(_elements_of(local(p))) for p in params) if h is not None]
+        self._asked.update(i for _, i in hits)  # (a packed run's other members are not asked)
+        which = [j for j in dict.fromkeys(j for j, _ in hits) if j not in self.landing.landed_early]
         if not which:
             return
-        which = list(dict.fromkeys(which))
         if self.cache is not None:  # the next delayed step runs its leaves in this order
             if not self.landing.landed_early:
                 self.cache.land_order = []
