@@ -8,7 +8,8 @@ torch's fused AdamW, each system and leaf count in a fresh process.
     python benchmarks/fixed_costs.py --layout gpt                     # a 24-layer GPT's 292 leaves
 
 Leaves of ``--numel`` elements (``--layout gpt``: the 292 leaves of a 24-layer GPT-style
-decoder of width 32, 310 k elements, shaped as its params) on the GPU in ``--dtype`` (bf16 by default: ours then keeps fp32
+decoder of width 32, 310 k elements, shaped as its params) on ``--device`` (a GPU by default)
+in ``--dtype`` (bf16 by default: ours then keeps fp32
 masters, torch updates the bf16 params directly), fixed random grads, no forward or backward.
 Systems: ``torch`` (``torch.optim.AdamW(fused=True)``, grads set on the params), ``device``
 (``fo.adamw(placement=on_device())``), ``host`` (``fo.adamw(placement=on_host())``: D2H, CPU
@@ -73,14 +74,17 @@ def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch
     return update, flush
 
 
+def gpt_shapes() -> dict[str, tuple[int, ...]]:
+    """The param shapes of a 24-layer GPT-style decoder of width 32 (292 leaves)."""
+    model = gpt.build(gpt.GPTConfig(d=32, layers=24, heads=2, vocab=128, ctx=16), "meta")
+    return {k: tuple(p.shape) for k, p in model.named_parameters()}
+
+
 def run_one(system: str, leaves: int, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     g = torch.Generator(device=device).manual_seed(0)
-    shapes = {f"p{i}": (args.numel,) for i in range(leaves)}
-    if args.layout == "gpt":
-        model = gpt.build(gpt.GPTConfig(d=32, layers=24, heads=2, vocab=128, ctx=16), "meta")
-        shapes = {k: tuple(p.shape) for k, p in model.named_parameters()}
+    shapes = gpt_shapes() if args.layout == "gpt" else {f"p{i}": (args.numel,) for i in range(leaves)}
     params = {k: torch.randn(s, device=device, generator=g).to(dtype) for k, s in shapes.items()}
     grads = {k: torch.randn(s, device=device, generator=g).to(dtype) for k, s in shapes.items()}
     update, flush = updater(system, params, grads, args.clip)
@@ -113,7 +117,7 @@ def main() -> None:
     ap.add_argument("--leaves", default="4,64,292", help="leaf counts, comma-separated")
     ap.add_argument("--numel", type=int, default=256, help="elements per leaf")
     ap.add_argument("--layout", choices=["flat", "gpt"], default="flat",
-                    help="gpt: a 24-layer GPT's leaves (292; --leaves is then ignored)")
+                    help="gpt: a 24-layer GPT's leaves (292, in place of --leaves)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
@@ -131,7 +135,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(system, int(leaves), args)), flush=True)
         return
     rows = []
-    for leaves in [int(n) for n in args.leaves.split(",")]:
+    counts = [len(gpt_shapes())] if args.layout == "gpt" else [int(n) for n in args.leaves.split(",")]
+    for leaves in counts:
         for system in args.systems.split(","):
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:],
                                    "--one", f"{system}:{leaves}"], capture_output=True, text=True)
@@ -141,17 +146,19 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     clipped = " with clipping" if args.clip else ""
-    print(f"\nfixed cost per update{clipped}, leaves of {args.numel} {args.dtype} elements on {args.device} "
-          f"({args.updates} updates; ratio: mean over torch's)")
+    what = ("a 24-layer GPT's leaves" if args.layout == "gpt"
+            else f"leaves of {args.numel} elements")
+    print(f"\nfixed cost per update{clipped}, {what} in {args.dtype} on {args.device} "
+          f"({args.updates} updates; ratio: mean over torch's, where torch ran)")
     print(f"{'system':<8} {'leaves':>6} {'mean ms':>8} {'median ms':>10} {'x torch':>8}")
     for r in rows:
         if "mean_ms" not in r:
             print(f"{r['system']:<8} {r['leaves']:>6} error: {r['error'][-200:]!r}")
             continue
         ref = next((t["mean_ms"] for t in rows if t["system"] == "torch" and t["leaves"] == r["leaves"]
-                    and "mean_ms" in t), float("nan"))
-        print(f"{r['system']:<8} {r['leaves']:>6} {r['mean_ms']:>8.3f} {r['median_ms']:>10.3f} "
-              f"{r['mean_ms'] / ref:>8.2f}")
+                    and "mean_ms" in t), None)
+        ratio = f"{r['mean_ms'] / ref:>8.2f}" if ref else f"{'—':>8}"
+        print(f"{r['system']:<8} {r['leaves']:>6} {r['mean_ms']:>8.3f} {r['median_ms']:>10.3f} {ratio}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=1)
