@@ -295,7 +295,7 @@ class Terminal:
         :meth:`_make_state` makes it (:func:`~functional_offload.optimizers.forms.gpu_engine.
         takes`)."""
         specs = self._specs(p)
-        split = self._needs_master(p, True) and self._split(p, True)
+        split = bool(specs) and specs[0][1] == torch.int16  # a split master's halves, first
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
         if split:  # its halves apart, as the engine copies them
             sizes[:1] = [sizes[0] // 2] * 2

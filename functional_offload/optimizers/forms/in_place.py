@@ -15,7 +15,7 @@ from functional_offload.optimizers.packing import Buffers, buffers, span
 from functional_offload.optimizers.packing import runs as runs_of
 from functional_offload.quantized import write_params, writes_in_place
 
-__all__ = ["InPlace", "PackedRun", "packed_leaves"]
+__all__ = ["InPlace", "packed_leaves"]
 
 PackedRun = tuple[tuple[int, ...], Buffers, int, int]  # members, buffers, first, last
 
