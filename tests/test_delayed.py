@@ -528,3 +528,84 @@ def test_adams_lookahead_refuses_fp16_params_naming_the_fixes():
     p, s = opt.update({"w": torch.ones(4, dtype=torch.float16)}, opt.init(params))
     p, s = opt.update({"w": torch.ones(4, dtype=torch.float16)}, s)
     assert torch.isfinite(p["w"]).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_small_leaves_take_their_lookahead_packed_as_they_would_alone(kernel, device):
+    """Small bf16 leaves run packed (two packs, by weight decay), each a twin of more than
+    ``PACK_MAX`` elements (not packed) whose first elements are the small one's and get its
+    grads: every forward reads the twin's params in the small leaf, bit for bit — each member
+    lands from its own base, rate and next grad, and one with no grad (some steps) from its
+    master, then fresh. Checked packed: a failure names the packed run."""
+    from functional_offload.optimizers.packing import PACK_MAX
+    from functional_offload.testing import fail_host_kernel
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"w0": (40, 100), "w1": (17,), "b0": (300,), "b1": (5, 7), "b2": (64,)}
+    params, twins = {}, {}
+    for k, shape in shapes.items():
+        n = torch.Size(shape).numel()
+        twin = (torch.randn(PACK_MAX + 100, generator=gen) * 0.1).to(torch.bfloat16)
+        params[k] = twin[:n].view(shape).clone().to(device)
+        twins[k] = twin.to(device)
+    tree, start = {"small": params, "twin": twins}, clone(params)
+    opt = fo.adamw(1e-2, betas=(0.9, 0.95), weight_decay=0.1, cpu_kernel=kernel, delayed=True,
+                   weight_decay_mask=lambda t: optree.tree_map_with_path(
+                       lambda path, _: path[-1].startswith("w"), t),
+                   executor=HostExecutor(chunk_bytes=8192, slots=2, threads=2))
+    state = opt.init(tree)
+    for t in range(7):
+        for k in shapes:
+            n = params[k].numel()
+            assert torch.equal(tree["small"][k].reshape(-1), tree["twin"][k][:n]), (t, k)
+        g = optree.tree_map(lambda p: (torch.randn(p.shape, generator=gen)).to(p), tree)
+        for k in shapes:
+            g["small"][k] = g["twin"][k][:params[k].numel()].view(shapes[k]).clone()
+        if t in (2, 3):  # no grad: lands from the master, the next landing from fresh values
+            g["small"]["b0"] = g["twin"]["b0"] = g["small"]["w1"] = g["twin"]["w1"] = None
+        tree, state = opt.update(g, state)
+    assert not torch.equal(tree["small"]["b0"], start["b0"])
+    fo.flush(state)
+    for k in shapes:
+        assert torch.equal(tree["small"][k].reshape(-1), tree["twin"][k][:params[k].numel()]), k
+    with fail_host_kernel(exc=FloatingPointError("injected")):
+        _, state = opt.update(optree.tree_map(torch.ones_like, tree), state)
+        with pytest.raises(fo.HostStepError, match=r"more small leaves"):
+            fo.flush(state)
+
+
+@pytest.mark.parametrize("delay", DELAYS)
+def test_a_failed_packed_run_lands_each_param_old_or_new(delay):
+    """A run of packed small leaves fails after its first chunks: the landing sets each
+    member's elements either as they were or to the step's new values (those of the chunks
+    that ran), never another member's, and the state is marked failed."""
+    from functional_offload.testing import fail_host_kernel
+    gen = torch.Generator().manual_seed(5)
+    tree = {f"p{i}": (torch.randn(n, generator=gen) * 0.1).to(torch.bfloat16)
+            for i, n in enumerate((700, 33, 1500, 260, 900))}
+    grads = [optree.tree_map(lambda p: torch.randn(p.shape, generator=gen).to(p), tree)
+             for _ in range(2)]
+    make = lambda delayed: fo.adamw(1e-2, delayed=delayed, executor=HostExecutor(  # noqa: E731
+        chunk_bytes=4096, slots=2, threads=1))
+    ref = make(False)
+    want = clone(tree)
+    rs = ref.init(want)
+    want, rs = ref.update(grads[0], rs)
+    old = clone(want)
+    new, _ = ref.update(grads[1], rs)
+    opt = make(DELAYS[delay])
+    got = clone(tree)
+    state = opt.init(got)
+    got, state = opt.update(grads[0], state)
+    fo.flush(state)
+    with fail_host_kernel(after=1, exc=FloatingPointError("injected")):
+        got, state = opt.update(grads[1], state)
+        with pytest.raises(fo.HostStepError, match="injected"):
+            fo.flush(state)
+    changed = 0
+    for k in tree:
+        assert ((got[k] == old[k]) | (got[k] == new[k])).all(), k
+        changed += int((got[k] != old[k]).sum())
+    assert 0 < changed < sum(p.numel() for p in tree.values())
+    with pytest.raises(RuntimeError, match="failed"):
+        opt.update(grads[1], state)

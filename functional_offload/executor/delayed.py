@@ -20,8 +20,12 @@ feeds applies its grads to. Landed
 without them (a flush, a checkpoint, a failed run) or for a param without a grad, the params are
 set from the new values themselves (fp32 masters, rounded as the step rounds them): exactly.
 The look-ahead reads the params the device holds as the last look-ahead's, a prediction of the
-new values; a *fresh* leaf's (the first delayed step, or one after a flush or an exact step:
-its params are a step behind) are set from the new values first, copied up once.
+new values; a *fresh* param's (the first delayed step, or one after a flush or an exact step:
+it is a step behind) are set from the new values first, copied up once.
+
+A leaf of the run may update several params (a packed run of small ones: its elements are
+theirs, each from an offset): each lands as a leaf of its own would, with its own grad, and
+the leaf's new params are copied to them from the buffer.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from functional_offload.kernels.work import Kernel
 __all__ = ["Landing"]
 
 
-def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor]],
+Targets = Optional[Sequence[tuple[int, torch.Tensor]]]  # a leaf's params: (offset, 1-D param)
+
+
+def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
              device: torch.device, ahead: bool) -> tuple[torch.Tensor, list[torch.Tensor],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]],
@@ -59,8 +66,8 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor
     for leaf, target in zip(leaves, targets):
         n, g_size = leaf.grad.numel(), leaf.grad.element_size()
         g_at = take(n * g_size)
-        spans.append((g_at, g_at if target is None or target.element_size() == g_size
-                      else take(n * target.element_size())))
+        spans.append((g_at, g_at if target is None or target[0][1].element_size() == g_size
+                      else take(n * target[0][1].element_size())))
     # the rates after every param: the leaves' rates lie end to end, as in a slot (one copy)
     rate_at = [take(leaf.grad.numel() * leaf.grad.element_size()) if ahead and target is not None
                else None for leaf, target in zip(leaves, targets)]
@@ -77,7 +84,7 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Optional[torch.Tensor
     for (g_at, p_at), r_at, e_at, leaf, target in zip(spans, rate_at, res_at, leaves, targets):
         n, dtype = leaf.grad.numel(), leaf.grad.dtype
         grads.append(region(g_at, n, dtype))
-        params.append(None if target is None else region(p_at, n, target.dtype))
+        params.append(None if target is None else region(p_at, n, target[0][1].dtype))
         rates.append(region(r_at, n, dtype))
         residuals.append(region(e_at, n, torch.int8))
     return buf, grads, params, rates, residuals
@@ -90,19 +97,26 @@ def _value(leaf: HostLeaf) -> torch.Tensor:
 
 
 class Landing:
-    """A delayed host step of ``leaves`` (their ``param`` ignored): ``targets[i]`` is leaf
-    ``i``'s param (1-D), or None when its value is the param itself. ``ahead``: the device side
-    of a look-ahead, ``ahead(params, bases, residuals, rates, grads, hyper, next_hyper)``, for
-    leaves that carry the next step's hyperparameters (``HostLeaf.ahead_hyper``); ``fresh[i]``:
-    leaf ``i``'s params are not the last look-ahead's (default: all); see the module."""
+    """A delayed host step of ``leaves`` (their ``param`` ignored): ``targets[i]`` are leaf
+    ``i``'s params, ``(offset, param)`` pairs (each param 1-D, of one dtype, its elements the
+    leaf's from ``offset``: ``[(0, param)]`` for a leaf of one), or None when its value is the
+    param itself. ``ahead``: the device side of a look-ahead, ``ahead(params, bases, residuals,
+    rates, grads, hyper, next_hyper)``, for leaves that carry the next step's hyperparameters
+    (``HostLeaf.ahead_hyper``); ``fresh[i][k]``: param ``k`` of leaf ``i`` is not the last
+    look-ahead's (default: all); see the module."""
 
     def __init__(self, executor: HostExecutor, leaves: Sequence[HostLeaf], kernel: Kernel,
-                 targets: Sequence[Optional[torch.Tensor]], threads: Optional[int] = None,
+                 targets: Sequence[Targets], threads: Optional[int] = None,
                  ahead: Optional[Callable[..., None]] = None,
-                 fresh: Optional[Sequence[bool]] = None):
-        self.ex, self.targets, self.ahead = executor, list(targets), ahead
-        self._fresh = list(fresh) if fresh is not None else [True] * len(self.targets)
-        self.ahead_landed: list[int] = []  # the leaves landed from their look-ahead
+                 fresh: Optional[Sequence[Sequence[bool]]] = None):
+        self.ex, self.targets, self.ahead = executor, [None if t is None else list(t)
+                                                       for t in targets], ahead
+        for leaf, t in zip(leaves, self.targets):
+            if t is not None and len({p.dtype for _, p in t}) > 1:
+                raise ValueError(f"leaf {leaf.path!r}: its params differ in dtype")
+        self._fresh = ([list(f) for f in fresh] if fresh is not None
+                       else [[True] * len(t or ()) for t in self.targets])
+        self.ahead_landed: list[tuple[int, int]] = []  # (leaf, param) landed from a look-ahead
         self.device = leaves[0].grad.device
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
@@ -158,11 +172,13 @@ class Landing:
         """The host step's error once the run ended (None while it runs or when it succeeded)."""
         return self.run.error if self.run.done else None
 
-    def land(self, ready: Any, grads: Optional[Sequence[Optional[torch.Tensor]]] = None) -> None:
+    def land(self, ready: Any,
+             grads: Optional[Sequence[Sequence[Optional[torch.Tensor]]]] = None) -> None:
         """Wait for the run, then copy the new params of its finished chunks over the params
         (after ``ready``, the caller's stream's mark) and raise the run's error. With a
-        look-ahead: ``grads`` (per leaf, the next step's grad on the device, or None) give the
-        params their look-ahead; without them the params are set from the new values. The
+        look-ahead: ``grads`` (per leaf, per param of its ``targets``: the next step's grad on
+        the device, or None) give the params their look-ahead; without them the params are set
+        from the new values. The
         caller's stream is ordered after the copies (:meth:`~functional_offload.executor.
         HostExecutor.order_after_copies`). Idempotent; call from shielded work."""
         with self._lock:
@@ -175,31 +191,89 @@ class Landing:
         if self.run.error is not None:
             raise self.run.error
 
+    def _parts(self, j: int, region: Optional[torch.Tensor]) -> list[torch.Tensor]:
+        """Leaf ``j``'s ``region`` (a region of the buffer, or its new values) cut as its params
+        lie in it."""
+        return [] if region is None else [region[at: at + p.numel()]
+                                          for at, p in self.targets[j]]
+
     @torch.no_grad()
-    def _land_ahead(self, grads: Optional[Sequence[Optional[torch.Tensor]]]) -> None:
+    def _land_ahead(self, grads: Optional[Sequence[Sequence[Optional[torch.Tensor]]]]) -> None:
         """Each param from its base, rate and next grad on the caller's stream (which then
         holds the grads' lifetime), or from its value, synchronously (the next step changes the
         values in place)."""
         self.run.wait()
         self.ex.order_after_copies(self.device)  # the bases and rates are up
-        use = [i for i, d in enumerate(self.targets) if d is not None]
+        use = [(j, k) for j, t in enumerate(self.targets) for k in range(len(t or ()))]
         if grads is not None and self.run.error is None:
-            moved = [i for i in use if grads[i] is not None and grads[i].numel() == self.targets[i].numel()]
-            groups: dict[tuple[int, int], list[int]] = {}  # leaves of one decay share their hypers
-            for i in moved:
-                groups.setdefault(tuple(id(h) for h in self._hypers[i]), []).append(i)
-                if self._fresh[i]:  # a step behind: the look-ahead reads the new values
-                    self.targets[i].copy_(self._values[i])
+            moved = [(j, k) for j, k in use if grads[j][k] is not None
+                     and grads[j][k].numel() == self.targets[j][k][1].numel()]
+            fresh = [(j, k) for j, k in moved if self._fresh[j][k]]
+            self._set_values(fresh)  # a step behind: the look-ahead reads the new values
+            whole = self._gather(moved, grads)
+            groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # params of one decay
+            for j, k in moved:                                         # share their hypers
+                if j not in whole or k == 0:
+                    groups.setdefault(tuple(id(h) for h in self._hypers[j]), []).append((j, k))
+            cut = {j: [self._parts(j, x) for x in (self._up[j], self._residuals[j], self._rates[j])]
+                   for j in dict.fromkeys(j for j, _ in moved) if j not in whole}
+
+            def at(j: int, k: int, x: int) -> Optional[torch.Tensor]:  # base, residual, rate
+                if j in whole:
+                    return (self._up[j], self._residuals[j], self._rates[j])[x]
+                return cut[j][x][k] if cut[j][x] else None
+
             for idx in groups.values():
-                self.ahead([self.targets[i] for i in idx], [self._up[i] for i in idx],
-                           [self._residuals[i] for i in idx], [self._rates[i] for i in idx],
-                           [grads[i].reshape(-1) for i in idx], *self._hypers[idx[0]])
+                self.ahead([whole[j][0] if j in whole else self.targets[j][k][1] for j, k in idx],
+                           [at(j, k, 0) for j, k in idx], [at(j, k, 1) for j, k in idx],
+                           [at(j, k, 2) for j, k in idx],
+                           [whole[j][1] if j in whole else grads[j][k].reshape(-1)
+                            for j, k in idx], *self._hypers[idx[0][0]])
+            if whole:  # the gathered runs' new params to their members
+                torch._foreach_copy_([p for j in whole for _, p in self.targets[j]],
+                                     [x for j in whole for x in self._parts(j, whole[j][0])])
             landed = set(moved)
-            use = [i for i in use if i not in landed]
+            use = [jk for jk in use if jk not in landed]
             self.ahead_landed = moved
-        for i in use:
-            self.targets[i].copy_(self._values[i])
+        self._set_values(use)
         self._up = self._rates = self._residuals = self._values = self._hypers = []
+
+    def _gather(self, moved: list[tuple[int, int]],
+                grads: Sequence[Sequence[Optional[torch.Tensor]]]
+                ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The leaves of several params that all move (a packed run's) as one tensor each: per
+        leaf its params and next grads laid out as its elements are, gathered by one
+        multi-tensor copy (its bases, residuals and rates are so already)."""
+        count: dict[int, int] = {}
+        for j, _ in moved:
+            count[j] = count.get(j, 0) + 1
+        out = {}
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for j, c in count.items():
+            if c == len(self.targets[j]) > 1:
+                p = torch.empty_like(self._up[j])
+                g = torch.empty(p.numel(), dtype=grads[j][0].dtype, device=self.device)
+                out[j] = (p, g)
+                for (a, t), gk in zip(self.targets[j], grads[j]):
+                    dst += [p[a: a + t.numel()], g[a: a + t.numel()]]
+                    src += [t, gk.reshape(-1)]
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return out
+
+    def _set_values(self, which: list[tuple[int, int]]) -> None:
+        """Params ``which`` ((leaf, param) pairs) set from their leaves' new values, copied up
+        (synchronously: the next step changes the values in place), each leaf's once."""
+        by_leaf: dict[int, list[int]] = {}
+        for j, k in which:
+            by_leaf.setdefault(j, []).append(k)
+        for j, ks in by_leaf.items():
+            if len(self.targets[j]) == 1:
+                self.targets[j][0][1].copy_(self._values[j])
+                continue
+            values = self._parts(j, self._values[j].to(self.device))
+            torch._foreach_copy_([self.targets[j][k][1] for k in ks], [values[k] for k in ks])
 
     def note_landed(self, which: Sequence[int]) -> bool:
         """Whether leaves ``which`` were all copied by :meth:`land_leaves` already (along with
@@ -238,7 +312,8 @@ class Landing:
                 if self.run.error is not None:
                     raise self.run.error
             copy = [j for j in dict.fromkeys(want + more) if j not in self._copied]
-            pairs = [(self.targets[j], self._up[j]) for j in copy if self.targets[j] is not None]
+            pairs = [(p, x) for j in copy if self.targets[j] is not None
+                     for (_, p), x in zip(self.targets[j], self._parts(j, self._up[j]))]
             if pairs:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
                 if self.device.type == "cuda":  # the buffer is read on this stream too
@@ -253,12 +328,13 @@ class Landing:
         t, tl = self.ex.transport(self.device), self.ex.timeline
         early = self._copied
         if self.run.error is None:  # every chunk is done: whole leaves, no slice per segment
-            pairs = [(d, s) for j, (d, s) in enumerate(zip(self.targets, self._up))
-                     if d is not None and j not in early]
-        else:
-            pairs = [(self.targets[s.leaf][s.start:s.stop], self._up[s.leaf][s.start:s.stop])
+            pairs = [(p, x) for j, t in enumerate(self.targets) if t is not None and j not in early
+                     for (_, p), x in zip(t, self._parts(j, self._up[j]))]
+        else:  # the params' elements in the finished segments
+            pairs = [(p[lo - at: hi - at], self._up[s.leaf][lo:hi])
                      for s in self._done if self.targets[s.leaf] is not None
-                     and s.leaf not in early]
+                     and s.leaf not in early for at, p in self.targets[s.leaf]
+                     for lo, hi in [(max(at, s.start), min(at + p.numel(), s.stop))] if lo < hi]
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
             s0 = tl.stamp(self.device, t.stream_out) if tl else None

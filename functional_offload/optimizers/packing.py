@@ -5,8 +5,9 @@ a piece of a chunk and a copy up (~0.1 ms a leaf). Instead, at ``init`` the host
 leaves that have a master (values, moments, EMA) is laid out in shared arenas, 16-element
 aligned; at each step their grads are gathered into one device buffer (one multi-tensor copy),
 a run of members becomes one host leaf of the executor (one copy down, one contiguous piece,
-one copy up) and the new params are scattered back with one more multi-tensor copy. Plain steps
-and delayed ones without a look-ahead pack (a look-ahead lands each param from its own grad).
+one copy up) and the new params are scattered back with one more multi-tensor copy. Plain and
+delayed steps pack (a delayed step's landing lands each member as a param of its own, with its
+own next grad for a look-ahead).
 """
 
 from __future__ import annotations

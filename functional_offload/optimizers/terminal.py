@@ -366,10 +366,8 @@ class Terminal:
                     self.executor.reserve(p.device)
         plain = not (preview or self.delayed or not self.spec.elementwise)
         engine = plain and self.executor.engine != "cpu"  # (its leaves' params are on a GPU)
-        # small leaves are packed for plain steps and delayed ones without a look-ahead (whose
-        # math lands per param)
-        pack = plain or (not preview and self.delayed and self.spec.elementwise
-                         and not self.delay.lookahead)
+        # small leaves are packed for plain and delayed steps
+        pack = plain or (not preview and self.delayed and self.spec.elementwise)
         packable = [host and self._needs_master(p, True) and not self._split(p, True)
                     and not is_quantized(p) and p.numel() <= PACK_MAX
                     for p, host in zip(locals_, on_host)]

@@ -1,10 +1,10 @@
 """The delayed update (``delayed=True``): the host leaves' step runs in the background while
 the training loop goes on, their new params waiting in buffers (:class:`~functional_offload.
 executor.delayed.Landing`); the next step, a flush or a checkpoint lands them
-(:class:`Pending`, the state's ``ParamRefs.pending``). Without a look-ahead the small leaves run
-packed (:mod:`~functional_offload.optimizers.packing`): a run of a pack's members is one leaf of
-the landing, whose new params land into the pack's buffer and are scattered to the members'
-params from there."""
+(:class:`Pending`, the state's ``ParamRefs.pending``). The small leaves run packed
+(:mod:`~functional_offload.optimizers.packing`): a run of a pack's members is one leaf of the
+landing, whose params are the members' (each landed as a leaf of its own would be, with its own
+grad for a look-ahead)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,12 @@ __all__ = ["Delayed", "Flight", "Pending"]
 
 
 class Flight(NamedTuple):
-    """A delayed step's landing and what its leaves are: per leaf of the landing, the state's
-    leaves (layout indices: one, or a run of a pack's members); and, by their position, the
-    leaves that are packed runs: their members' params and the views of the pack's buffer
-    where their new params land, to be copied to them."""
+    """A delayed step's landing and, per leaf of the landing, the state's leaves whose params
+    it updates (layout indices: one, or a run of a pack's members, in the order of the
+    landing's ``targets``)."""
 
     landing: Landing
     members: list[tuple[int, ...]]
-    packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
 def _elements_of(t: torch.Tensor) -> tuple:
@@ -51,8 +49,7 @@ class Pending:
     def __init__(self, flight: Flight, count: torch.Tensor, cache: Optional[StepCache],
                  lost: list[str]):
         self.landing, self.count, self.cache, self.lost = flight.landing, count, cache, lost
-        self.members, self.packed = flight.members, flight.packed
-        self._scattered: set[int] = set()  # packed runs whose members have their new params
+        self.members = flight.members
         self.done = False
         self.error: Optional[BaseException] = None
         self._where: Optional[dict[tuple, tuple[int, int]]] = None  # a param's memory -> its
@@ -70,12 +67,10 @@ class Pending:
             return
         ready = self.landing.ex.ready(self.landing.device)  # the caller's reads of the old
         #                                                      params come first
-        mine = None if grads is None else [grads[m[0]] if len(m) == 1 else None
-                                           for m in self.members]  # (a look-ahead's: no packs)
+        mine = None if grads is None else [[grads[i] for i in m] for m in self.members]
         missed = [] if not self._early or grads is None else [
             i for m in self.members for i in m if grads[i] is not None and i not in self._asked]
         interrupt = self._shielded(self.landing.land, ready, mine)
-        self._scatter(self.packed)
         self.done = True
         if interrupt is not None:
             raise interrupt
@@ -125,17 +120,6 @@ class Pending:
             interrupt = self._shielded(self.landing.land_leaves, which, order=False)
             if interrupt is not None:
                 raise interrupt
-        self._scatter({j: self.packed[j] for j in which if j in self.packed})
-
-    @torch.no_grad()
-    def _scatter(self, packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]) -> None:
-        """The new params of the landed packed runs ``packed`` copied from their pack's buffer
-        to the members' params, on the caller's stream (ordered after the landing's copies)."""
-        todo = [j for j in packed if j not in self._scattered]
-        if todo:
-            torch._foreach_copy_([p for j in todo for p in packed[j][0]],
-                                 [x for j in todo for x in packed[j][1]])
-            self._scattered.update(todo)
 
     def _shielded(self, fn: Callable[..., None], *args: Any,
                   order: bool = True) -> Optional[BaseException]:
@@ -157,7 +141,7 @@ class Pending:
 
     def ahead_landed(self) -> set[int]:
         """The state's leaves whose params its landing set from a look-ahead."""
-        return {i for j in self.landing.ahead_landed for i in self.members[j]}
+        return {self.members[j][k] for j, k in self.landing.ahead_landed}
 
     def settle(self) -> None:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
@@ -169,8 +153,8 @@ class Pending:
 class Delayed(AtFinish):
     """The delayed form (see the module): nothing starts before finish, which starts the run
     and returns its :class:`Flight` (with look-aheads where the step's work has the next
-    step's hyperparameters, ``HostWork.ahead``; else with the packed runs of small leaves);
-    the step's count and lost params make it :class:`Pending`."""
+    step's hyperparameters, ``HostWork.ahead``); the step's count and lost params make it
+    :class:`Pending`."""
 
     def __init__(self, work: HostWork):
         super().__init__(work)
@@ -181,31 +165,28 @@ class Delayed(AtFinish):
             return None
         work = self.work
         runs = packed_leaves(work, gs) if work.cache.packs else []
-        if runs and work.ahead is not None:
-            raise AssertionError("small leaves are packed only without a look-ahead")
-        run_of = {i: k for k, (_, run) in enumerate(runs) for i in run[0]}
+        run_of = {i: k for k, (_, run) in enumerate(runs) for i in run.members}
         leaves, targets, members = [], [], []
-        packed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for i in rest:  # a packed run at its first member's place in the order
             if i in run_of:
-                leaf, (run, bufs, first, last) = runs[run_of.pop(i)]
-                for m in run:
+                leaf, run = runs[run_of.pop(i)]
+                for m in run.members:
                     run_of.pop(m, None)
-                packed[len(leaves)] = ([work.leaves[m].param for m in run],
-                                       bufs.outs[first:last + 1])
                 leaves.append(leaf._replace(out=None))
-                targets.append(leaf.out)
-                members.append(run)
+                targets.append([(at, work.leaves[m].param.view(-1))
+                                for at, m in zip(run.at, run.members)])
+                members.append(run.members)
             elif i not in work.static.packed:
                 leaves.append(work.host_leaf(i, gs[i], None))
-                targets.append(work.leaves[i].param.view(-1) if work.leaves[i].has_master else None)
+                targets.append([(0, work.leaves[i].param.view(-1))] if work.leaves[i].has_master
+                               else None)
                 members.append((i,))
         landing = Landing(work.ex, leaves, work.kernel(), targets, work.t.threads,
                           ahead=(None if work.ahead is None
                                  else partial(land, work.t.spec.land_ahead)),
-                          fresh=[m[0] not in work.held_ahead for m in members])
+                          fresh=[[m not in work.held_ahead for m in run] for run in members])
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
-        return Flight(landing, members, packed)
+        return Flight(landing, members)
 
     def touched(self) -> bool:
         return self.started

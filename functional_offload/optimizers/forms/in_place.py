@@ -5,7 +5,7 @@ and quantized params get their new values written back after the run."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -17,15 +17,25 @@ from functional_offload.quantized import write_params, writes_in_place
 
 __all__ = ["InPlace", "packed_leaves"]
 
-PackedRun = tuple[tuple[int, ...], Buffers, int, int]  # members, buffers, first, last
+class PackedRun(NamedTuple):
+    """A run of a pack's members (``first`` to ``last`` in the pack) as one host leaf: its
+    members (layout indices), the pack's buffers and where each member's elements start in the
+    leaf (``at``)."""
+
+    members: tuple[int, ...]
+    buffers: Buffers
+    first: int
+    last: int
+    at: tuple[int, ...]
 
 
 def packed_leaves(work: HostWork, gs: list) -> list[tuple[HostLeaf, PackedRun]]:
-    """Each run of packed members with a grad as one host leaf over its pack's arenas, with
-    what scatters its new params: the members' grads are gathered into the pack's buffer here
-    (one multi-tensor copy on the caller's stream), the leaf's new params go to the buffer's
-    ``out`` (its ``out``), whose member views ``outs[first:last + 1]`` are copied to the
-    members' params once they are complete."""
+    """Each run of packed members with a grad as one host leaf over its pack's arenas, with its
+    :class:`PackedRun`: the members' grads are gathered into the pack's buffer here (one
+    multi-tensor copy on the caller's stream); the leaf's new params go to the buffer's ``out``
+    (its ``out``, whose member views ``outs[first:last + 1]`` the in-place form copies to the
+    members' params once they are complete; a delayed landing gives the leaf a buffer of its
+    own), with the next step's hyperparameters where the work has them (a look-ahead)."""
     leaves, out = work.leaves, []
     for k, pack in enumerate(work.cache.packs):
         pack_runs = work.static.pack_runs[k]
@@ -47,8 +57,11 @@ def packed_leaves(work: HostWork, gs: list) -> list[tuple[HostLeaf, PackedRun]]:
                             tuple(span(x, hi - lo) for x in (lead.value, *lead.moments)),
                             work.hyper_of(lead), (),
                             None if lead.ema is None else span(lead.ema, hi - lo),
-                            work.t.ema_decay or 0.0)
-            out.append((leaf, (members, bufs, first, last)))
+                            work.t.ema_decay or 0.0,
+                            ahead_hyper=None if work.ahead is None
+                            else work.ahead[0 if lead.decay else 1])
+            at = tuple(pack.offsets[m] - lo for m in range(first, last + 1))
+            out.append((leaf, PackedRun(members, bufs, first, last, at)))
     return out
 
 
@@ -131,8 +144,9 @@ class InPlace:
         """The packed runs' new params scattered to the params; strided and quantized params
         written back."""
         leaves = self.work.leaves
-        for members, bufs, first, last in self.packed_out:
-            torch._foreach_copy_([leaves[i].param for i in members], bufs.outs[first:last + 1])
+        for run in self.packed_out:
+            torch._foreach_copy_([leaves[i].param for i in run.members],
+                                 run.buffers.outs[run.first:run.last + 1])
         for path, param, new in self.written_back:
             try:
                 write_params([param], [new.view(param.shape)])
