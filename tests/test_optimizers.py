@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import KERNELS, clone, grad_seq, make_params
+from conftest import DELAYS, KERNELS, clone, grad_seq, make_params
 
 STEPS = 20
 RTOL = 1e-6
@@ -266,6 +266,40 @@ def test_small_packed_param_reshaped_between_updates_is_followed(shape):
         q, q_state = opt.update({"w": gw, "b": gb}, q_state)
     assert int(state.count) == 2
     assert torch.equal(p["w"].reshape(-1), q["w"]) and torch.equal(p["b"], q["b"])
+
+
+@pytest.mark.parametrize("delay", [False, *DELAYS], ids=["plain", *DELAYS])
+@pytest.mark.parametrize("to", [torch.float32, torch.float16])
+def test_small_packed_param_changing_dtype_runs_apart_from_its_pack(delay, to):
+    """One small bf16 param of a pack made fp32 or fp16 (``param.data = ...``) between updates:
+    it runs apart from the rest of its pack (whose grads and new params pass through a buffer
+    of their dtype) and gets the bits of a twin too large to pack, given the same values and
+    grads; the other member stays packed and equal to its own twin."""
+    from functional_offload.optimizers.packing import PACK_MAX
+    g = torch.Generator().manual_seed(0)
+    small = {"a": torch.randn(100, generator=g).bfloat16(), "b": torch.randn(37, generator=g).bfloat16()}
+    twins = {k: torch.cat([v.float(), torch.randn(PACK_MAX, generator=g)]).bfloat16()
+             for k, v in small.items()}
+    tree = {"small": small, "twin": twins}
+    opt = fo.sgd(0.1, momentum=0.9, delayed=DELAYS[delay] if delay else False)
+    state = opt.init(tree)
+
+    def grads():
+        out = optree.tree_map(lambda p: torch.randn(p.shape, generator=g).to(p.dtype), tree)
+        for k, v in tree["small"].items():
+            out["twin"][k][:v.numel()] = out["small"][k].to(out["twin"][k].dtype)
+        return out
+
+    tree, state = opt.update(grads(), state)
+    fo.flush(state)
+    for t in (tree["small"]["b"], tree["twin"]["b"]):
+        t.data = t.data.to(to)
+    for _ in range(3):
+        tree, state = opt.update(grads(), state)
+    fo.flush(state)
+    assert tree["small"]["b"].dtype == to
+    for k, v in tree["small"].items():
+        assert torch.equal(v, tree["twin"][k][:v.numel()]), k
 
 
 def test_small_param_reshaped_then_left_without_a_grad_is_followed():

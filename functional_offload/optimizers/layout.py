@@ -157,8 +157,8 @@ def viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int
 def static(leaves: list[Leaf], packs: list[Pack]) -> Static:
     """The :class:`Static` part of ``leaves`` packed as ``packs``."""
     host = [i for i, leaf in enumerate(leaves) if leaf.on_host]
-    decays = [leaf.decay for leaf in leaves]
+    decays, dtypes = [leaf.decay for leaf in leaves], [leaf.param.dtype for leaf in leaves]
     return Static(host, frozenset(i for pack in packs for i in pack.members), device_groups(leaves),
                   frozenset(leaves[i].param.device for i in host), *viewed(leaves),
-                  [runs_of(pack, [True] * len(leaves), decays) for pack in packs],
+                  [runs_of(pack, [True] * len(leaves), decays, dtypes) for pack in packs],
                   [(leaf.param.dtype, leaf.param.shape) for leaf in leaves])

@@ -63,14 +63,18 @@ def arrange(candidates: Sequence[int], fields: Sequence[list[Optional[torch.Tens
     return packs
 
 
-def runs(pack: Pack, with_grad: Sequence[bool], decay: Sequence[bool]) -> list[tuple[int, int]]:
+def runs(pack: Pack, with_grad: Sequence[bool], decay: Sequence[bool],
+         dtypes: Sequence[torch.dtype]) -> list[tuple[int, int]]:
     """``(first, last)`` positions in ``pack.members`` of the runs of members that have a grad
-    this step and the same weight decay (a member without a grad is not updated, and a run
-    shares one set of scalars, so a run stops at either)."""
+    this step, the same weight decay and the same param dtype (a member without a grad is not
+    updated, a run shares one set of scalars, and its grads and new params pass through one
+    buffer: a member whose param changed dtype since ``init`` runs apart)."""
     out: list[tuple[int, int]] = []
     start: Optional[int] = None
     for j, i in enumerate(pack.members):
-        if start is not None and (not with_grad[i] or decay[i] != decay[pack.members[start]]):
+        first = pack.members[start] if start is not None else i
+        if start is not None and (not with_grad[i] or decay[i] != decay[first]
+                                  or dtypes[i] != dtypes[first]):
             out.append((start, j - 1))
             start = None
         if with_grad[i] and start is None:

@@ -40,7 +40,8 @@ def packed_leaves(work: HostWork, gs: list) -> list[tuple[HostLeaf, PackedRun]]:
     for k, pack in enumerate(work.cache.packs):
         pack_runs = work.static.pack_runs[k]
         if any(gs[i] is None for i in pack.members):
-            pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in leaves])
+            pack_runs = runs_of(pack, [g is not None for g in gs], [leaf.decay for leaf in leaves],
+                                [leaf.param.dtype for leaf in leaves])
         for first, last in pack_runs:
             members = pack.members[first:last + 1]
             lead, g0 = leaves[members[0]], gs[members[0]]
