@@ -184,6 +184,7 @@ struct QMap {
   alignas(64) int32_t steps[16];
   float near;  // twice the margin: a lane whose fraction (plus the margin) is below it is searched
 #if defined(__AVX512F__)
+  alignas(64) uint32_t bound2[32];  // `inside`'s bits shifted left by one (into the sign's place)
   alignas(64) float table[256];  // the values, aligned for the permutes' loads
   alignas(64) uint8_t planes[4][256];  // byte k of each value (AVX512-VBMI's byte permutes)
 #endif
@@ -198,6 +199,7 @@ struct QMap {
     std::memcpy(steps, t + 112, 64);
     near = t[128];
 #if defined(__AVX512F__)
+    for (int o = 0; o < 32; ++o) bound2[o] = __builtin_bit_cast(uint32_t, inside[o]) << 1;
     std::memcpy(table, values, sizeof(table));
     for (int c = 0; c < 256; ++c)
       for (int k = 0; k < 4; ++k) planes[k][c] = reinterpret_cast<const uint8_t*>(values + c)[k];
@@ -350,8 +352,104 @@ inline void q_dequantize(const QMap& q, const uint8_t* __restrict c, int64_t n, 
 #endif
 }
 
+#if defined(__AVX512F__)
+// 16 codes of finite `y` by |y|'s class (0, a decade, 1: one compare per binary octave) and,
+// within a decade, a multiply-add, with the lanes near a midpoint, to be searched by the
+// midpoints (kernels/blockwise.py, `_search`). The class test compares `key`, |y|'s bits shifted
+// left by one with the sign in bit 0, with the class midpoint's bits shifted so (`bound2`, a
+// NaN's above every key): greater is |y| > bound, or |y| >= bound for y < 0 (a tie goes to the
+// lower value: below 0 the larger magnitude). x >= 0.2 in its class: its floor is its
+// truncation, at least 0. A code is returned in its lane's low byte.
+struct QSearch {
+  __m512i below_lo, below_hi, bound_lo, bound_hi, start, steps, zero;
+  __m512 slope, offset, near;
+  explicit QSearch(const QMap& q)
+      : below_lo(_mm512_load_si512(q.below)), below_hi(_mm512_load_si512(q.below + 16)),
+        bound_lo(_mm512_load_si512(q.bound2)), bound_hi(_mm512_load_si512(q.bound2 + 16)),
+        start(_mm512_load_si512(q.start)), steps(_mm512_load_si512(q.steps)),
+        zero(_mm512_set1_epi32(int(q.zero))), slope(_mm512_load_ps(q.slope)),
+        offset(_mm512_load_ps(q.offset)), near(_mm512_set1_ps(q.near)) {}
+
+  inline __m512i codes(__m512 y, __mmask16 m, __mmask16& close) const {
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i key = _mm512_rol_epi32(bits, 1);
+    // the exponent less 96, at least 0, in each lane's low half (the permutes read its low 5
+    // bits; |y| <= 1 + ulp: at most 31)
+    const __m512i octave = _mm512_subs_epu16(_mm512_srli_epi32(key, 24), _mm512_set1_epi32(96));
+    const __mmask16 up = _mm512_cmpgt_epu32_mask(key, _mm512_permutex2var_epi32(bound_lo, octave, bound_hi));
+    const __m512i lower = _mm512_permutex2var_epi32(below_lo, octave, below_hi);
+    const __m512i cls = _mm512_mask_add_epi32(lower, up, lower, _mm512_set1_epi32(1));
+    const __m512 a = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)));
+    const __m512 x = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(cls, slope), _mm512_permutexvar_ps(cls, offset));
+    close = _mm512_mask_cmp_ps_mask(m, _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC),
+                                    near, _CMP_LT_OQ);
+    const __m512i k = _mm512_min_epi32(_mm512_cvttps_epi32(x), _mm512_permutexvar_epi32(cls, steps));
+    const __m512i mag = _mm512_add_epi32(_mm512_permutexvar_epi32(cls, start), k);
+    return _mm512_mask_sub_epi32(mag, _mm512_movepi32_mask(bits), _mm512_setzero_si512(),
+                                 _mm512_min_epi32(mag, zero));
+  }
+};
+#endif
+
+// The codes of `f` times `inv` into `c`, one element at a time.
+inline void q_quantize_scalar(const QMap& q, const float* __restrict f, int64_t n, float inv,
+                              uint8_t* __restrict c) {
+  int32_t r[kQBlock];
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) r[j] = q_arith(q, f[j] * inv);
+  for (int64_t j = 0; j < n; ++j)
+    c[j] = uint8_t(r[j] < 256 ? r[j] : q_index(q.mids, f[j] * inv) - q.zero);
+}
+
 // The absmax of `n` fp32 `f` (NaN if one is NaN, as torch's amax), then their codes, into block
 // `c`.
+#if defined(__AVX512F__)
+inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint8_t* __restrict c) {
+  // the absmax by the bits' integer max (a NaN's are above every other's)
+  __m512i most = _mm512_setzero_si512();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
+    most = _mm512_max_epu32(most, _mm512_and_si512(_mm512_maskz_loadu_epi32(m, f + j),
+                                                     _mm512_set1_epi32(0x7fffffff)));
+  }
+  const uint32_t top = _mm512_reduce_max_epu32(most);
+  const float a = top > 0x7f800000u ? std::numeric_limits<float>::quiet_NaN()
+                                    : __builtin_bit_cast(float, top);
+  std::memcpy(c + kQBlock, &a, 4);
+  const float inv = a != 0.f ? 1.f / a : 0.f;
+  if (!std::isfinite(inv) || !std::isfinite(a)) {  // some y NaN or infinite: one by one
+    q_quantize_scalar(q, f, n, inv, c);
+    return;
+  }
+  // 64 codes at a time: four vectors of 16 (their low bytes) packed together, the packs'
+  // 128-bit lanes put back in order
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i byte = _mm512_set1_epi32(255);
+  const QSearch s(q);
+  const __m512 scale = _mm512_set1_ps(inv);
+  alignas(64) float ys[16];
+  for (int64_t j = 0; j < n; j += 64) {
+    __m512i v[4];
+    __mmask16 close[4], ms[4];
+    for (int k = 0; k < 4; ++k) {
+      const int64_t at = j + 16 * k, left = n - at;
+      ms[k] = left >= 16 ? __mmask16(0xffff) : left > 0 ? __mmask16((1u << left) - 1) : __mmask16(0);
+      v[k] = _mm512_and_si512(
+          s.codes(_mm512_mul_ps(_mm512_maskz_loadu_ps(ms[k], f + at), scale), ms[k], close[k]), byte);
+    }
+    const __m512i out = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(
+        _mm512_packus_epi32(v[0], v[1]), _mm512_packus_epi32(v[2], v[3])));
+    const int64_t left = n - j;
+    _mm512_mask_storeu_epi8(c + j, left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1, out);
+    for (int k = 0; k < 4; ++k) {
+      if (close[k]) {  // searched by the midpoints
+        _mm512_store_ps(ys, _mm512_mul_ps(_mm512_maskz_loadu_ps(ms[k], f + j + 16 * k), scale));
+        q_search_lanes(q, ys, close[k], c + j + 16 * k);
+      }
+    }
+  }
+}
+#else
 inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint8_t* __restrict c) {
   float a = 0.f;
   int nan = 0;
@@ -363,47 +461,7 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
   if (nan) a = std::numeric_limits<float>::quiet_NaN();
   std::memcpy(c + kQBlock, &a, 4);
   const float inv = a != 0.f ? 1.f / a : 0.f;
-#if defined(__AVX512F__)
-  // By |y|'s class (0, a decade, 1: one compare per binary octave) and, within a decade, a
-  // multiply-add; a lane near a midpoint is searched by the midpoints (kernels/blockwise.py,
-  // `_search`). A tie goes to the lower value: below 0 that is the larger magnitude (>=, not >).
-  const __m512 scale = _mm512_set1_ps(inv), near = _mm512_set1_ps(q.near);
-  const __m512i zero = _mm512_set1_epi32(int(q.zero)), none = _mm512_setzero_si512();
-  const __m512i below_lo = _mm512_load_si512(q.below), below_hi = _mm512_load_si512(q.below + 16);
-  const __m512 inside_lo = _mm512_load_ps(q.inside), inside_hi = _mm512_load_ps(q.inside + 16);
-  const __m512 slope = _mm512_load_ps(q.slope), offset = _mm512_load_ps(q.offset);
-  const __m512i start = _mm512_load_si512(q.start), steps = _mm512_load_si512(q.steps);
-  alignas(64) float ys[16];
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, f + j), scale);
-    const __m512i bits = _mm512_castps_si512(y);
-    const __mmask16 neg = _mm512_movepi32_mask(bits);
-    const __m512i abits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-    const __m512 a = _mm512_castsi512_ps(abits);
-    const __m512i octave = _mm512_min_epi32(
-        _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(abits, 23), _mm512_set1_epi32(96)), none),
-        _mm512_set1_epi32(31));
-    const __m512 bound = _mm512_permutex2var_ps(inside_lo, octave, inside_hi);
-    const __mmask16 up = _mm512_cmp_ps_mask(a, bound, _CMP_GT_OQ) |
-                         (neg & _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ));
-    const __m512i lower = _mm512_permutex2var_epi32(below_lo, octave, below_hi);
-    const __m512i cls = _mm512_mask_add_epi32(lower, up, lower, _mm512_set1_epi32(1));
-    const __m512 x = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(cls, slope), _mm512_permutexvar_ps(cls, offset));
-    const __m512 fl = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __mmask16 close = _mm512_cmp_ps_mask(_mm512_sub_ps(x, fl), near, _CMP_LT_OQ) & m;
-    const __m512i k = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(fl), none),
-                                       _mm512_permutexvar_epi32(cls, steps));
-    const __m512i mag = _mm512_add_epi32(_mm512_permutexvar_epi32(cls, start), k);
-    __m512i code = _mm512_mask_sub_epi32(mag, neg, none, _mm512_min_epi32(mag, zero));
-    code = _mm512_mask_sub_epi32(code, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), none, zero);
-    _mm_mask_storeu_epi8(c + j, m, _mm512_cvtepi32_epi8(code));
-    if (close) {
-      _mm512_store_ps(ys, y);
-      q_search_lanes(q, ys, close, c + j);
-    }
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   // As the AVX-512 loop, 8 lanes, the tables read by permutes.
   const __m256 scale = _mm256_set1_ps(inv), near = _mm256_set1_ps(q.near);
   const __m256 half = _mm256_set1_ps(0.5f);
@@ -446,13 +504,10 @@ inline void q_quantize(const QMap& q, const float* __restrict f, int64_t n, uint
     }
   }
 #else
-  int32_t r[kQBlock];
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) r[j] = q_arith(q, f[j] * inv);
-  for (int64_t j = 0; j < n; ++j)
-    c[j] = uint8_t(r[j] < 256 ? r[j] : q_index(q.mids, f[j] * inv) - q.zero);
+  q_quantize_scalar(q, f, n, inv, c);
 #endif
 }
+#endif
 
 // `run_block` for 8-bit moments: per block of kQBlock elements (a Block starts on one), the
 // moments dequantized to fp32, the step as for fp32 moments, the new moments quantized.
