@@ -609,3 +609,34 @@ def test_a_failed_packed_run_lands_each_param_old_or_new(delay):
     assert 0 < changed < sum(p.numel() for p in tree.values())
     with pytest.raises(RuntimeError, match="failed"):
         opt.update(grads[1], state)
+
+
+@pytest.mark.parametrize("change", ["cast", "copy", "reshape"])
+@pytest.mark.parametrize("delay", DELAYS)
+def test_a_param_given_other_memory_in_flight_lands_there(delay, change):
+    """``param.data = ...`` (a cast to fp32, a copy, a reshape) while a delayed step is in
+    flight: the step lands in the param's new memory, as if it had landed before the change —
+    the flushed params are those of the run without ``delayed`` changed the same way, for a
+    small (packed) param and one too large to pack."""
+    from functional_offload.optimizers.packing import PACK_MAX
+    gen = torch.Generator().manual_seed(7)
+    sizes = {"a": 37, "b": 40, "big": PACK_MAX + 64}
+    start = {k: torch.randn(n, generator=gen).bfloat16() for k, n in sizes.items()}
+    grads = [{k: torch.randn(n, generator=gen).bfloat16() for k, n in sizes.items()} for _ in range(3)]
+    edit = {"cast": lambda t: t.float(), "copy": lambda t: t.clone(),
+            "reshape": lambda t: t.reshape(-1, 1)}[change]
+
+    def run(delayed):
+        params = clone(start)
+        opt = fo.sgd(0.1, momentum=0.9, delayed=delayed)
+        state = opt.init(params)
+        for g in grads:
+            params, state = opt.update(g, state)
+        for k in ("b", "big"):  # (the last update in flight, delayed)
+            params[k].data = edit(params[k].data)
+        fo.flush(state)
+        return params
+
+    want, got = run(False), run(DELAYS[delay])
+    for k in sizes:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k

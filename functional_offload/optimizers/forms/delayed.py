@@ -20,6 +20,7 @@ from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import AtFinish, HostWork
 from functional_offload.optimizers.forms.in_place import packed_leaves
 from functional_offload.optimizers.spec import land
+from functional_offload.quantized import write_params
 from functional_offload.tree import local
 
 __all__ = ["Delayed", "Flight", "Pending"]
@@ -40,6 +41,11 @@ def _elements_of(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
+def _memory(t: torch.Tensor) -> tuple:
+    """Which memory ``t`` is, whatever its shape: its storage, offset, element count and dtype."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+
+
 class Pending:
     """A delayed step in flight (``ParamRefs.pending``): :meth:`land` applies it, :meth:`settle`
     waits for it and drops its result (before a checkpoint is loaded over the state).
@@ -50,6 +56,11 @@ class Pending:
                  lost: list[str]):
         self.landing, self.count, self.cache, self.lost = flight.landing, count, cache, lost
         self.members = flight.members
+        # where the landing writes each param (a layout index's): its memory at the step; a
+        # param given other memory since gets what was landed there (_land_moved)
+        self._targets = {i: p for m, t in zip(self.members, self.landing.targets)
+                         if t is not None for i, (_, p) in zip(m, t)}
+        self._moved: set[int] = set()  # the params _land_moved copied to
         self.done = False
         self.error: Optional[BaseException] = None
         self._where: Optional[dict[tuple, tuple[int, int]]] = None  # a param's memory -> its
@@ -71,6 +82,7 @@ class Pending:
         missed = [] if not self._early or grads is None else [
             i for m in self.members for i in m if grads[i] is not None and i not in self._asked]
         interrupt = self._shielded(self.landing.land, ready, mine)
+        self._land_moved([i for m in self.members for i in m])
         self.done = True
         if interrupt is not None:
             raise interrupt
@@ -110,16 +122,34 @@ class Pending:
         hits = [h for h in (self._where.get(_elements_of(local(p))) for p in params) if h is not None]
         self._asked.update(i for _, i in hits)  # (a packed run's other members are not asked)
         which = [j for j in dict.fromkeys(j for j, _ in hits) if j not in self.landing.landed_early]
-        if not which:
+        if which:
+            if self.cache is not None:  # the next delayed step runs its leaves in this order
+                if not self.landing.landed_early:
+                    self.cache.land_order = []
+                self.cache.land_order.extend(i for j in which for i in self.members[j])
+            if not self.landing.note_landed(which):  # (else copied with an earlier module's)
+                interrupt = self._shielded(self.landing.land_leaves, which, order=False)
+                if interrupt is not None:
+                    raise interrupt
+        self._land_moved([i for _, i in hits])
+
+    @torch.no_grad()
+    def _land_moved(self, which: list[int]) -> None:
+        """The params of ``which`` (layout indices) given other memory since the step
+        (``param.data = ...``: a cast, a copy, a reshape), whose landing wrote their memory at
+        the step: what it wrote copied to them (cast to their dtype), as if the step had landed
+        before the change, on the caller's stream (after the landing's copies). A param whose
+        element count changed is left to the next update, which refuses it."""
+        layout = self.cache.layout if self.cache is not None else None
+        if layout is None:
             return
-        if self.cache is not None:  # the next delayed step runs its leaves in this order
-            if not self.landing.landed_early:
-                self.cache.land_order = []
-            self.cache.land_order.extend(i for j in which for i in self.members[j])
-        if not self.landing.note_landed(which):  # (else copied with an earlier module's)
-            interrupt = self._shielded(self.landing.land_leaves, which, order=False)
-            if interrupt is not None:
-                raise interrupt
+        moved = [i for i in which if i in self._targets and i not in self._moved
+                 and _memory(layout[i].param) != _memory(self._targets[i])
+                 and layout[i].param.numel() == self._targets[i].numel()]
+        if moved:
+            self._moved.update(moved)
+            write_params([layout[i].param for i in moved],
+                         [self._targets[i].view(layout[i].param.shape) for i in moved])
 
     def _shielded(self, fn: Callable[..., None], *args: Any,
                   order: bool = True) -> Optional[BaseException]:
