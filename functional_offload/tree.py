@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import operator
@@ -203,7 +204,7 @@ class GradsOf:
 
     Each param is recorded as its memory, dtype, shape, strides and storage offset. :meth:`plain`
     is true when every grad is a plain dense tensor with its param's dtype, shape and device,
-    outside its param's memory and not a negated view, and no param's record changed since
+    outside every param's memory and not a negated view, and no param's record changed since
     (then the grads pass :func:`check_grad` as they are); anything else goes to
     :func:`check_grad` leaf by leaf, which names what is wrong. A param whose record changed is
     taken anew (:meth:`refresh`) if the state can step it as it now is, else refused.
@@ -238,8 +239,11 @@ class GradsOf:
         self.meta = [(p.dtype, p.shape, p.device, torch.strided) for p in params]
         self.ptrs, self.keys, self.strides, self.offsets, self.dense = ptrs, keys, strides, offsets, dense
         storages = [p.untyped_storage() for p in params]
-        self.lo = [s.data_ptr() for s in storages]
-        self.hi = [s.data_ptr() + s.nbytes() for s in storages]
+        lo = [s.data_ptr() for s in storages]
+        hi = [s.data_ptr() + s.nbytes() for s in storages]
+        owners = sorted(range(len(params)), key=lo.__getitem__)  # the params' storages by start,
+        self.owners = [-1, *owners]                                # after one that holds nothing
+        self.starts, self.ends = [-1, *map(lo.__getitem__, owners)], [-1, *map(hi.__getitem__, owners)]
 
     def flatten(self, grads: Any) -> list[Any]:
         """``grads`` flattened like the params (``None`` kept for leaves without a grad)."""
@@ -251,8 +255,23 @@ class GradsOf:
                 or any(map(_NEG, grads))):
             return False
         qs = list(map(_PTR, grads))
-        return self._unchanged() and not any(map(operator.and_, map(operator.le, self.lo, qs),
-                                                 map(operator.lt, qs, self.hi)))
+        if not self._unchanged():
+            return False
+        below = map(operator.sub, map(bisect.bisect_right, itertools.repeat(self.starts), qs),
+                    itertools.repeat(1))  # the storage starting last at or before each grad
+        return not any(map(operator.lt, qs, map(self.ends.__getitem__, below)))
+
+    def check_apart(self, grads: list[Optional[torch.Tensor]]) -> None:
+        """Raise ``ValueError`` naming the first grad of ``grads`` (checked, flattened) that lies
+        in another param's memory: the step would change it while it reads it."""
+        for path, g in zip(self.paths, grads):
+            if g is None:
+                continue
+            k = bisect.bisect_right(self.starts, g.data_ptr()) - 1
+            if g.data_ptr() < self.ends[k]:
+                raise ValueError(f"grad {path!r} lies in the memory of param "
+                                 f"{self.paths[self.owners[k]]!r} (the step would change it while "
+                                 "reading it): pass a copy (grad.clone())")
 
     def _unchanged(self) -> bool:
         ps = self.params
@@ -275,8 +294,10 @@ class GradsOf:
         if self.plain(grads):
             return grads
         self.refresh()
-        return [g if g is None or plain_grad(g, p) else check_grad(path, g, p)
-                for path, g, p in zip(self.paths, grads, self.params)]
+        out = [g if g is None or plain_grad(g, p) else check_grad(path, g, p)
+               for path, g, p in zip(self.paths, grads, self.params)]
+        self.check_apart(out)
+        return out
 
 
 def _check_param(path: str, p: torch.Tensor, was: Optional[tuple[int, bool]]) -> None:

@@ -694,6 +694,27 @@ def test_grads_that_are_their_params_and_fp8_params_are_refused():
         fo.adamw(0.1).init({"w": torch.zeros(4).to(torch.float8_e5m2)})
 
 
+@pytest.mark.parametrize("n", [37, 80_000], ids=["packed", "alone"])
+@pytest.mark.parametrize("delay", [False, fo.Delay(), fo.Delay(lookahead=False)],
+                         ids=["plain", "ahead", "stale"])
+def test_a_grad_in_another_params_memory_is_refused_before_the_step(delay, n):
+    """``grads["b"] = params["a"]`` (or a view of it): the step would change ``a`` while it
+    reads ``b``'s grad. Refused naming both, the state unchanged and usable."""
+    params = {k: torch.randn(n, generator=torch.Generator().manual_seed(i))
+              for i, k in enumerate("ab")}
+    before = clone(params)
+    opt = fo.sgd(0.1, delayed=delay)
+    state = opt.init(params)
+    for alias in (params["a"], params["a"].view(1, n)[0]):
+        with pytest.raises(ValueError, match="grad 'b' lies in the memory of param 'a'"):
+            opt.update({"a": torch.ones(n), "b": alias}, state)
+        for k in params:
+            assert torch.equal(params[k], before[k]), k
+    params, state = opt.update({"a": torch.ones(n), "b": params["a"].clone()}, state)
+    fo.flush(state)
+    assert torch.equal(params["b"], before["b"] - 0.1 * before["a"])
+
+
 def test_ctrl_c_while_a_streamed_step_is_dropped_is_raised():
     """apply_if_finite drops a streamed step whose grads are not finite; Ctrl-C meanwhile still
     arrives as itself, the state as it was."""

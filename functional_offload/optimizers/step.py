@@ -231,6 +231,7 @@ class TerminalStep(StepBase):
                 out.append(g)  # checked quickly
             else:
                 out.append(check_grad(leaf.path, g, p))
+        of.check_apart(out)
         if changed:
             self.cache.invalidate("params")
             self.cache.static = static(self.leaves, self.cache.packs)
