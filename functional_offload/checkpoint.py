@@ -12,10 +12,11 @@ loads into the other, exactly.
 Any mode loads into any other of the same optimizer (plain, streamed, delayed, any placement).
 The one difference between their states is the master of an fp32 (or fp64) param, which some
 keep (delayed host leaves, host state of a GPU param, strided params) and others do not: such a
-master equals its param after every landed step, so a checkpoint's is dropped where ``like``
-keeps none, and where ``like`` keeps one the checkpoint lacks, it is set from the param at the
-state's next use (a step, a flush, a save: the model's checkpoint may be loaded after the
-optimizer's).
+master equals its param after every landed step, so where ``like`` keeps none a checkpoint's
+is written to the param (the same values; not the same where the param was of a narrower dtype
+when the checkpoint was saved, then the master is the exact value), and where ``like`` keeps one
+the checkpoint lacks, it is set from the param at the state's next use (a step, a flush, a
+save: the model's checkpoint may be loaded after the optimizer's).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from functional_offload.state import (FAILED, check_loadable, check_recoverable,
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.remainder import is_split, join, split_
+from functional_offload.quantized import write_params
 from functional_offload.tree import check_unique_paths, flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
 
@@ -199,6 +201,8 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             else:
                 x.copy_(sd[p])
         restore_params(like)
+        if dropped:
+            write_params([m.param for m in dropped.values()], [sd[k] for k in dropped])
         for s in terminal_states(like):
             if s.params.cache is not None:
                 s.params.cache.adopt_masters = [m.index for m in adopt.values() if m.state is s]

@@ -557,3 +557,28 @@ def test_a_load_into_a_consumed_wrapper_state_is_refused(tmp_path, wrap):
             load()
     after = fo.state_dict(s1)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("n", [37, 70_000], ids=["packed", "alone"])
+def test_a_master_saved_beside_a_narrower_param_loads_exactly_into_a_wider_one(tmp_path, n):
+    """A bf16 param's fp32 master saved, the param made fp32, the checkpoint loaded into a
+    fresh state (which keeps no master of an fp32 param): the param takes the master's exact
+    value, and the next steps are those of the run that was not reloaded."""
+    gen = torch.Generator().manual_seed(0)
+    start = {k: torch.randn(n, generator=gen).bfloat16() for k in "ab"}
+    grads = [{k: torch.randn(n, generator=gen) for k in "ab"} for _ in range(3)]
+
+    def run(reload: bool) -> torch.Tensor:
+        params = {k: v.clone() for k, v in start.items()}
+        opt = fo.adamw(1e-2)
+        state = opt.init(params)
+        for i, g in enumerate(grads):
+            if i == 2:
+                fo.save(state, tmp_path / "ck")
+                params["b"].data = params["b"].data.float()
+                if reload:
+                    state = fo.load(tmp_path / "ck", like=opt.init(params))
+            params, state = opt.update({k: g[k].to(p.dtype) for k, p in params.items()}, state)
+        return params["b"]
+
+    assert torch.equal(run(True), run(False))
