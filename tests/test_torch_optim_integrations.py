@@ -186,3 +186,38 @@ def test_cuda_bf16_params_on_the_gpu_keep_an_fp32_master_in_the_view_and_checkpo
     twin = fo.TorchOptimizer(model.named_parameters(), fo.adamw, lr=1e-3)
     twin.load_state_dict(opt.state_dict())
     assert torch.equal(twin.state[model[0].weight]["master"], view["master"])
+
+
+@pytest.mark.parametrize("delayed, flush_first", [(False, True), (True, True), (True, False)],
+                         ids=["plain", "delayed-flushed", "delayed-in-flight"])
+def test_a_param_made_fp32_keeps_the_exact_master_it_had_as_bf16(delayed, flush_first):
+    """A bf16 param cast to fp32 between steps (its group laid out anew, where an fp32 param
+    keeps no master or a hidden one): it takes its master's exact value, so the steps go on as
+    ``fo.sgd``'s, which keeps that master; also with a delayed step in flight at the cast."""
+    def run(api: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(37).bfloat16()) for _ in range(2)]
+        gs = [[torch.randn(37) for _ in range(2)] for _ in range(4)]
+        delay = fo.Delay(lookahead=False) if delayed else False
+        if api == "torch":
+            opt = fo.TorchOptimizer(ps, fo.sgd, lr=0.1, delayed=delay)
+        else:
+            opt = fo.sgd(0.1, delayed=delay)
+            state = opt.init({"0": ps[0], "1": ps[1]})
+        for i, g in enumerate(gs):
+            if i == 2:
+                if flush_first:
+                    opt.flush() if api == "torch" else fo.flush(state)
+                ps[1].data = ps[1].data.float()
+            if api == "torch":
+                for p, x in zip(ps, g):
+                    p.grad = x.to(p.dtype)
+                opt.step()
+                opt.zero_grad()
+            else:
+                _, state = opt.update({str(j): x.to(p.dtype) for j, (p, x) in enumerate(zip(ps, g))},
+                                      state)
+        opt.flush() if api == "torch" else fo.flush(state)
+        return ps[1].detach().clone()
+
+    assert torch.equal(run("torch"), run("fo"))

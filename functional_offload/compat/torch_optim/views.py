@@ -226,6 +226,14 @@ class Slot:
                                      "expected floating values")
                 copies.append(Copy(leaf, v))
                 fresh[name] = leaf
+            master = e.get(MASTER) if e else None
+            if (not reset and isinstance(master, torch.Tensor) and master.dtype == p.dtype
+                    and master.shape == p.shape and master is not fresh.get(MASTER)):
+                # a master the views showed, of a param made wider since (its dtype now): the
+                # param takes its exact value, and so does the master this layout keeps (hidden)
+                copies.append(Copy(local(p), master))
+                if MASTER in fresh:
+                    copies.append(Copy(fresh[MASTER], master))
             if e and e.get(STEP) is not None:
                 steps.append(_as_step(e[STEP], label))
         if steps:
