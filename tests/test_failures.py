@@ -826,3 +826,37 @@ def test_a_grad_changed_after_it_was_streamed_aborts_the_step(clip):
         s.finish()
     assert same(snapshot(state), snap)
     opt.update({k: v.grad for k, v in w.items()}, state)  # usable
+
+
+def test_a_streamed_step_refuses_a_master_that_no_longer_fits_before_any_leaf_starts():
+    """One param made fp64 (its fp32 master no longer fits it) and another fed first: the
+    step refuses naming it before the other starts in place, the state usable."""
+    w = {k: torch.randn(70_000, generator=torch.Generator().manual_seed(i)).bfloat16().requires_grad_()
+         for i, k in enumerate(("w1", "w2"))}
+    opt = fo.adamw(1e-2)
+    state = opt.init(w)
+    w["w1"].data = w["w1"].data.double()
+    with pytest.raises(TypeError, match="param 'w1' is torch.float64 now"):
+        with fo.stream(opt, state) as s:  # w2's grad arrives first
+            ((w["w1"] * 2).sum() + (w["w2"] * 3).sum()).backward()
+        s.finish()
+    assert int(state.count) == 0
+    w["w1"].data = w["w1"].data.bfloat16()
+    opt.update({k: torch.ones_like(p) for k, p in w.items()}, state)
+
+
+@pytest.mark.parametrize("shape", [(9, 4), (36,), (2, 2, 9)])
+def test_adafactor_refuses_a_param_reshaped_before_the_step(shape):
+    """Adafactor's factored moments follow the param's shape: a param reshaped between updates
+    (same elements) is refused naming it, before the step changes any other param."""
+    params = {"a": torch.randn(5), "w": torch.randn(4, 9)}
+    opt = fo.adafactor(1e-2)
+    state = opt.init(params)
+    params, state = opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)
+    a = params["a"].clone()
+    params["w"].data = params["w"].data.reshape(shape)
+    with pytest.raises(ValueError, match=r"param 'w' is .* now, but its state was laid out for \(4, 9\)"):
+        opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)
+    assert torch.equal(params["a"], a) and int(state.count) == 1
+    params["w"].data = params["w"].data.reshape(4, 9)
+    opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)

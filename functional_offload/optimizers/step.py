@@ -95,6 +95,8 @@ class TerminalStep(StepBase):
         if self.form.starts_ahead(index):
             if not self.form.ahead:  # a param laid out anew is taken or refused before work starts
                 grads_of(self.state.params.tree, self.cache).refresh()
+                for other in self.leaves:  # every master must still fit its param
+                    check_master(other)
             self._land_previous()
             self.form.start(index, g)
 
@@ -225,6 +227,11 @@ class TerminalStep(StepBase):
             changed = changed or not same
             if not same:
                 check_master(leaf)
+                if p.shape != shape and not self.t.spec.elementwise:
+                    raise ValueError(f"param {leaf.path!r} is {tuple(p.shape)} now, but its state "
+                                     f"was laid out for {tuple(shape)} ({self.t.spec.name}'s state "
+                                     "follows the param's shape): reshape it back, or make a new "
+                                     "state with opt.init(params)")
             if fed and len(out) in fed:
                 out.append(fed[len(out)])
             elif g is None or (same and plain_grad(g, p)):
