@@ -166,7 +166,8 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
                           threads=args.threads,
                           engine={"engine": "gpu", "both": "both"}.get(mode, "cpu"),
                           gpu_share=args.gpu_share if mode == "both" else None,
-                          chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline)
+                          chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline,
+                          engine_chunk_mb=args.engine_chunk_mb if mode in ("engine", "both") else None)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
                     threads=ours.executor.threads, ahead=ours.ahead)
         if mode == "land":  # the hooks stay for the process's one model
@@ -361,6 +362,8 @@ def parse() -> argparse.Namespace:
                     help="the clipping threshold (a large one never clips: the streamed step's "
                          "run-ahead is then always kept)")
     ap.add_argument("--chunk-mb", type=int, default=32, help="our executor's chunk size")
+    ap.add_argument("--engine-chunk-mb", type=int, default=None,
+                    help="engine:F and both:F systems: the GPU engine's chunk size (default: --chunk-mb)")
     ap.add_argument("--slots", type=int, default=4, help="our executor's ring slots")
     ap.add_argument("--gpu-share", type=float, default=None,
                     help="both:F systems: the GPU engine's share (default: searched for over the first steps)")

@@ -67,6 +67,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                moments: torch.dtype = torch.float32, remainders: bool = False, optimizer: str = "adamw",
                threads: Optional[int] = None, chunk_mb: int = 32,
                slots: int = 4, engine: str = "cpu", gpu_share: Optional[float] = None,
+               engine_chunk_mb: Optional[int] = None,
                timeline: Optional[Timeline] = None,
                norms: Optional[list] = None, shadow: Optional[list] = None) -> Ours:
     """Our AdamW (:data:`HYPER`) over the live ``params`` (e.g. ``dict(model.named_parameters())``:
@@ -80,7 +81,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     default here; ``delay``: the policy of mode ``delayed`` (default ``fo.Delay()``: every step
     delayed, with the look-ahead); ``engine``, ``gpu_share``: the executor's (``"gpu"``: plain
     steps run the host-resident state's math on the GPU; ``"both"``: divided between the GPU and
-    the CPU kernel);
+    the CPU kernel), ``engine_chunk_mb`` the GPU engine's chunks (default: ``chunk_mb``);
     ``norms``: a list that plain and delayed steps append their grads' global norm to (a device
     tensor; no sync). ``shadow`` (a diagnostic of mode ``delayed``): a list that each step appends
     a device tensor to, ``[sum |p - m|, sum |bf16(m) - m|, sum |m - m_before|, count(p != bf16(m))]``
@@ -95,7 +96,8 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     delay = (delay or fo.Delay()) if delayed else False
     threads = threads or (max(1, physical_cores() - 1) if delayed else physical_cores())
     ex = HostExecutor(chunk_bytes=chunk_mb << 20, slots=slots, threads=threads, timeline=timeline,
-                      engine=engine, gpu_share=gpu_share)
+                      engine=engine, gpu_share=gpu_share,
+                      engine_chunk_bytes=None if engine_chunk_mb is None else engine_chunk_mb << 20)
     fields = {"adamw": ("mu", "nu"), "lion": ("mu",)}.get(optimizer, ())
     formats = {} if moments == torch.float32 else {f"{f}_dtype": moments for f in fields}
     formats["store_param_remainders"] = remainders

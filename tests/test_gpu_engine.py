@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from functional_offload.executor import HostExecutor, SplitStep
+from functional_offload.executor import HostExecutor, SplitStep, Timeline
 from functional_offload.executor.pinned import pin_all
 from functional_offload.kernels import blockwise
 from functional_offload.optimizers.forms.gpu_engine import chunks, state_of, steppable, takes
@@ -120,6 +120,25 @@ def test_one_chunk_and_strided_params(entry):
 
 
 @pytest.mark.cuda
+def test_timeline_records_the_engines_copies_and_math():
+    """Each chunk's state goes up and comes down on the engine's lanes, its math on the GPU's."""
+    tl = Timeline()
+    params = make_params(0, device="cuda", big=True)
+    opt = fo.adamw(1e-2, placement=on_host(),
+                   executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu", timeline=tl))
+    state = opt.init(params)
+    for g in grad_seq(params, 1):
+        params, state = opt.update(g, state)
+    events = tl.events()
+    ups = [e["name"] for e in events if e["lane"] == "H2D engine"]
+    downs = [e["name"] for e in events if e["lane"] == "D2H engine"]
+    assert len(ups) > 1 and sorted(ups) == sorted(n.replace("down", "up") for n in downs)
+    assert any(e["lane"] == "GPU update" for e in events)
+    assert all(e["dur_us"] >= 0 for e in events)
+    assert tl.lanes(events).index("D2H engine") < tl.lanes(events).index("H2D engine")
+
+
+@pytest.mark.cuda
 def test_delayed_keeps_its_form():
     """A delayed step with engine="gpu" runs as delayed steps do: the bits of engine="cpu"."""
     entry = ELEMENTWISE[0]
@@ -198,6 +217,42 @@ def test_bad_engine_refused():
 def test_bad_gpu_share_refused(engine, share):
     with pytest.raises(ValueError, match="gpu_share must be None or a number in"):
         HostExecutor(engine=engine, gpu_share=share)
+
+
+@pytest.mark.parametrize("engine, size", [("cpu", 1 << 20), ("gpu", 4095), ("both", 4096 + 1),
+                                          ("gpu", True), ("both", 1.5e6)])
+def test_bad_engine_chunk_bytes_refused(engine, size):
+    with pytest.raises(ValueError, match="engine_chunk_bytes must be None or an int >= 4096"):
+        HostExecutor(engine=engine, engine_chunk_bytes=size)
+
+
+def test_engine_chunk_bytes_defaults_to_chunk_bytes():
+    assert HostExecutor(chunk_bytes=1 << 16, engine="gpu").engine_chunk_bytes == 1 << 16
+    assert HostExecutor(engine="both", engine_chunk_bytes=1 << 27).engine_chunk_bytes == 1 << 27
+
+
+@pytest.mark.cuda
+def test_engine_chunks_are_cut_by_engine_chunk_bytes():
+    """The engine's chunks and buffers take engine_chunk_bytes, not the CPU kernel's
+    chunk_bytes: 4 KiB engine chunks beside 1 MiB ones give the bits of 4 KiB chunks, and a
+    leaf that goes whole is refused by the engine's size."""
+    entry = ELEMENTWISE[0]
+    outs = []
+    for ex in (HostExecutor(chunk_bytes=1 << 20, slots=2, engine="gpu", engine_chunk_bytes=4096),
+               HostExecutor(chunk_bytes=4096, slots=2, engine="gpu")):
+        params = make_params(0, device="cuda", big=True)
+        opt = entry.make(**entry.hypers, placement=on_host(), executor=ex)
+        state = opt.init(params)
+        for g in grad_seq(params, 2):
+            params, state = opt.update(g, state)
+        outs.append([p.cpu() for p in optree.tree_leaves(params)])
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
+    odd = {"w": torch.zeros(70_001, device="cuda", dtype=torch.bfloat16)}
+    opt = fo.adamw(1e-2, placement=on_host(), store_param_remainders=True,
+                   executor=HostExecutor(chunk_bytes=1 << 22, engine="gpu",
+                                         engine_chunk_bytes=1 << 16))
+    with pytest.raises(ValueError, match=r"'w'.*engine_chunk_bytes \(65536\)"):
+        opt.init(odd)
 
 
 @pytest.mark.parametrize("engine", ["gpu", "both"])

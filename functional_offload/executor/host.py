@@ -147,12 +147,17 @@ class HostExecutor:
         over the first steps by the host step's measured time
         (:func:`~functional_offload.optimizers.forms.split.next_share`). The last split is
         :attr:`last_split`.
+      engine_chunk_bytes: with ``engine="gpu"`` or ``"both"``, the state bytes per chunk of the
+        GPU engine (device buffers: ``engine_chunk_bytes × slots``); default ``chunk_bytes``. A
+        chunk costs the engine's thread a copy per state tensor each way and its math's kernel
+        launches: larger chunks cost fewer of them per byte.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
                  cpus: Optional[Sequence[int]] = None, timeline: Optional[Timeline] = None,
                  stage_host_grads: bool = False, worker_elements: int = 1 << 17,
-                 engine: str = "cpu", gpu_share: Optional[float] = None):
+                 engine: str = "cpu", gpu_share: Optional[float] = None,
+                 engine_chunk_bytes: Optional[int] = None):
         if chunk_bytes < 4096 or chunk_bytes % ALIGN or slots < 2:
             raise ValueError(f"executor needs chunk_bytes >= 4096 and a multiple of {ALIGN} (the "
                              f"ring's regions hold elements of every size), and slots >= 2, got "
@@ -167,7 +172,15 @@ class HostExecutor:
                 isinstance(gpu_share, (int, float)) and 0.0 <= gpu_share <= 1.0)):
             raise ValueError(f"executor gpu_share must be None or a number in [0, 1], with "
                              f"engine='both'; got gpu_share={gpu_share!r}, engine={engine!r}")
+        if engine_chunk_bytes is not None and (
+                engine == "cpu" or isinstance(engine_chunk_bytes, bool)
+                or not isinstance(engine_chunk_bytes, int) or engine_chunk_bytes < 4096
+                or engine_chunk_bytes % ALIGN):
+            raise ValueError(f"executor engine_chunk_bytes must be None or an int >= 4096 and a "
+                             f"multiple of {ALIGN}, with engine='gpu' or 'both'; got "
+                             f"engine_chunk_bytes={engine_chunk_bytes!r}, engine={engine!r}")
         self.chunk_bytes, self.slots = int(chunk_bytes), int(slots)
+        self.engine_chunk_bytes = self.chunk_bytes if engine_chunk_bytes is None else engine_chunk_bytes
         self.threads = threads or (len(cpus) if cpus else physical_cores())
         self.cpus = list(cpus) if cpus else None
         self.timeline = timeline

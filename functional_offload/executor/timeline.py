@@ -1,9 +1,10 @@
 """Opt-in per-chunk timeline of the executor: Chrome-trace JSON (Perfetto) and a PNG lane plot.
 
 Attach one to an executor (``HostExecutor(timeline=Timeline())``); each update then records
-spans on lanes ``D2H`` and ``H2D`` (CUDA events with timing on the copy streams), ``GPU update``
-(the device-resident kernels, on the compute stream) and one lane per CPU worker thread
-(``kernel c<k>``: a piece of chunk ``k``). The training loop may record lanes of its own with
+spans on lanes ``D2H`` and ``H2D`` (CUDA events with timing on the copy streams), ``D2H engine``
+and ``H2D engine`` (the GPU engine's state going up and down, on its own streams), ``GPU update``
+(the device kernels, on the compute stream) and one lane per CPU worker thread (``kernel c<k>``:
+a piece of chunk ``k``). The training loop may record lanes of its own with
 :meth:`stamp` and :meth:`span` (e.g. the forward and backward on the compute stream); they are
 drawn first. Recording costs two events or two clock reads per span; the CUDA times are
 resolved only when exported (which synchronizes), against one reference event taken after a
@@ -79,9 +80,9 @@ class Timeline:
                 for lane, name, a, b in sorted(spans, key=lambda s: s[2])]
 
     def lanes(self, events: list[dict[str, Any]]) -> list[str]:
-        """Lanes in display order: the caller's own (by name), GPU update, D2H, workers
-        (numerically), H2D."""
-        order = {"GPU update": 1, "D2H": 2, "H2D": 4}
+        """Lanes in display order: the caller's own (by name), GPU update, D2H (and the GPU
+        engine's), workers (numerically), H2D (and the GPU engine's)."""
+        order = {"GPU update": 1, "D2H": 2, "D2H engine": 2, "H2D": 4, "H2D engine": 4}
 
         def key(lane: str) -> tuple:
             head, _, num = lane.rpartition("_")
@@ -111,6 +112,7 @@ class Timeline:
         events = self.events()
         lanes = self.lanes(events)
         colors = {"GPU update": "tab:green", "D2H": "tab:blue", "H2D": "tab:orange",
+                  "D2H engine": "tab:cyan", "H2D engine": "gold",
                   "forward": "tab:purple", "backward": "plum"}  # by lane, or by span name
         fig, ax = plt.subplots(figsize=(12, 0.35 * len(lanes) + 1.2))
         for i, lane in enumerate(lanes):

@@ -260,7 +260,8 @@ class Terminal:
                 built = [what for what, on in (
                     ("a quantized param", is_quantized(p)),
                     ("a split master or block-wise 8-bit moments of a length not divisible by 4 "
-                     f"whose state is over the executor's chunk_bytes ({self.executor.chunk_bytes})",
+                     f"whose state is over the executor's engine_chunk_bytes "
+                     f"({self.executor.engine_chunk_bytes})",
                      whole)) if on]
                 if built:
                     raise ValueError(f"param {path!r}: HostExecutor(engine='gpu') does not step "
@@ -300,7 +301,7 @@ class Terminal:
         if split:  # its halves apart, as the engine copies them
             sizes[:1] = [sizes[0] // 2] * 2
         return takes(p.numel(), split, any(dtype == torch.uint8 for _, dtype in specs), sizes,
-                     self.executor.chunk_bytes)
+                     self.executor.engine_chunk_bytes)
 
     @torch.no_grad()
     def _make_state(self, locals_: list[torch.Tensor], on_host: list[bool], preview: bool,

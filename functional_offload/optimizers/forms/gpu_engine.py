@@ -6,8 +6,8 @@ and the new state comes back down. Grads and params never cross PCIe; the state 
 
 The engine's host state is pinned (:class:`~functional_offload.optimizers.terminal.Terminal`
 allocates it so), so each piece of a chunk is copied up from it and back into it in place, on
-the transport's streams, into and out of one of ``S`` device buffers of ``chunk_bytes``: the
-device memory taken is ``chunk_bytes × slots``. Host DRAM sees each state byte read once (up)
+the transport's streams, into and out of one of ``S`` device buffers of the executor's
+``engine_chunk_bytes``: the device memory taken is ``engine_chunk_bytes × slots``. Host DRAM sees each state byte read once (up)
 and written once (down). Chunk ``k + S`` reuses the buffer of chunk ``k`` once chunk ``k``'s
 state is back in host memory. Every copy down has landed when :meth:`GpuEngine.finish`
 returns. (A state tensor that is not pinned — replaced by the caller — is still copied right,
@@ -200,8 +200,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         for device, on in by_device(idx, gs).items():
             for i in on:
                 self.work.leaf(i)  # the host views made anew where a storage was replaced
-            todo = chunks(self.work.leaves, on, ex.chunk_bytes)
-            bufs = [torch.empty(ex.chunk_bytes, dtype=torch.uint8, device=device)
+            todo = chunks(self.work.leaves, on, ex.engine_chunk_bytes)
+            bufs = [torch.empty(ex.engine_chunk_bytes, dtype=torch.uint8, device=device)
                     for _ in range(min(ex.slots, len(todo)))]
             out.append(Prepared(ex.engine_transport(device), todo,
                                 {i: gs[i].reshape(-1) for i in on}, bufs))
@@ -242,20 +242,27 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         leaves, work = self.work.leaves, self.work
         if faults.active():
             faults.before_chunk(k, list(dict.fromkeys(leaves[p.index].path for p in chunk.pieces)))
+        tl = work.ex.timeline
+        s0 = tl.stamp(buf.device, t.stream_out) if tl else None
         for p in chunk.pieces:
             for x, offset in zip(state_of(leaves[p.index]), p.offsets):
                 t.copy_out(_view(buf, offset, x, p.lo, p.hi), _span(x, p.lo, p.hi))
+        if tl:
+            tl.span("H2D engine", f"state up c{k}", s0, tl.stamp(buf.device, t.stream_out))
         t.end()  # the caller's stream waits for the state
         self.begun = True
         spec = work.t.spec
         run_groups(device_groups([self._on_device(p, buf) for p in chunk.pieces]),
                    [grads[p.index][p.lo:p.hi] for p in chunk.pieces], True,
                    spec.device or spec.reference, [m.signed for m in spec.moments], work.hyper,
-                   work.hyper_no_decay, work.t.ema_decay, work.ex.timeline, [])
+                   work.hyper_no_decay, work.t.ema_decay, tl, [])
         t.wait_in(t.ready())
+        s0 = tl.stamp(buf.device, t.stream_in) if tl else None
         for p in chunk.pieces:
             for x, offset in zip(state_of(leaves[p.index]), p.offsets):
                 t.copy_in(_span(x, p.lo, p.hi), _view(buf, offset, x, p.lo, p.hi))
+        if tl:
+            tl.span("D2H engine", f"state down c{k}", s0, tl.stamp(buf.device, t.stream_in))
         return t.mark_in()
 
     def _on_device(self, p: Piece, buf: torch.Tensor) -> Leaf:

@@ -44,7 +44,7 @@ def engine_steps(work: HostWork, index: int) -> bool:
     it can cut: :func:`~functional_offload.optimizers.forms.gpu_engine.steppable`)."""
     leaf = work.leaves[index]
     return (leaf.on_host and index not in work.static.packed and not is_quantized(leaf.param)
-            and steppable(leaf, work.ex.chunk_bytes))
+            and steppable(leaf, work.ex.engine_chunk_bytes))
 
 
 PHI = (5 ** 0.5 - 1) / 2  # the golden section
