@@ -76,9 +76,15 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
               if r is not None and leaf.grad.dtype == torch.bfloat16 else None
               for leaf, r in zip(leaves, rate_at)]
     buf = torch.empty(size, dtype=torch.uint8, device=device)
+    typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (size: a multiple of ALIGN)
 
     def region(at: Optional[int], n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
-        return None if at is None else buf[at: at + n * dtype.itemsize].view(dtype)
+        if at is None:
+            return None
+        if dtype not in typed:
+            typed[dtype] = buf.view(dtype)
+        at //= dtype.itemsize  # (every region starts aligned to its dtype)
+        return typed[dtype][at: at + n]
 
     grads, params, rates, residuals = [], [], [], []
     for (g_at, p_at), r_at, e_at, leaf, target in zip(spans, rate_at, res_at, leaves, targets):
