@@ -55,6 +55,10 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ours import fo  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "examples"))
+from train_megatron import build_model  # noqa: E402
+
 DEFAULT = "megatron-gpu,megatron:1.0,ours:1.0,stream:1.0,megatron:0.5,ours:0.5"
 VOCAB = 256
 
@@ -74,27 +78,11 @@ def corpus_batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.T
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    """World size 1, Megatron's parallel state and seeds, and the GPT model (TE layer spec)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    parallel_state.initialize_model_parallel(1, 1)
-    torch.manual_seed(args.seed)
-    model_parallel_cuda_manual_seed(args.seed)
-    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden,
-                            num_attention_heads=args.heads, ffn_hidden_size=4 * args.hidden,
-                            hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
-                            params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-                            init_method_std=0.02)
-    model = GPTModel(cfg, get_gpt_layer_with_transformer_engine_spec(), vocab_size=VOCAB,
-                     max_sequence_length=args.seq, position_embedding_type="rope").cuda()
-    return cfg, model
+    """World size 1, Megatron's parallel state and seeds, and the GPT model (TE layer spec), as
+    the example builds them; the model's config and the model."""
+    os.environ["MASTER_PORT"] = str(args.port)
+    model = build_model(args.layers, args.hidden, args.heads, args.seq, VOCAB, seed=args.seed)
+    return model.config, model
 
 
 def optimizer_config(args: argparse.Namespace, fraction: float) -> Any:

@@ -25,8 +25,11 @@ import torch
 import functional_offload as fo
 
 
-def build_model(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> torch.nn.Module:
-    """Megatron's parallel state for one process, then a bf16 GPT with the TE layer spec."""
+def build_model(layers: int, hidden: int, heads: int, seq: int, vocab: int,
+                seed: int = 0) -> torch.nn.Module:
+    """Megatron's parallel state for one process (``MASTER_PORT`` from the environment, else
+    29512), then a bf16 GPT with the TE layer spec, initialised from ``seed`` (its
+    ``TransformerConfig`` is the model's ``config``)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -38,7 +41,8 @@ def build_model(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> t
     torch.cuda.set_device(0)
     torch.distributed.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(0)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
     cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                             hidden_dropout=0.0, attention_dropout=0.0, bf16=True,
                             params_dtype=torch.bfloat16, init_method_std=0.02)
