@@ -136,7 +136,8 @@ def test_no_leak_over_100_steps(mode):
     for _ in range(100):
         vg(params, x)
     settle()
-    assert torch.cuda.memory_allocated() == mem and off.pinned_bytes == pinned
+    # (the pool may drop buffers of sizes the later steps no longer use: never more)
+    assert torch.cuda.memory_allocated() == mem and off.pinned_bytes <= pinned
     assert off.held_bytes == 0
 
 
