@@ -216,6 +216,9 @@ class GradsOf:
         self.paths = paths_of(self.structure)
         self.types = [torch.Tensor] * len(leaves)
         self.params: Optional[list[torch.Tensor]] = None
+        self.objects = leaves  # the tree's leaves: a leaf replaced in it is refused (refresh)
+        flat = type(params) is dict and all(isinstance(v, torch.Tensor) for v in params.values())
+        self.values = list(params.values()) if flat else None  # (a flat dict's, in its order)
         self._take([local(p) for p in leaves])
 
     def _take(self, params: list[torch.Tensor]) -> None:
@@ -273,10 +276,18 @@ class GradsOf:
                                  f"{self.paths[self.owners[k]]!r} (the step would change it while "
                                  "reading it): pass a copy (grad.clone())")
 
+    def _same_leaves(self) -> bool:
+        """Whether the tree holds the leaves it held (the same tensor objects)."""
+        t = self.tree
+        if self.values is not None:
+            return len(t) == len(self.values) and all(map(operator.is_, t.values(), self.values))
+        leaves = optree.tree_leaves(t)
+        return len(leaves) == len(self.objects) and all(map(operator.is_, leaves, self.objects))
+
     def _unchanged(self) -> bool:
         ps = self.params
-        return (list(map(_PTR, ps)) == self.ptrs and list(map(_KEY, ps)) == self.keys
-                and list(map(_STRIDE, ps)) == self.strides
+        return (self._same_leaves() and list(map(_PTR, ps)) == self.ptrs
+                and list(map(_KEY, ps)) == self.keys and list(map(_STRIDE, ps)) == self.strides
                 and list(map(_OFFSET, ps)) == self.offsets and not any(map(_NEG, ps)))
 
     def refresh(self) -> None:
@@ -285,9 +296,21 @@ class GradsOf:
         state cannot step as it now is, and the fix: one no longer contiguous (its memory in
         another order than its elements: ``param.data = param.data.t()``), whose elements share
         memory (expanded) or another param's, a negated or conjugated view, a param with
-        another number of elements or a dtype that is not floating."""
+        another number of elements or a dtype that is not floating; and a leaf of the tree
+        replaced by another tensor (``params["w"] = ...``), which the state does not follow."""
         if not self._unchanged():
-            self._take([local(p) for p in optree.tree_leaves(self.tree)])
+            leaves, structure = optree.tree_flatten(self.tree)
+            if structure != self.structure:
+                raise ValueError("the params tree the state holds changed its structure (a leaf "
+                                 "added or removed in place); make a new state with "
+                                 "opt.init(params)")
+            for path, a, b in zip(self.paths, leaves, self.objects):
+                if a is not b:
+                    raise ValueError(f"param {path!r} was replaced in the params tree the state "
+                                     "holds by another tensor, which the state does not follow: "
+                                     f"write into the param instead (param.data = ..., "
+                                     "param.copy_(...)), or make a new state with opt.init(params)")
+            self._take([local(p) for p in leaves])
 
     def check(self, grads: list[Any]) -> list[Optional[torch.Tensor]]:
         """``grads`` (flattened) checked: all at once when plain, else leaf by leaf."""

@@ -860,3 +860,24 @@ def test_adafactor_refuses_a_param_reshaped_before_the_step(shape):
     assert torch.equal(params["a"], a) and int(state.count) == 1
     params["w"].data = params["w"].data.reshape(4, 9)
     opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("delay", [False, fo.Delay()], ids=["plain", "delayed"])
+def test_a_param_replaced_in_the_tree_the_state_holds_is_refused_naming_it(nested, delay):
+    """``params["b"] = tensor`` on the dict the state holds: the state would go on stepping the
+    old tensor. Refused naming it, the state usable once the param is put back."""
+    inner = {"a": torch.randn(37).bfloat16(), "b": torch.randn(37).bfloat16()}
+    params = {"m": inner} if nested else inner
+    opt = fo.sgd(0.1, delayed=delay)
+    state = opt.init(params)
+    grads = lambda: optree.tree_map(torch.ones_like, params)  # noqa: E731
+    params, state = opt.update(grads(), state)
+    old = inner["b"]
+    inner["b"] = old.clone()
+    path = "m.b" if nested else "b"
+    with pytest.raises(ValueError, match=f"param '{path}' was replaced in the params tree"):
+        opt.update(grads(), state)
+    inner["b"] = old
+    params, state = opt.update(grads(), state)
+    fo.flush(state)
