@@ -406,24 +406,15 @@ def test_params_given_other_memory_before_a_forward_land_there():
     bit for bit), also where a module's params were landed with an earlier module's (a pack)."""
     def run(delay, hooks):
         model, batches = model_and_batches()
-        params = dict(model.named_parameters())
         opt = fo.adamw(1e-2, weight_decay=0.1, placement=fo.placement.on_host(), delayed=delay)
-        holder = [opt.init(params)]
-        handle = fo.land_before_forward(model, lambda: holder[0]) if hooks else None
-        losses = []
-        for n, (x, y) in enumerate(batches):
-            if n == 2:
-                for p in model.parameters():
-                    p.data = p.data.clone()
-            loss = (model(x).float() - y).square().mean()
-            loss.backward()
-            losses.append(loss.detach())
-            _, holder[0] = opt.update({k: p.grad for k, p in params.items()}, holder[0])
-            model.zero_grad(set_to_none=True)
-        fo.flush(holder[0])
-        if handle is not None:
-            handle.remove()
-        return torch.stack(losses), {k: p.detach().clone() for k, p in params.items()}
+
+        def losses():
+            for n, (x, y) in enumerate(batches):
+                if n == 2:
+                    for p in model.parameters():
+                        p.data = p.data.clone()
+                yield (model(x).float() - y).square().mean()
+        return fit(model, opt, hooks, losses())
 
     want_losses, want = run(False, False)
     losses, got = run(fo.Delay(lookahead=False), True)
