@@ -96,6 +96,14 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
     return buf, grads, params, rates, residuals
 
 
+def _by_leaf(pairs: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
+    """``(leaf, param)`` pairs grouped by leaf, in order."""
+    out: dict[int, list[int]] = {}
+    for j, k in pairs:
+        out.setdefault(j, []).append(k)
+    return out
+
+
 def _value(leaf: HostLeaf) -> torch.Tensor:
     """The leaf's new value as its param takes it: the master, or a split master's high half."""
     value = leaf.state[0]
@@ -217,25 +225,25 @@ class Landing:
             fresh = [(j, k) for j, k in moved if self._fresh[j][k]]
             self._set_values(fresh)  # a step behind: the look-ahead reads the new values
             whole = self._gather(moved, grads)
-            groups: dict[tuple[int, int], list[tuple[int, int]]] = {}  # params of one decay
-            for j, k in moved:                                         # share their hypers
-                if j not in whole or k == 0:
-                    groups.setdefault(tuple(id(h) for h in self._hypers[j]), []).append((j, k))
-            cut = {j: [self._parts(j, x) for x in (self._up[j], self._residuals[j], self._rates[j])]
-                   for j in dict.fromkeys(j for j, _ in moved) if j not in whole}
-
-            def at(j: int, k: int, x: int) -> Optional[torch.Tensor]:  # base, residual, rate
+            # what each landing takes: (leaf, param, base, residual, rate, grad); a gathered
+            # leaf's whole regions, else each moving param's slices of them
+            units: list[tuple] = []
+            for j, ks in _by_leaf(moved).items():
                 if j in whole:
-                    return (self._up[j], self._residuals[j], self._rates[j])[x]
-                return cut[j][x][k] if cut[j][x] else None
-
-            for idx in groups.values():
-                self.ahead([whole[j][0] if j in whole else self.targets[j][k][1] for j, k in idx],
-                           [at(j, k, 0) for j, k in idx], [at(j, k, 1) for j, k in idx],
-                           [at(j, k, 2) for j, k in idx],
-                           [whole[j][1] if j in whole else grads[j][k].reshape(-1)
-                            for j, k in idx], *self._hypers[idx[0][0]])
-            if whole:  # the gathered runs' new params to their members
+                    units.append((j, whole[j][0], self._up[j], self._residuals[j],
+                                  self._rates[j], whole[j][1]))
+                    continue
+                bases, residuals, rates = (self._parts(j, x) for x in
+                                           (self._up[j], self._residuals[j], self._rates[j]))
+                units += [(j, self.targets[j][k][1], bases[k], residuals[k] if residuals else None,
+                           rates[k], grads[j][k].reshape(-1)) for k in ks]
+            groups: dict[tuple[int, int], list[tuple]] = {}  # params of one decay share hypers
+            for u in units:
+                groups.setdefault(tuple(id(h) for h in self._hypers[u[0]]), []).append(u)
+            for group in groups.values():
+                _, *columns = zip(*group)
+                self.ahead(*map(list, columns), *self._hypers[group[0][0]])
+            if whole:  # the gathered leaves' new params to their params
                 torch._foreach_copy_([p for j in whole for _, p in self.targets[j]],
                                      [x for j in whole for x in self._parts(j, whole[j][0])])
             landed = set(moved)
@@ -250,14 +258,11 @@ class Landing:
         """The leaves of several params that all move (a packed run's) as one tensor each: per
         leaf its params and next grads laid out as its elements are, gathered by one
         multi-tensor copy (its bases, residuals and rates are so already)."""
-        count: dict[int, int] = {}
-        for j, _ in moved:
-            count[j] = count.get(j, 0) + 1
         out = {}
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
-        for j, c in count.items():
-            if c == len(self.targets[j]) > 1:
+        for j, ks in _by_leaf(moved).items():
+            if len(ks) == len(self.targets[j]) > 1:
                 p = torch.empty_like(self._up[j])
                 g = torch.empty(p.numel(), dtype=grads[j][0].dtype, device=self.device)
                 out[j] = (p, g)
@@ -271,10 +276,7 @@ class Landing:
     def _set_values(self, which: list[tuple[int, int]]) -> None:
         """Params ``which`` ((leaf, param) pairs) set from their leaves' new values, copied up
         (synchronously: the next step changes the values in place), each leaf's once."""
-        by_leaf: dict[int, list[int]] = {}
-        for j, k in which:
-            by_leaf.setdefault(j, []).append(k)
-        for j, ks in by_leaf.items():
+        for j, ks in _by_leaf(which).items():
             if len(self.targets[j]) == 1:
                 self.targets[j][0][1].copy_(self._values[j])
                 continue

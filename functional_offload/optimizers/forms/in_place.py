@@ -17,6 +17,7 @@ from functional_offload.quantized import write_params, writes_in_place
 
 __all__ = ["InPlace", "packed_leaves"]
 
+
 class PackedRun(NamedTuple):
     """A run of a pack's members (``first`` to ``last`` in the pack) as one host leaf: its
     members (layout indices), the pack's buffers and where each member's elements start in the
