@@ -6,6 +6,7 @@ torch's fused AdamW, each system and leaf count in a fresh process.
     python benchmarks/fixed_costs.py --clip                           # clipping at 1.0 first, both
     python benchmarks/fixed_costs.py --smoke                          # on the CPU, few updates
     python benchmarks/fixed_costs.py --layout gpt                     # a 24-layer GPT's 292 leaves
+    python benchmarks/fixed_costs.py --layout gpt --width 2048 --systems torch,device,devicete,fusedadam
 
 Leaves of ``--numel`` elements (``--layout gpt``: the 292 leaves of a 24-layer GPT-style
 decoder of width 32, 310 k elements, shaped as its params) on ``--device`` (a GPU by default)
@@ -16,7 +17,9 @@ Systems: ``torch`` (``torch.optim.AdamW(fused=True)``, grads set on the params),
 kernel, H2D per update), ``delayed`` (the same with ``delayed=fo.Delay(lookahead=False, warmup=0,
 exact_when_clipped=False)``: the host part runs in the background, landed by the next update;
 the landed step's form) and ``lookahead`` (the same with the look-ahead: ``delayed=True``'s
-steady state). After ``--warmup`` updates: ``mean ms`` = wall time of ``--updates`` back-to-back
+steady state); ``devicete`` (``device`` with ``device_kernel="te"``: TransformerEngine's fused
+Adam) and ``fusedadam`` (TransformerEngine's ``FusedAdam(master_weights=True)``), where
+TransformerEngine imports. ``--width`` sets the GPT layout's width (1.2 B params at 2048). After ``--warmup`` updates: ``mean ms`` = wall time of ``--updates`` back-to-back
 updates with one flush and sync at the end, divided by their number; ``median ms`` = the median
 of as many updates each followed by a sync (a delayed one's host part may still run).
 """
@@ -37,7 +40,7 @@ import torch
 import gpt
 from ours import HYPER, fo
 
-SYSTEMS = ("torch", "device", "host", "delayed", "lookahead")
+SYSTEMS = ("torch", "device", "host", "delayed", "lookahead", "devicete", "fusedadam")
 
 
 def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
@@ -56,12 +59,26 @@ def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch
             torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
             opt.step()
         return step, lambda: None
+    if system == "fusedadam":
+        from transformer_engine.pytorch.optimizers import FusedAdam
+        for k, p in params.items():
+            p.requires_grad_(True).grad = grads[k]
+        fused = FusedAdam(list(params.values()), master_weights=True, **HYPER)
+        if not clip:
+            return fused.step, lambda: None
+
+        def step_te() -> None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
+            fused.step()
+        return step_te, lambda: None
     if system not in SYSTEMS:
         raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    where = fo.placement.on_device() if system == "device" else fo.placement.on_host()
+    where = (fo.placement.on_device() if system in ("device", "devicete")
+             else fo.placement.on_host())
     delayed = (fo.Delay(lookahead=system == "lookahead", warmup=0, exact_when_clipped=False)
                if system in ("delayed", "lookahead") else False)
-    opt = fo.adamw(placement=where, delayed=delayed, **HYPER)
+    opt = fo.adamw(placement=where, delayed=delayed,
+                   device_kernel="te" if system == "devicete" else "torch", **HYPER)
     if clip:
         opt = fo.chain(fo.clip_by_global_norm(1.0), opt)
     holder = [opt.init(params)]
@@ -74,9 +91,9 @@ def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch
     return update, flush
 
 
-def gpt_shapes() -> dict[str, tuple[int, ...]]:
-    """The param shapes of a 24-layer GPT-style decoder of width 32 (292 leaves)."""
-    model = gpt.build(gpt.GPTConfig(d=32, layers=24, heads=2, vocab=128, ctx=16), "meta")
+def gpt_shapes(width: int = 32) -> dict[str, tuple[int, ...]]:
+    """The param shapes of a 24-layer GPT-style decoder of ``width`` (292 leaves)."""
+    model = gpt.build(gpt.GPTConfig(d=width, layers=24, heads=2, vocab=128, ctx=16), "meta")
     return {k: tuple(p.shape) for k, p in model.named_parameters()}
 
 
@@ -84,7 +101,7 @@ def run_one(system: str, leaves: int, args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     g = torch.Generator(device=device).manual_seed(0)
-    shapes = gpt_shapes() if args.layout == "gpt" else {f"p{i}": (args.numel,) for i in range(leaves)}
+    shapes = gpt_shapes(args.width) if args.layout == "gpt" else {f"p{i}": (args.numel,) for i in range(leaves)}
     params = {k: torch.randn(s, device=device, generator=g).to(dtype) for k, s in shapes.items()}
     grads = {k: torch.randn(s, device=device, generator=g).to(dtype) for k, s in shapes.items()}
     update, flush = updater(system, params, grads, args.clip)
@@ -118,6 +135,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=256, help="elements per leaf")
     ap.add_argument("--layout", choices=["flat", "gpt"], default="flat",
                     help="gpt: a 24-layer GPT's leaves (292, in place of --leaves)")
+    ap.add_argument("--width", type=int, default=32, help="the gpt layout's width")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--updates", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
@@ -146,7 +164,7 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     clipped = " with clipping" if args.clip else ""
-    what = ("a 24-layer GPT's leaves" if args.layout == "gpt"
+    what = (f"a 24-layer GPT's leaves (width {args.width})" if args.layout == "gpt"
             else f"leaves of {args.numel} elements")
     print(f"\nfixed cost per update{clipped}, {what} in {args.dtype} on {args.device} "
           f"({args.updates} updates; ratio: mean over torch's, where torch ran)")

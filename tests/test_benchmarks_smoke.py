@@ -57,8 +57,10 @@ def test_cpu_loop_ours_matches_torch():
 @pytest.mark.parametrize("clip, layout", [(False, "flat"), (True, "flat"), (False, "gpt")])
 def test_fixed_costs_runs(clip, layout):
     args = argparse.Namespace(device="cpu", dtype="float32", numel=256, warmup=1, updates=2,
-                              clip=clip, layout=layout)
+                              clip=clip, layout=layout, width=32)
     for system in fixed_costs.SYSTEMS:
+        if system in ("devicete", "fusedadam"):  # TransformerEngine's: CUDA only
+            continue
         assert fixed_costs.run_one(system, 4, args)["mean_ms"] > 0
 
 

@@ -115,6 +115,26 @@ def test_adapter_rejects_unknown_options_and_mismatched_state():
     c.load_state_dict(a.state_dict())  # names do not decide loading (torch's rule)
 
 
+def test_adapter_names_a_param_reshaped_between_steps_and_steps_it_afresh_once_dropped():
+    """A param reshaped (same element count) after its state was made: the step is refused
+    saying so, nothing changed, and dropping its state starts it afresh as torch.optim would."""
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 6)
+    opt = fo.TorchOptimizer(m.parameters(), fo.adamw, lr=1e-3)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    bias_before = opt.state[m.bias]["exp_avg"].clone()
+    m.weight.data = m.weight.data.reshape(4, 6).clone()
+    m.weight.grad, m.bias.grad = torch.randn(4, 6), torch.randn(6)
+    with pytest.raises(ValueError, match=r"param 0: .*reshaped since its state was made"):
+        opt.step()
+    assert torch.equal(opt.state[m.bias]["exp_avg"], bias_before)
+    del opt.state[m.weight]
+    opt.step()
+    assert opt.state[m.weight]["exp_avg"].shape == (4, 6)
+    assert not torch.equal(opt.state[m.bias]["exp_avg"], bias_before)
+
+
 def _megatron_pair(make, grads, params):
     """The params after ``grads`` under ``make()`` (each a fresh optimizer and params)."""
     opt = make()

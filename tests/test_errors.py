@@ -69,6 +69,18 @@ def test_bad_sgd_and_clip_and_dtypes():
         fo.adamw(1e-3).init({"n": torch.zeros(2, dtype=torch.int64)})
 
 
+def test_a_device_kernel_that_is_not_there_is_refused_naming_it():
+    with pytest.raises(ValueError, match="device_kernel must be 'torch' or 'te', got 'cuda'"):
+        fo.adamw(1e-3, device_kernel="cuda")
+    with pytest.raises(TypeError, match="device_kernel"):
+        fo.sgd(0.1, device_kernel="te")  # TransformerEngine's kernel is Adam's
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # not installed, or no GPU: its import raises RuntimeError there
+        with pytest.raises(RuntimeError, match="device_kernel='te' needs TransformerEngine"):
+            fo.adam(1e-3, device_kernel="te")
+
+
 def test_negative_scheduled_lr_raises_before_any_change():
     params = make_params()
     opt = fo.sgd(lambda n: 0.1 - 0.1 * n, momentum=0.9)

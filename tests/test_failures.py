@@ -845,21 +845,26 @@ def test_a_streamed_step_refuses_a_master_that_no_longer_fits_before_any_leaf_st
     opt.update({k: torch.ones_like(p) for k, p in w.items()}, state)
 
 
+@pytest.mark.parametrize("stepped", [False, True], ids=["before-first", "between"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 4), (36,), (2, 2, 9)])
-def test_adafactor_refuses_a_param_reshaped_before_the_step(shape):
-    """Adafactor's factored moments follow the param's shape: a param reshaped between updates
-    (same elements) is refused naming it, before the step changes any other param."""
-    params = {"a": torch.randn(5), "w": torch.randn(4, 9)}
+def test_adafactor_refuses_a_param_reshaped_before_the_step(shape, dtype, stepped):
+    """Adafactor's factored moments follow the param's shape: a param reshaped (same elements)
+    after init or between updates is refused naming it, before the step changes any other
+    param, the state usable once it is reshaped back."""
+    params = {"a": torch.randn(5), "w": torch.randn(4, 9).to(dtype)}
     opt = fo.adafactor(1e-2)
     state = opt.init(params)
-    params, state = opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)
+    if stepped:
+        params, state = opt.update({k: torch.randn(v.shape).to(v.dtype) for k, v in params.items()}, state)
     a = params["a"].clone()
     params["w"].data = params["w"].data.reshape(shape)
-    with pytest.raises(ValueError, match=r"param 'w' is .* now, but its state was laid out for \(4, 9\)"):
-        opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)
-    assert torch.equal(params["a"], a) and int(state.count) == 1
+    with pytest.raises(ValueError, match=r"param 'w' is .* now, but its state was laid out for "
+                                         r"another shape"):
+        opt.update({k: torch.randn(v.shape).to(v.dtype) for k, v in params.items()}, state)
+    assert torch.equal(params["a"], a) and int(state.count) == int(stepped)
     params["w"].data = params["w"].data.reshape(4, 9)
-    opt.update({k: torch.randn(v.shape) for k, v in params.items()}, state)
+    opt.update({k: torch.randn(v.shape).to(v.dtype) for k, v in params.items()}, state)
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])

@@ -669,3 +669,95 @@ def test_te_cpu_offload_context_gives_identical_grads_as_ours(monkeypatch):
         assert torch.equal(loss, want_loss)
         for k in want:
             assert torch.equal(got[k], want[k]), k
+
+
+# ---- 7. TransformerEngine's fused Adam as the device kernel (device_kernel="te") ---------
+
+def _kernel_params(dtypes):
+    """A GPT-block-like tree of device params: bf16 (or fp16) weights and biases, fp32 norms."""
+    torch.manual_seed(SEED)
+    shapes = {"blocks.0.attn.weight": (96, 64), "blocks.0.attn.bias": (96,),
+              "blocks.0.ln.weight": (64,), "blocks.1.mlp.weight": (128, 64),
+              "blocks.1.mlp.bias": (128,), "blocks.1.ln.weight": (64,)}
+    return {k: torch.randn(s, device=DEV).to(dtypes["ln" if ".ln." in k else "w"])
+            for k, s in shapes.items()}
+
+
+def _kernel_grads(params, steps):
+    """Per step, grads in each param's dtype; the first bias has none on the second step."""
+    g = torch.Generator(device=DEV).manual_seed(SEED + 1)
+    out = []
+    for t in range(steps):
+        gs = {k: torch.randn(p.shape, device=DEV, generator=g).to(p.dtype) for k, p in params.items()}
+        if t == 1:
+            gs["blocks.0.attn.bias"] = None
+        out.append(gs)
+    return out
+
+
+def _no_decay(path):
+    return path.endswith("bias") or ".ln." in path
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_te_device_kernel_steps_as_fused_adam_bit_for_bit(decoupled):
+    """``device_kernel="te"`` with the state on the device: masters, moments and params equal
+    ``FusedAdam(master_weights=True)``'s bit for bit at every step, with a weight-decay mask
+    (two param groups there), fp32 params beside bf16 ones and a leaf without a grad."""
+    dtypes = {"w": torch.bfloat16, "ln": torch.float32}
+    ours, theirs = _kernel_params(dtypes), _kernel_params(dtypes)
+    theirs = {k: torch.nn.Parameter(v) for k, v in theirs.items()}
+    make = fo.adamw if decoupled else fo.adam
+    opt = make(LR, betas=BETAS, eps=EPS, weight_decay=WD, placement=fo.placement.on_device(),
+               weight_decay_mask=lambda ps: {k: not _no_decay(k) for k in ps},
+               device_kernel="te")
+    state = opt.init(ours)
+    fa = FusedAdam([{"params": [p for k, p in theirs.items() if not _no_decay(k)]},
+                    {"params": [p for k, p in theirs.items() if _no_decay(k)], "weight_decay": 0.0}],
+                   lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adam_w_mode=decoupled,
+                   master_weights=True)
+    for t, gs in enumerate(_kernel_grads(ours, 4)):
+        for k, p in theirs.items():
+            p.grad = None if gs[k] is None else gs[k].clone()
+        fa.step()
+        ours, state = opt.update(gs, state)
+        for k, p in theirs.items():
+            assert torch.equal(ours[k], p.detach()), f"step {t}: param {k}"
+            m, mu, nu = _fused_state(fa, p)  # (an fp32 param's master there is not stepped)
+            if ours[k].dtype != torch.float32:
+                assert torch.equal(state.master[k], m), f"step {t}: master {k}"
+            assert torch.equal(state.mu[k], mu) and torch.equal(state.nu[k], nu), f"step {t}: moments {k}"
+
+
+def test_te_device_kernel_with_half_the_state_on_the_host():
+    """``offload_fraction(0.5)``: the host leaves step as with torch's device kernel, bit for
+    bit; the device leaves (fp16 and fp32 params, an EMA) within the rounding of the two
+    kernels' arithmetic; the EMA follows the masters."""
+    dtypes = {"w": torch.float16, "ln": torch.float32}
+    runs = {}
+    for kernel in ("te", "torch"):
+        params = _kernel_params(dtypes)
+        opt = fo.adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD, ema_decay=0.9,
+                       placement=fo.placement.offload_fraction(0.5), device_kernel=kernel,
+                       executor=HostExecutor(chunk_bytes=256 << 10, threads=2))
+        state = opt.init(params)
+        for gs in _kernel_grads(params, 3):
+            params, state = opt.update(gs, state)
+        fo.flush(state)
+        runs[kernel] = (params, state)
+    (p_te, s_te), (p_torch, s_torch) = runs["te"], runs["torch"]
+    host = [k for k in p_te if s_te.mu[k].device.type == "cpu"]
+    assert host and len(host) < len(p_te)
+    for k in p_te:
+        a, b = s_te.master[k], s_torch.master[k]
+        a = p_te[k] if a is None else a
+        b = p_torch[k] if b is None else b
+        if k in host:
+            assert torch.equal(a, b) and torch.equal(p_te[k], p_torch[k]), k
+            assert torch.equal(s_te.ema[k], s_torch.ema[k]), k
+        else:
+            _close(a, b, f"master {k}", MASTER_RTOL, MASTER_ATOL)
+            _close(s_te.ema[k], s_torch.ema[k], f"ema {k}", MASTER_RTOL, MASTER_ATOL)
+            _close(s_te.mu[k], s_torch.mu[k], f"mu {k}", MOMENT_RTOL,
+                   MOMENT_ATOL * float(s_torch.mu[k].abs().max()))
+            assert torch.equal(p_te[k], a.to(p_te[k].dtype)), f"param {k} is its master rounded"

@@ -67,6 +67,9 @@ class Group(NamedTuple):
     #                      their fp32 values, joined per batch, and ``news`` are their high halves
     eight: tuple[bool, ...] = ()  # per moment, block-wise 8-bit (kernels/blockwise.py): the math
     #                               runs on its fp32 values, dequantized per batch
+    fusable: bool = False  # a kernel that writes the params can step it (spec.device_writes):
+    #                        fp32 values and moments on a GPU, contiguous, each leaf's param
+    #                        bf16/fp16 (a plain tensor) of its master, or fp32 itself
 
     @property
     def decoded(self) -> bool:
@@ -88,7 +91,7 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
                    tuple(None if m is None else m.dtype for m in leaf.moments), leaf.decay)
             keyed.setdefault(key, []).append(i)
     groups = []
-    for (device, dtype, *_, decay), idx in keyed.items():
+    for (device, dtype, moments, decay), idx in keyed.items():
         split = is_split(leaves[idx[0]].value)
         dtype = _math_dtype(leaves[idx[0]].value)
         written = [k for k, i in enumerate(idx) if leaves[i].has_master]
@@ -100,8 +103,21 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             [high(leaves[idx[k]].value) if split else leaves[idx[k]].value for k in written],
             [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
             Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None,
-            split, tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments)))
+            split, tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments),
+            device.type == "cuda" and dtype == torch.float32 and not split
+            and all(m == torch.float32 for m in moments)
+            and all(_fusable(leaves[i]) for i in idx)))
     return groups
+
+
+def _fusable(leaf: "Leaf") -> bool:
+    """Whether a kernel writing params from fp32 masters (or stepping fp32 params) takes the
+    leaf: its tensors contiguous, its param a plain bf16/fp16 tensor of its master or the fp32
+    value itself."""
+    p, v = leaf.param, leaf.value
+    plain = type(p) in (torch.Tensor, torch.nn.Parameter) and p.is_contiguous()
+    ok = (p.dtype in (torch.bfloat16, torch.float16) if leaf.has_master else p is v)
+    return plain and ok and v.is_contiguous() and all(m.is_contiguous() for m in leaf.moments)
 
 
 def _with_grads(grp: Group, grads: list) -> Optional[tuple]:
@@ -153,16 +169,50 @@ def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], val
                 torch._foreach_lerp_(emas[part], vs, 1 - (ema_decay or 0.0))
 
 
+def _run_fused(writes: Callable[..., None], grp: Group, grads: list, h: Any) -> list:
+    """``writes`` over the group's leaves with a grad: one call per param dtype of the leaves
+    with a master (grads in that dtype), one for fp32 params; the values stepped."""
+    at = {k: n for n, k in enumerate(grp.written)}
+    calls: dict[Any, tuple[list, ...]] = {}  # param dtype (None: fp32 params) -> lists
+    stepped = []
+    for k, g in enumerate(grads):
+        if g is None:
+            continue
+        v = grp.values[k]
+        p = grp.params[at[k]] if k in at else v
+        lists = calls.setdefault(p.dtype if k in at else None, ([], [], [], [], []))
+        for x, y in zip(lists, (g if g.is_contiguous() else g.contiguous(), p,
+                                grp.moments[0][k], grp.moments[1][k], v)):
+            x.append(y)
+        stepped.append(k)
+    for key, (gs, ps, ms, ns, vs) in calls.items():
+        writes(gs, ps, [ms, ns], None if key is None else vs, h)
+    return stepped
+
+
 def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],
                signed: list[bool], hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
-               timeline: Optional["Timeline"], touched: list) -> None:
+               timeline: Optional["Timeline"], touched: list,
+               writes: Optional[Callable[..., None]] = None) -> None:
     """Update each group's leaves that have a grad in ``gs`` (per leaf; ``every_grad``: the
     grads check found every leaf with one). ``signed``: per moment, whether it may be negative
     (its block-wise 8-bit map). ``touched`` gets the group's device before a group's state is
     first changed in place, so that a caller catching an error (a quantized param's write
-    failing after its math ran) knows whether the state changed."""
+    failing after its math ran) knows whether the state changed. ``writes``: the spec's
+    ``device_writes``, run on the groups it takes (``Group.fusable``) in place of ``math``
+    and the params' write."""
     for grp in groups:
         grads = [gs[i] for i in grp.idx]
+        if writes is not None and grp.fusable:
+            touched.append(grp.device)
+            s0 = timeline.stamp(grp.device) if timeline else None
+            stepped = _run_fused(writes, grp, grads, hyper if grp.decay else hyper_no_decay)
+            if grp.emas and stepped:
+                torch._foreach_lerp_([grp.emas[k] for k in stepped],
+                                     [grp.values[k] for k in stepped], 1 - (ema_decay or 0.0))
+            if timeline:
+                timeline.span("GPU update", f"{len(stepped)} leaves", s0, timeline.stamp(grp.device))
+            continue
         values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
         cast = grp.cast
         if not every_grad and any(g is None for g in grads):

@@ -33,6 +33,7 @@ class TerminalLike(Protocol):
     delayed: bool
     delay: Optional["Delay"]  # the delayed update's policy (None: not delayed)
     ema_decay: Optional[float]
+    device_writes: Optional[Callable[..., None]]  # device_kernel="te": the spec's device_writes
 
     @property
     def executor(self) -> HostExecutor: ...
@@ -122,6 +123,24 @@ def check_master(leaf: Leaf) -> None:
         raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps a {v.dtype} "
                         "master made for its dtype at init; convert it back, or make a new state "
                         "for the new dtype with opt.init(params)")
+
+
+def check_shape(leaf: Leaf, spec: OptimizerSpec) -> None:
+    """Refuse a leaf of a non-element-wise optimizer (Adafactor) whose param was reshaped since
+    its state was laid out: that state follows the param's shape (element-wise state is read
+    flat, so a reshaped param is followed)."""
+    if spec.elementwise:
+        return
+    p = leaf.param
+    want = [tuple(p.shape) if m.shape is None else m.shape(p.shape) for m in spec.moments]
+    got = [None if x is None else tuple(x.shape) for x in leaf.moments]
+    if leaf.has_master:
+        want.append(tuple(p.shape))
+        got.append(tuple(leaf.value.shape))
+    if want != got:
+        raise ValueError(f"param {leaf.path!r} is {tuple(p.shape)} now, but its state was laid "
+                         f"out for another shape ({spec.name}'s state follows the param's "
+                         "shape): reshape it back, or make a new state with opt.init(params)")
 
 
 class Static(NamedTuple):

@@ -88,6 +88,10 @@ class OptimizerSpec(NamedTuple):
         with ``kAheadScalars`` > 0).
       land_ahead: the look-ahead's device side (with ``ahead``, and only with it).
       ahead_dtypes: the param dtypes the look-ahead's values keep in range, or ``None``: all.
+      device_writes: a device kernel that also writes the params, ``(grads, params, moments,
+        masters, hyper)`` (``masters`` ``None`` for fp32 params stepped themselves; grads in
+        the params' dtype): TransformerEngine's fused Adam, chosen by ``device_kernel="te"``;
+        ``None``: none.
     """
 
     name: str
@@ -105,6 +109,7 @@ class OptimizerSpec(NamedTuple):
     ahead_scalars: Optional[Callable[[Any, Any], Sequence[float]]] = None
     land_ahead: Optional[LandAheadFn] = None
     ahead_dtypes: Optional[tuple[torch.dtype, ...]] = None
+    device_writes: Optional[Callable[[list, list, list, Optional[list], Any], None]] = None
 
     def check(self) -> "OptimizerSpec":
         """Raise ``TypeError`` if the spec is inconsistent (for optimizer authors)."""

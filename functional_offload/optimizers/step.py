@@ -36,7 +36,8 @@ from functional_offload.state import BUSY, CONSUMED, after_load, claim, mark_fai
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.device_math import run_groups
 from functional_offload.optimizers.forms import Case, HostForm, HostWork, Pending, form_for
-from functional_offload.optimizers.layout import Leaf, Static, TerminalLike, check_master, static
+from functional_offload.optimizers.layout import (Leaf, Static, TerminalLike, check_master,
+                                                 check_shape, static)
 from functional_offload.tree import check_grad, grads_of, insertion_order, plain_grad
 
 __all__ = ["TerminalStep"]
@@ -56,6 +57,11 @@ class TerminalStep(StepBase):
             self.hyper, self.hyper_no_decay = t.hyper_at(self.n)
             self.hyper_next = self._next_hyper()
             self.leaves: list[Leaf] = t.layout(state)
+            cache = state.params.cache if state.params.cache is not None else StepCache()
+            if cache.static is None:
+                for leaf in self.leaves:  # reshaped between init and the first step
+                    check_shape(leaf, t.spec)
+                cache.static = static(self.leaves, cache.packs)
         except BaseException:
             state.count.fill_(self.n)
             raise
@@ -64,10 +70,7 @@ class TerminalStep(StepBase):
         self.finished = False
         self.closed = False
         self.delayed = t.delayed
-        cache = state.params.cache if state.params.cache is not None else StepCache()
         self.cache = cache
-        if cache.static is None:
-            cache.static = static(self.leaves, cache.packs)
         self.work = HostWork(t, self.leaves, cache, self.hyper, self.hyper_no_decay)
         self.form: HostForm = form_for(Case(t.delayed, t.spec.elementwise, self.speculative,
                                             t.executor.engine), self.work)
@@ -227,11 +230,7 @@ class TerminalStep(StepBase):
             changed = changed or not same
             if not same:
                 check_master(leaf)
-                if p.shape != shape and not self.t.spec.elementwise:
-                    raise ValueError(f"param {leaf.path!r} is {tuple(p.shape)} now, but its state "
-                                     f"was laid out for {tuple(shape)} ({self.t.spec.name}'s state "
-                                     "follows the param's shape): reshape it back, or make a new "
-                                     "state with opt.init(params)")
+                check_shape(leaf, self.t.spec)
             if fed and len(out) in fed:
                 out.append(fed[len(out)])
             elif g is None or (same and plain_grad(g, p)):
@@ -257,7 +256,7 @@ class TerminalStep(StepBase):
             spec = t.spec
             run_groups(self.static.groups, gs, self.every_grad, spec.device or spec.reference,
                        [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
-                       t.ema_decay, t.executor.timeline, touched)
+                       t.ema_decay, t.executor.timeline, touched, t.device_writes)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
             if self.delayed:  # the run takes the leaves in the order the last forward landed
                 # them (fo.land), then in the params tree's insertion order (a model's forward

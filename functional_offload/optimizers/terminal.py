@@ -65,7 +65,7 @@ class Terminal:
                  moment_dtypes: Mapping[str, Optional[torch.dtype]], placement: Optional[Placement],
                  master_dtype: torch.dtype, weight_decay_mask: Any, ema_decay: Optional[float],
                  executor: Optional[HostExecutor], cpu_kernel: str, delayed: Union[bool, Delay],
-                 store_param_remainders: bool = False):
+                 store_param_remainders: bool = False, device_kernel: str = "torch"):
         if placement is not None and not isinstance(placement, Placement):
             raise TypeError(f"placement must be a functional_offload.placement.Placement, got "
                             f"{type(placement).__name__} (e.g. placement.offload_fraction(0.5))")
@@ -74,6 +74,10 @@ class Terminal:
         if cpu_kernel == "native" and spec.native is None:
             raise ValueError(f"cpu_kernel='native': {spec.name} has no native CPU kernel; use "
                              "'auto' or 'torch'")
+        if device_kernel not in ("torch", "te"):
+            raise ValueError(f"device_kernel must be 'torch' or 'te', got {device_kernel!r}")
+        if device_kernel == "te" and spec.device_writes is None:
+            raise ValueError(f"device_kernel='te': {spec.name} has no TransformerEngine kernel")
         if master_dtype not in (torch.float32, torch.float64):
             raise TypeError(f"master_dtype must be torch.float32 or torch.float64, got {master_dtype!r}")
         if executor is not None and not isinstance(executor, HostExecutor):
@@ -121,6 +125,7 @@ class Terminal:
         self.cpu_kernel = cpu_kernel
         self.delay = delay  # which delayed updates are exact (None: not delayed)
         self.store_param_remainders = store_param_remainders
+        self.device_writes = spec.device_writes if device_kernel == "te" else None
 
     @property
     def delayed(self) -> bool:
@@ -442,13 +447,13 @@ def terminal(spec: OptimizerSpec, hypers: Mapping[str, ScalarOrSchedule], *,
              master_dtype: torch.dtype = torch.float32, weight_decay_mask: Any = None,
              ema_decay: Optional[float] = None, executor: Optional[HostExecutor] = None,
              cpu_kernel: str = "auto", delayed: Union[bool, Delay] = False,
-             store_param_remainders: bool = False) -> Optimizer:
+             store_param_remainders: bool = False, device_kernel: str = "torch") -> Optimizer:
     """The :class:`~functional_offload.Optimizer` of ``spec`` with these hyperparameters and
     options (see :func:`~functional_offload.adamw` for what each option does). Everything is
     validated here, before any state exists."""
     t = Terminal(spec, hypers, moment_dtypes=moment_dtypes, placement=placement,
                  master_dtype=master_dtype, weight_decay_mask=weight_decay_mask,
                  ema_decay=ema_decay, executor=executor, cpu_kernel=cpu_kernel, delayed=delayed,
-                 store_param_remainders=store_param_remainders)
+                 store_param_remainders=store_param_remainders, device_kernel=device_kernel)
     return Optimizer(t.init, t.update, t.begin)
 

@@ -175,8 +175,11 @@ class GroupStates:
         entries = entries_of(opt_state, params)
         state, keys = self.lay_out(step, params)
         names = slot.group.get("param_names")
-        copies, count = Slot.copies_for(state, keys, params, entries, reset=False,
-                                        resync_masters=False, where=step.where, names=names)
+        copies, count = Slot.copies_for(
+            state, keys, params, entries, reset=False, resync_masters=False, where=step.where,
+            names=names, reshaped="was the param reshaped since its state was made? torch.optim "
+            "cannot step it either: restore its shape, or drop its state (del "
+            "optimizer.state[param]) to start it afresh")
         apply_copies(state, copies, count)
         slot.install(state, keys, params, self.fixed(step.options))
         slot.write_views(opt_state, entries)

@@ -180,7 +180,9 @@ class Slot:
     @staticmethod
     def copies_for(state: Any, keys: list, params: list, entries: list[Optional[dict]], *,
                    reset: bool, resync_masters: bool, where: str, names: Optional[list] = None,
-                   expect: Optional[Expect] = None) -> tuple[list[Copy], Optional[int]]:
+                   expect: Optional[Expect] = None,
+                   reshaped: str = "was it saved for another model, or with the params in "
+                                   "another order?") -> tuple[list[Copy], Optional[int]]:
         """The copies that put ``entries`` (torch-format per-param dicts, ``None`` where a param
         has none) into ``state``, and the count to set (``None``: keep it). Raises ``ValueError``
         naming the param and key of a value that does not fit; copies nothing.
@@ -188,7 +190,8 @@ class Slot:
         ``reset``: leaves an entry lacks get a fresh value (zero moments, the param as master),
         as for a load. ``resync_masters``: masters not shown in the views are set from their
         params (the params are the truth after a load). ``expect``: what each entry must hold,
-        for a state_dict being loaded (see :class:`Expect`)."""
+        for a state_dict being loaded (see :class:`Expect`). ``reshaped``: what the error for a
+        value of another shape tells the user to check."""
         copies: list[Copy] = []
         steps: list[int] = []
         for j, p in enumerate(params):
@@ -219,8 +222,7 @@ class Slot:
                                      f"tensor of shape {tuple(leaf.shape)}")
                 if tuple(v.shape) != tuple(leaf.shape):
                     raise ValueError(f"{label}: state {name!r} has shape {tuple(v.shape)} but the "
-                                     f"param's state has shape {tuple(leaf.shape)}; was it saved "
-                                     "for another model, or with the params in another order?")
+                                     f"param's state has shape {tuple(leaf.shape)}; {reshaped}")
                 if not (v.dtype.is_floating_point and not v.is_meta):
                     raise ValueError(f"{label}: state {name!r} is a {v.dtype} {v.device} tensor; "
                                      "expected floating values")
