@@ -264,10 +264,13 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         times.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
     flush()
     sync(device)
+    info["flush_s"] = time.perf_counter() - t0
     info["mean_s"] = (time.perf_counter() - start) / args.steps
-    info.update(step_s=statistics.median(times), step_min_s=min(times), pinned_bytes=pinned_bytes(device))
+    info.update(step_s=statistics.median(times), step_min_s=min(times), pinned_bytes=pinned_bytes(device),
+                times_s=[round(t, 4) for t in times])
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30)
@@ -320,7 +323,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     if fb:
         out.append(f"forward {fb['fwd_s']:.3f} s, backward {fb['bwd_s']:.3f} s, fwd+bwd step "
                    f"{fb['step_s']:.3f} s")
-    out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'mean s':>7} {'x fb':>6} {'floor s':>8} "
+    out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'mean s':>7} {'flush s':>7} {'x fb':>6} {'floor s':>8} "
                f"{'ovh/flr':>7} {'bound s':>8} {'x bound':>7} {'peak GiB':>9} {'extra':>6} {'pin MiB':>8}")
     for r in rows:
         if r["system"] == "floor":
@@ -337,11 +340,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         b = bound(name, fb["fwd_s"], fb["bwd_s"], floor if r["offloaded"] else 0.0) if fb else nan
         pin = f"{r['pinned_bytes'] / 2**20:.0f}" if r.get("pinned_bytes") is not None else "-"
         out.append(f"{r['system']:<12} {r['clip']:>4} {r['step_s']:>7.3f} {r['mean_s']:>7.3f} "
-                   f"{r['mean_s'] / fbs:>6.2f} {floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
+                   f"{r.get('flush_s', nan):>7.3f} {r['mean_s'] / fbs:>6.2f} {floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
                    f"{b:>8.3f} {r['mean_s'] / b:>7.2f} {r.get('peak_gib', nan):>9.2f} "
                    f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8}"
                    + (f"  ahead {r['ahead']}" if name.startswith("stream") and r.get("ahead") else ""))
-    out.append("x fb = mean / (fwd+bwd); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
+    out.append("mean = (timed steps + final flush) / steps; flush s = the final flush alone; "
+               "x fb = mean / (fwd+bwd); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
                "extra = peak GiB above the bf16 model; no* = cannot clip")
     return out
 
