@@ -48,10 +48,14 @@ def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch
     """One update of ``params`` with ``grads`` by ``system``, and what lands the last one;
     ``clip``: gradient clipping at 1.0 first (torch: ``clip_grad_norm_``; ours:
     ``clip_by_global_norm`` chained in front)."""
-    if system == "torch":
+    if system in ("torch", "fusedadam"):
         for k, p in params.items():
             p.requires_grad_(True).grad = grads[k]
-        opt = torch.optim.AdamW(list(params.values()), fused=True, **HYPER)
+        if system == "torch":
+            opt = torch.optim.AdamW(list(params.values()), fused=True, **HYPER)
+        else:
+            from transformer_engine.pytorch.optimizers import FusedAdam
+            opt = FusedAdam(list(params.values()), master_weights=True, **HYPER)
         if not clip:
             return opt.step, lambda: None
 
@@ -59,18 +63,6 @@ def updater(system: str, params: dict[str, torch.Tensor], grads: dict[str, torch
             torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
             opt.step()
         return step, lambda: None
-    if system == "fusedadam":
-        from transformer_engine.pytorch.optimizers import FusedAdam
-        for k, p in params.items():
-            p.requires_grad_(True).grad = grads[k]
-        fused = FusedAdam(list(params.values()), master_weights=True, **HYPER)
-        if not clip:
-            return fused.step, lambda: None
-
-        def step_te() -> None:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
-            fused.step()
-        return step_te, lambda: None
     if system not in SYSTEMS:
         raise SystemExit(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     where = (fo.placement.on_device() if system in ("device", "devicete")
