@@ -846,6 +846,34 @@ def test_a_streamed_step_refuses_a_master_that_no_longer_fits_before_any_leaf_st
 
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["before-first", "between"])
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize("change", ["resized", "widened"])
+def test_a_param_changed_after_init_is_refused_at_the_first_update_too(change, kernel, stepped):
+    """A param resized (``param.data = smaller``) or widened past its master (bf16 -> fp64)
+    after ``init`` is refused naming it before anything changes, at the first update as at
+    later ones (the first update used to take the params as they were then: a resized bf16
+    param was overwritten from the old master's first elements, silently)."""
+    torch.manual_seed(0)
+    params = {"b": torch.randn(64).bfloat16(), "w": torch.randn(64, 64).bfloat16()}
+    opt = fo.adamw(1e-2, cpu_kernel=kernel)
+    state = opt.init(params)
+    grads = lambda: {k: torch.randn(p.shape).to(p.dtype) for k, p in params.items()}  # noqa: E731
+    if stepped:
+        params, state = opt.update(grads(), state)
+    before = {k: p.clone() for k, p in params.items()}
+    if change == "resized":
+        params["w"].data = torch.randn(32, 32).bfloat16()
+        err, match = ValueError, r"param 'w' now has 1024 elements but its optimizer state was made for 4096"
+    else:
+        params["w"].data = params["w"].data.double()
+        err, match = TypeError, r"param 'w' is torch.float64 now, but its state keeps a torch.float32 master"
+    with pytest.raises(err, match=match):
+        opt.update(grads(), state)
+    assert torch.equal(params["b"], before["b"]) and int(state.count) == int(stepped)
+    fo.state_dict(state)  # usable: not marked failed
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["before-first", "between"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(9, 4), (36,), (2, 2, 9)])
 def test_adafactor_refuses_a_param_reshaped_before_the_step(shape, dtype, stepped):

@@ -59,7 +59,8 @@ class TerminalStep(StepBase):
             self.leaves: list[Leaf] = t.layout(state)
             cache = state.params.cache if state.params.cache is not None else StepCache()
             if cache.static is None:
-                for leaf in self.leaves:  # reshaped between init and the first step
+                for leaf in self.leaves:  # changed between init and the first step
+                    check_master(leaf)
                     check_shape(leaf, t.spec)
                 cache.static = static(self.leaves, cache.packs)
         except BaseException:

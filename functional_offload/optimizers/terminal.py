@@ -33,7 +33,7 @@ from functional_offload.optimizers.step import TerminalStep
 from functional_offload.placement import Placement, on_host, previewing, record_plan
 from functional_offload.quantized import is_quantized
 from functional_offload.tree import (check_no_aliasing, check_tensor_leaves, check_unique_paths,
-                                     leaves_with_paths, local)
+                                     grads_of, leaves_with_paths, local)
 from functional_offload.typing import Params, ScalarOrSchedule
 
 __all__ = ["terminal", "Terminal", "LOW_PRECISION"]
@@ -398,11 +398,13 @@ class Terminal:
         fields = {name: unflat(xs) for name, xs in moments.items()}
         absent = {f: () for f in self.spec.state._fields
                   if f not in fields and f not in ("count", "master", "ema", "params")}
+        cache = StepCache(packs=packs,
+                          wants_scale=self.delay is not None and self.delay.exact_when_clipped)
+        grads_of(params, cache)  # the params as laid out now: a change before the first step is seen
         return self.spec.state(
             count=torch.zeros((), dtype=torch.int64), **fields, **absent,
             master=unflat(masters), ema=unflat(emas) if self.ema_decay is not None else (),
-            params=ParamRefs(params, cache=StepCache(
-                packs=packs, wants_scale=self.delay is not None and self.delay.exact_when_clipped)),
+            params=ParamRefs(params, cache=cache),
         )
 
     # ---- steps ----------------------------------------------------------------------------
