@@ -178,6 +178,10 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y).__name__
             raise CheckpointError(f"leaf {p!r}: checkpoint has {got}, the state expects "
                                   f"{(tuple(shape), dtype)}; values are never cast on load")
+        if y.is_meta or y.layout != torch.strided:
+            what = "a meta tensor" if y.is_meta else f"a {y.layout} tensor"
+            raise CheckpointError(f"leaf {p!r}: checkpoint has {what}, which holds no dense "
+                                  "values to load (was it loaded with map_location='meta'?)")
     failed = [k for k, m in adopt.items() if int(m.state.count) == FAILED]
     if failed:
         raise CheckpointError(
@@ -210,7 +214,12 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             if m.state.params.cache is None:  # nowhere to note it: the param now
                 m.master.copy_(m.param)
 
-    _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn
+    try:
+        _, interrupt = shielded(copy_all)  # all of it, or an interrupt would leave it torn
+    except BaseException:
+        for t in mark_tensors(like):  # part of it was copied: nothing may use it
+            t.fill_(FAILED)
+        raise
     if interrupt is not None:
         raise interrupt
     return like

@@ -92,7 +92,13 @@ def test_mismatch_errors_name_the_leaf(tmp_path):
     other = fo.adamw(1e-2).init(clone(params))  # a different chain
     with pytest.raises(fo.CheckpointError):
         fo.load_state_dict(sd, other)
+    # values that do not exist (torch.load(map_location="meta")), after real ones in the order
+    # the leaves are copied: refused before any is (the copy failed part-way, the state usable)
+    bad = {k: v if k in ("1.count", "1.mu.scale") else v.to("meta") for k, v in sd.items()}
+    with pytest.raises(fo.CheckpointError, match="a meta tensor"):
+        fo.load_state_dict(bad, like)
     assert torch.equal(like[1].mu["scale"], torch.zeros_like(like[1].mu["scale"]))  # untouched
+    assert int(like[1].count) == 0
 
 
 def test_truncated_and_corrupt_files_raise(tmp_path):
