@@ -135,6 +135,36 @@ def test_adapter_names_a_param_reshaped_between_steps_and_steps_it_afresh_once_d
     assert not torch.equal(opt.state[m.bias]["exp_avg"], bias_before)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_a_group_without_grads_keeps_its_step_as_in_torch(delayed):
+    """A param group none of whose params has a grad (a frozen backbone) is left alone, as
+    torch.optim leaves it: its step count does not advance, so once unfrozen its bias
+    corrections start from step 1 and the params equal torch.optim.AdamW's bit for bit."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    (b1, h1), (b2, h2) = build(), build()
+    delay = fo.Delay(lookahead=False) if delayed else False
+    ours = fo.TorchOptimizer([{"params": list(b1.parameters())}, {"params": list(h1.parameters())}],
+                             fo.adamw, cpu_kernel="torch", lr=1e-2, delayed=delay)
+    ref = torch.optim.AdamW([{"params": list(b2.parameters())}, {"params": list(h2.parameters())}],
+                            lr=1e-2)
+    x = torch.randn(32, 16)
+    for step in range(8):
+        for b, h, o in ((b1, h1, ours), (b2, h2, ref)):
+            b.requires_grad_(step >= 5)  # the backbone frozen for 5 steps
+            o.zero_grad(set_to_none=True)
+            if o is ours:
+                o.flush()  # the forward reads landed params (no land_before_forward here)
+            h(b(x)).square().mean().backward()
+            o.step()
+    ours.flush()
+    assert int(ours.state[b1.weight]["step"]) == int(ref.state[b2.weight]["step"]) == 3
+    for p, q in zip([*b1.parameters(), *h1.parameters()], [*b2.parameters(), *h2.parameters()]):
+        assert torch.equal(p, q)
+
+
 def _megatron_pair(make, grads, params):
     """The params after ``grads`` under ``make()`` (each a fresh optimizer and params)."""
     opt = make()

@@ -215,8 +215,13 @@ class TorchOptimizer(torch.optim.Optimizer):
             hidden = (Slot.moment_fields(state) - run.moments) if run.moments is not None else ()
             given = state._replace(**{f: () for f in hidden}) if hidden else state
             count = int(state.count)
+            grads = run.grads.values() if isinstance(run.grads, dict) else run.grads
+            idle = all(g is None for g in grads)  # torch.optim leaves such a group alone
             try:
-                _, new = run.opt.update(run.grads, given)
+                if idle:  # its step count stays; a delayed step in flight lands, as at an update
+                    new = flush(state)
+                else:
+                    _, new = run.opt.update(run.grads, given)
             except BaseException as e:
                 if int(state.count) == count + 1:  # a signal's handler raised once the step
                     new = given  # had completed into the state passed in (the core's contract)
@@ -232,7 +237,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                         if other.slot.state is not None:
                             other.slot.refresh()
                     raise
-            stepped = True
+            stepped = stepped or not idle
             if hidden:
                 new = new._replace(**{f: getattr(state, f) for f in hidden})
             slot.state = new
