@@ -32,6 +32,7 @@ from functional_offload.state import (FAILED, check_loadable, check_recoverable,
                                       restore_params, terminal_states)
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
+from functional_offload.kernels.blockwise import is_blockwise
 from functional_offload.kernels.remainder import is_split, join, split_
 from functional_offload.quantized import write_params
 from functional_offload.tree import check_unique_paths, flatten_like, leaves_with_paths, local
@@ -69,6 +70,32 @@ def _mirrors(like: OptState) -> dict[str, _Mirror]:
         for i, (name, p, m) in enumerate(zip(names, params, masters)):
             if local(p).dtype in (torch.float32, torch.float64):
                 out[_key(prefix, "master", name)] = _Mirror(s, i, local(p), m)
+    return out
+
+
+def _param_shapes(state: OptState, every: bool = False) -> dict[str, tuple[int, ...]]:
+    """By key (``<prefix>.param_shape.<leaf>``), the shapes of the params whose state keeps
+    block-wise 8-bit moments (``every``: of all params): flat bytes of whole blocks, which
+    carry neither the param's shape nor its exact element count, so a checkpoint holds them
+    beside."""
+    out = {}
+    prefixes, nodes, _ = leaves_with_paths(state, is_leaf=_is_terminal)
+    for prefix, s in zip(prefixes, nodes):
+        if not _is_terminal(s):
+            continue
+        names, params, _ = leaves_with_paths(s.params.tree)
+        for field in s._fields:
+            tree = getattr(s, field)
+            if field in ("count", "master", "ema", "params") or (isinstance(tree, tuple)
+                                                                 and not tree):
+                continue
+            try:
+                xs = flatten_like(tree, s.params.tree, f"state.{field}")
+            except (ValueError, TypeError):  # not one tensor per param: no moment of a param
+                continue
+            for name, p, x in zip(names, params, xs):
+                if every or (isinstance(x, torch.Tensor) and is_blockwise(x)):
+                    out[_key(prefix, "param_shape", name)] = tuple(local(p).shape)
     return out
 
 
@@ -121,8 +148,9 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     A delayed update still in flight is finished first (:func:`~functional_offload.flush`).
 
     The tensors are the state's own (not copies), but for split masters
-    (``store_param_remainders``), given as their fp32 values; ``torch.save`` of the result
-    loads with ``weights_only=True``.
+    (``store_param_remainders``), given as their fp32 values, and, for params whose moments
+    are block-wise 8-bit, their shapes (``param_shape.<leaf>``, int64: a load refuses a param
+    of another shape); ``torch.save`` of the result loads with ``weights_only=True``.
     """
     return _landed(state, "take a state_dict")
 
@@ -135,7 +163,8 @@ def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
     flush(state)  # a delayed update still in flight lands first
     check_usable(state, action)
     check_states(state)  # values a loop wrote into the state that a load would refuse
-    return state_tensors(state)
+    shapes = {k: torch.tensor(v, dtype=torch.int64) for k, v in _param_shapes(state).items()}
+    return {**state_tensors(state), **shapes}
 
 
 def state_tensors(state: OptState) -> dict[str, torch.Tensor]:
@@ -157,8 +186,11 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     paths, leaves = _state_leaves(like)
     known = set(paths)
     mirrors = _mirrors(like)
+    shapes = _param_shapes(like)  # absent from checkpoints written before they were kept
+    shaped = _param_shapes(like, every=True)  # those of other moment formats: their moments
+    #                                            are refused below, naming them
     missing = [p for p in paths if p not in sd and p not in mirrors]
-    unexpected = [k for k in sd if k not in known and k not in mirrors]
+    unexpected = [k for k in sd if k not in known and k not in mirrors and k not in shaped]
     adopt = {p: mirrors[p] for p in paths if p not in sd and p in mirrors}
     dropped = {k: mirrors[k] for k in sd if k not in known and k in mirrors}
     if missing or unexpected:
@@ -182,6 +214,18 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
             what = "a meta tensor" if y.is_meta else f"a {y.layout} tensor"
             raise CheckpointError(f"leaf {p!r}: checkpoint has {what}, which holds no dense "
                                   "values to load (was it loaded with map_location='meta'?)")
+    for k, shape in shapes.items():
+        y = sd.get(k)
+        if y is None:
+            continue
+        if not (isinstance(y, torch.Tensor) and y.dtype == torch.int64 and y.dim() == 1
+                and not y.is_meta):
+            raise CheckpointError(f"leaf {k!r}: checkpoint has {type(y).__name__} "
+                                  f"{getattr(y, 'dtype', '')}, expected an int64 shape")
+        if tuple(y.tolist()) != shape:
+            raise CheckpointError(f"leaf {k!r}: the checkpoint's 8-bit moments were saved for a "
+                                  f"param of shape {tuple(y.tolist())}, this state's is {shape}; "
+                                  "build `like` from the params the state was saved with")
     failed = [k for k, m in adopt.items() if int(m.state.count) == FAILED]
     if failed:
         raise CheckpointError(

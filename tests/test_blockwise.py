@@ -314,6 +314,33 @@ def test_a_checkpoint_holds_the_bytes_and_scales_exactly(tmp_path):
         fo.load(path, fp32)
 
 
+@pytest.mark.parametrize("make", [lambda **kw: fo.adamw(1e-2, mu_dtype=torch.uint8, nu_dtype=torch.uint8, **kw),
+                                  lambda **kw: fo.lion(1e-3, mu_dtype=torch.uint8, **kw)],
+                         ids=["adamw", "lion"])
+def test_a_checkpoint_of_8bit_moments_refuses_a_param_of_another_shape(make, tmp_path):
+    """8-bit moments are flat bytes of whole blocks, which carry neither the param's shape nor
+    its element count (300 x 256 and 76,700 elements both take 300 blocks): the checkpoint
+    holds the param's shape beside them, and a load into another shape is refused naming the
+    leaf, the state untouched. A state_dict without it (written before) still loads."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(300, 256), "b": torch.randn(7)}
+    opt = make()
+    state = opt.init(params)
+    params, state = opt.update({k: torch.randn(p.shape) for k, p in params.items()}, state)
+    path = os.fspath(tmp_path / "opt.safetensors")
+    fo.save(state, path)
+    assert fo.state_dict(state)["param_shape.w"].tolist() == [300, 256]
+    for shape in [(256, 300), (76700,)]:
+        like = make().init({"w": torch.zeros(shape), "b": torch.zeros(7)})
+        with pytest.raises(fo.CheckpointError, match=r"'param_shape.w'.*saved for a param of "
+                                                     r"shape \(300, 256\)"):
+            fo.load(path, like)
+        assert int(like.count) == 0 and not like.mu["w"].any()
+    older = {k: v for k, v in fo.state_dict(state).items() if not k.startswith("param_shape.")}
+    loaded = fo.load_state_dict(older, make().init({k: torch.zeros_like(p) for k, p in params.items()}))
+    assert torch.equal(loaded.mu["w"], state.mu["w"])
+
+
 def test_what_8bit_moments_do_not_support_is_refused_naming_it():
     with pytest.raises(TypeError, match="torch.uint8: block-wise 8-bit"):
         fo.adamw(mu_dtype=torch.int8)
