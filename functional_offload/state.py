@@ -180,9 +180,10 @@ def check_recoverable(state: OptState) -> None:
         if lost:
             shown = ", ".join(repr(p) for p in lost[:8]) + (f" (of {len(lost)})" if len(lost) > 8 else "")
             raise StateError(
-                f"cannot load into this failed {type(s).__name__}: its failed step changed "
-                f"params {shown} in place, and the state keeps no master copy of them, so "
-                "loading the optimizer's checkpoint cannot put them back. Restore the params "
+                f"cannot load into this failed {type(s).__name__}: its failed step may have "
+                f"changed params {shown} in place (work that writes them had been handed out), "
+                "and the state keeps no master copy of them, so loading the optimizer's "
+                "checkpoint cannot put them back. Restore the params "
                 "from your model checkpoint, then load into a fresh state: "
                 "state = fo.load(path, like=opt.init(params)) (with fo.TorchOptimizer: restore "
                 "the model's params, then optimizer.load_state_dict(...))")
