@@ -421,3 +421,34 @@ def test_params_given_other_memory_before_a_forward_land_there():
     assert torch.equal(losses, want_losses)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+
+def test_a_later_group_refusing_its_missed_landing_says_the_earlier_groups_stepped():
+    """fo.TorchOptimizer, two param groups in the landed form, the second group's params read
+    by the parent (F.linear on a child's weight), so never landed before the forward: the
+    second group refuses its update after the first has stepped. Every group is marked failed
+    (the optimizer is torn), and the error says so beside its own group's message."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return nn.functional.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
+
+    torch.manual_seed(0)
+    m = M()
+    opt = fo.TorchOptimizer([{"params": list(m.a.parameters())}, {"params": list(m.b.parameters())}],
+                            fo.adamw, lr=1e-2, delayed=fo.Delay(lookahead=False))
+    fo.land_before_forward(m, opt)
+    x = torch.randn(6, 8)
+    m(x).square().mean().backward()
+    opt.step()  # the first update lands nothing
+    opt.zero_grad()
+    m(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match="were not landed before the forward") as info:
+        opt.step()
+    assert any("groups before group 1 had stepped, so every group is marked failed" in n
+               for n in getattr(info.value, "__notes__", []))
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.step()

@@ -233,6 +233,11 @@ class TorchOptimizer(torch.optim.Optimizer):
                         for other in runs:
                             if other.slot.state is not None:
                                 other.slot.state.count.fill_(FAILED)
+                        if stepped:  # whatever the error says of its own group's state
+                            e.add_note(f"fo.TorchOptimizer: param groups before group "
+                                       f"{run.index} had stepped, so every group is marked "
+                                       "failed; restore the model's params and "
+                                       "optimizer.load_state_dict(...) a checkpoint")
                     for other in runs:
                         if other.slot.state is not None:
                             other.slot.refresh()
