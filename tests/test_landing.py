@@ -452,3 +452,40 @@ def test_a_later_group_refusing_its_missed_landing_says_the_earlier_groups_stepp
                for n in getattr(info.value, "__notes__", []))
     with pytest.raises(fo.StateError, match="failed"):
         opt.step()
+
+
+def test_zeroed_grads_of_a_skipped_module_are_no_grads_to_the_landing_check():
+    """``zero_grad(set_to_none=False)`` leaves a skipped module's grads as zero tensors: the
+    landed form treats the ones no backward wrote as it treats ``None`` (their params were not
+    read), so it steps as the plain update does, bit for bit, where it refused falsely."""
+    class Skip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+            self.t = 0
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if self.t % 2 == 0:  # b skipped on odd steps
+                h = torch.tanh(self.b(h))
+            return self.out(h)
+
+    def run(delayed: bool) -> dict:
+        torch.manual_seed(0)
+        m = Skip()
+        opt = fo.TorchOptimizer(m.named_parameters(), fo.adamw, lr=1e-2,
+                                delayed=fo.Delay(lookahead=False) if delayed else False)
+        if delayed:
+            fo.land_before_forward(m, opt)
+        g = torch.Generator().manual_seed(1)
+        for t in range(5):
+            m.t = t
+            x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+            (m(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        opt.flush()
+        return {k: v.detach().clone() for k, v in m.named_parameters()}
+
+    plain, landed = run(False), run(True)
+    assert all(torch.equal(plain[k], landed[k]) for k in plain)

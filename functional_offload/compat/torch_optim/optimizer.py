@@ -120,6 +120,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = max_grad_norm
         self._clip = clip_by_global_norm(max_grad_norm) if max_grad_norm is not None else None
         self._states = GroupStates(algo)
+        self._zeroed: dict[int, tuple[torch.Tensor, int]] = {}  # zero_grad(set_to_none=False):
+        #                                      each param's zeroed grad and its version then
 
     # ---- pickling (torch's __getstate__ keeps defaults, state and param_groups) ----------------
     def __getstate__(self) -> dict[str, Any]:
@@ -194,6 +196,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._zeroed:
+            self._land_untouched()
         runs = self._states.steps(self.param_groups, self.defaults)
         for run in runs:
             self._states.ready(run, self.state)
@@ -265,6 +269,25 @@ class TorchOptimizer(torch.optim.Optimizer):
             grads = [None if g is None else torch.neg(g) for g in grads]
         run.grads = (dict(zip(slot.keys, grads)) if isinstance(slot.state.params.tree, dict)
                      else grads)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim``'s. With ``set_to_none=False`` the zeroed grads are noted: one that
+        the next backward leaves untouched (its param unused) is no grad to the landed form's
+        check (``fo.land_before_forward``), as ``None`` would be; its param lands at the step."""
+        super().zero_grad(set_to_none)
+        self._zeroed = {} if set_to_none else {
+            id(p): (p.grad, p.grad._version)
+            for g in self.param_groups for p in g["params"] if p.grad is not None}
+
+    def _land_untouched(self) -> None:
+        """Land the params whose grads zero_grad(set_to_none=False) zeroed and no backward
+        wrote since (see :meth:`zero_grad`)."""
+        zeroed, self._zeroed = self._zeroed, {}
+        untouched = [p for g in self.param_groups for p in g["params"]
+                     if (z := zeroed.get(id(p))) is not None and p.grad is z[0]
+                     and p.grad._version == z[1]]
+        if untouched:
+            self.land(untouched)
 
     # ---- public extras ----------------------------------------------------------------------
     def flush(self) -> None:
