@@ -489,3 +489,38 @@ def test_zeroed_grads_of_a_skipped_module_are_no_grads_to_the_landing_check():
 
     plain, landed = run(False), run(True)
     assert all(torch.equal(plain[k], landed[k]) for k in plain)
+
+
+def test_a_partition_part_refusing_its_missed_landing_says_the_other_parts_stepped():
+    """fo.partition of two delayed parts in the landed form, the second part's params read by
+    the parent (never landed before the forward): its refusal comes after the first part
+    stepped, so the partition's state is marked failed, and the error says so."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return nn.functional.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
+
+    torch.manual_seed(0)
+    m = M()
+    params = dict(m.named_parameters())
+    delay = fo.Delay(lookahead=False)
+    opt = fo.partition({"a": fo.adamw(1e-2, delayed=delay), "b": fo.sgd(1e-2, delayed=delay)},
+                       lambda p: {k: "a" if k.startswith("a") else "b" for k in p})
+    state = opt.init(params)
+    fo.land_before_forward(m, lambda: state)
+    x = torch.randn(6, 8)
+    for t in range(2):
+        m(x).square().mean().backward()
+        if t == 0:
+            _, state = opt.update({k: p.grad for k, p in params.items()}, state)
+            for p in params.values():
+                p.grad = None
+            continue
+        with pytest.raises(RuntimeError, match="were not landed before the forward") as info:
+            opt.update({k: p.grad for k, p in params.items()}, state)
+    assert any("parts ['a'] had changed their state" in n for n in getattr(info.value, "__notes__", []))
+    with pytest.raises(fo.StateError, match="failed"):
+        fo.flush(state)

@@ -323,6 +323,9 @@ class _Partitioned(StepBase):
                 for label, s in news.items():  # (but params it keeps no master of)
                     mark_torn(s, {self.paths[i] for i in self.parts[label] if flat[i] is not None})
                 self.state.refs.count.fill_(FAILED)
+                errors[0].add_note(f"fo.partition: the parts {sorted(set(news) | set(moved))} "
+                                   "had changed their state, so the partition's state is marked "
+                                   "failed (torn); load a checkpoint into it")
             if interrupt is not None:
                 raise interrupt from errors[0]
             raise errors[0]
