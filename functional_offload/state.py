@@ -25,7 +25,7 @@ from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
     "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush",
-    "land", "tensors_of",
+    "land", "missed_landing", "tensors_of",
     "check_usable", "claim", "release", "mark_tensors", "terminal_states", "terminal_counts",
     "stepped", "mark_failed", "check_recoverable", "check_states", "restore_params",
     "after_load",
@@ -254,6 +254,19 @@ def release(marks: list[tuple[torch.Tensor, int]]) -> None:
     """Undo :func:`claim`."""
     for count, n in marks:
         count.fill_(n)
+
+
+def missed_landing(paths: list[str]) -> RuntimeError:
+    """The error of an update whose grads include params the forward read before they were
+    landed (``Pending.missed``, :mod:`functional_offload.optimizers.forms.delayed`)."""
+    names = [repr(p) for p in paths]
+    return RuntimeError(
+        f"params {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} got grads but "
+        "were not landed before the forward read them (their module's forward did not "
+        "run: e.g. a parent reads them itself): those grads were computed from the params "
+        "of the step before. Land them before they are read (fo.land(state, [...]), or "
+        "optimizer.land([...]) with fo.TorchOptimizer, where they are used). This update "
+        "did not run; the state holds the last one, landed")
 
 
 def flush(state: OptState) -> OptState:

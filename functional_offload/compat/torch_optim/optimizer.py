@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
+import optree
 import torch
 
 from functional_offload.base import Optimizer
 from functional_offload.combine import through
-from functional_offload.state import FAILED, flush, land, tensors_of, terminal_states
+from functional_offload.state import (FAILED, flush, land, missed_landing, tensors_of,
+                                      terminal_states)
 from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
 from functional_offload.compat.torch_optim.groups import GroupStates, GroupStep
 from functional_offload.compat.torch_optim.state_dicts import (from_earlier_format,
@@ -211,6 +213,12 @@ class TorchOptimizer(torch.optim.Optimizer):
                                  caches or None)
             for r, g in zip(runs, clipped):
                 r.grads = g
+        missed = [self._label(run, path) for run in runs if run.slot.state.params.pending is not None
+                  for path in run.slot.state.params.pending.missed(
+                      optree.tree_leaves(run.grads, none_is_leaf=True))]
+        if missed:  # refused before any group steps: every group's last step lands, none runs
+            self.flush()
+            raise missed_landing(missed)
         interrupt: Optional[BaseException] = None
         stepped = False
         for run in runs:
@@ -255,13 +263,24 @@ class TorchOptimizer(torch.optim.Optimizer):
             raise interrupt
         return loss
 
+    @staticmethod
+    def _label_at(run: GroupStep, j: int) -> str:
+        """How errors name a group's ``j``-th param: its name in the group's ``param_names``,
+        else its place in ``param_groups``."""
+        names = run.slot.group.get("param_names")
+        return (names[j] if isinstance(names, list) and j < len(names)
+                else f"param_groups[{run.index}]['params'][{j}]")
+
+    def _label(self, run: GroupStep, path: str) -> str:
+        """:meth:`_label_at` of the param at ``path`` of the group's state."""
+        keys = [str(k) for k in run.slot.keys]
+        return self._label_at(run, keys.index(path)) if path in keys else path
+
     def _gather(self, run: GroupStep) -> None:
         slot = run.slot
-        names = slot.group.get("param_names")
         grads = []
         for j, p in enumerate(slot.params):
-            label = names[j] if isinstance(names, list) and j < len(names) else \
-                f"param_groups[{run.index}]['params'][{j}]"
+            label = self._label_at(run, j)
             # checked here, handed on as they are: a DTensor grad keeps its mesh, so that
             # clipping takes the norm over every rank's shards
             grads.append(None if check_grad(str(label), p.grad, p) is None else p.grad)

@@ -14,7 +14,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 from functional_offload.base import StepCache
-from functional_offload.state import mark_failed
+from functional_offload.state import mark_failed, missed_landing
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import AtFinish, HostWork
@@ -79,23 +79,24 @@ class Pending:
         ready = self.landing.ex.ready(self.landing.device)  # the caller's reads of the old
         #                                                      params come first
         mine = None if grads is None else [[grads[i] for i in m] for m in self.members]
-        missed = [] if not self._early or grads is None else [
-            i for m in self.members for i in m if grads[i] is not None and i not in self._asked]
+        missed = [] if grads is None else self.missed(grads)
         interrupt = self._shielded(self.landing.land, ready, mine)
         self._land_moved([i for m in self.members for i in m])
         self.done = True
         if interrupt is not None:
             raise interrupt
         if missed:  # landed now (the state is whole), but the forward read these params before
-            layout = self.cache.layout if self.cache is not None else None
-            names = [repr(layout[i].path) if layout is not None else f"#{i}" for i in missed]
-            raise RuntimeError(
-                f"params {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} got grads but "
-                "were not landed before the forward read them (their module's forward did not "
-                "run: e.g. a parent reads them itself): those grads were computed from the params "
-                "of the step before. Land them before they are read (fo.land(state, [...]), or "
-                "optimizer.land([...]) with fo.TorchOptimizer, where they are used). This update "
-                "did not run; the state holds the last one, landed")
+            raise missed_landing(missed)
+
+    def missed(self, grads: list) -> list[str]:
+        """The paths of the leaves with a grad in ``grads`` (per leaf of the layout) that were
+        not landed before the forward, once :meth:`land_params` was used: what :meth:`land`
+        with these grads refuses (after landing)."""
+        if self.done or not self._early:
+            return []
+        layout = self.cache.layout if self.cache is not None else None
+        return [layout[i].path if layout is not None else f"#{i}"
+                for m in self.members for i in m if grads[i] is not None and i not in self._asked]
 
     def land_params(self, params: list[torch.Tensor]) -> None:
         """Land the leaves of ``params`` (tensors sharing the memory of the params tree's, or of
