@@ -423,23 +423,27 @@ def test_params_given_other_memory_before_a_forward_land_there():
         assert torch.equal(got[k], want[k]), k
 
 
+class ParentReadsChild(nn.Module):
+    """A model whose forward reads its child ``b``'s params itself (``F.linear`` on them), so
+    ``b``'s forward never runs and nothing lands them before they are read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
+
+
 def test_a_missed_landing_in_a_later_group_is_refused_before_any_group_steps():
     """fo.TorchOptimizer, two param groups in the landed form, the second group's params read
     by the parent (F.linear on a child's weight), so never landed before the forward: the step
     is refused naming them before any group steps (every group's last step landed, the
     optimizer usable); landing them, redoing forward and backward, the step goes on as the
     plain update's, bit for bit."""
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-        def forward(self, x):
-            return nn.functional.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
-
     def run(landed: bool) -> dict:
         torch.manual_seed(0)
-        m = M()
+        m = ParentReadsChild()
         groups = [{"params": list(m.a.parameters())}, {"params": list(m.b.parameters())}]
         opt = fo.TorchOptimizer(groups, fo.adamw, lr=1e-2,
                                 delayed=fo.Delay(lookahead=False) if landed else False)
@@ -506,17 +510,9 @@ def test_a_missed_landing_in_a_partition_part_is_refused_before_any_part_steps()
     the parent (never landed before the forward): the update is refused naming them before
     any part steps (every part's last step landed, the state usable); landing them, redoing
     forward and backward, the updates go on as the plain partition's, bit for bit."""
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 4)
-
-        def forward(self, x):
-            return nn.functional.linear(torch.tanh(self.a(x)), self.b.weight, self.b.bias)
-
     def run(landed: bool) -> dict:
         torch.manual_seed(0)
-        m = M()
+        m = ParentReadsChild()
         params = dict(m.named_parameters())
         delay = fo.Delay(lookahead=False) if landed else False
         opt = fo.partition({"a": fo.adamw(1e-2, delayed=delay), "b": fo.sgd(1e-2, delayed=delay)},
