@@ -291,6 +291,19 @@ def adafactor_run(mesh: DeviceMesh, device: torch.device) -> dict:
     return {"refused": None}
 
 
+def formats_run(mesh: DeviceMesh, device: torch.device) -> dict:
+    """A bf16 param of 1,093 x 120 (131,160 elements) sharded on 2 ranks: 547 rows (65,640
+    elements) on rank 0, 546 (65,520) on rank 1, either side of the size below which a leaf
+    keeps fp32 moments and an fp32 master. The format follows the whole param: this rank's
+    moment and master dtypes under 8-bit moments and the split master."""
+    model = nn.Linear(120, 1093, bias=False, dtype=torch.bfloat16, device=device)
+    fully_shard(model, mesh=mesh)
+    opt = fo.adamw(1e-2, mu_dtype=torch.uint8, nu_dtype=torch.uint8, store_param_remainders=True)
+    state = opt.init(dict(model.named_parameters()))
+    return {"rows": model.weight.to_local().shape[0], "mu": state.mu["weight"].dtype,
+            "master": state.master["weight"].dtype}
+
+
 def node_run() -> dict:
     """This rank's default executor and the CPUs its threads are pinned to (after host steps)."""
     ex = default_executor()
@@ -348,6 +361,7 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "mixed": lambda: ours_run(mesh, device, xs, CLIPS, mp=mixed),
             "node": node_run,
             "adafactor": lambda: adafactor_run(mesh, device),
+            "formats": lambda: formats_run(mesh, device),
         }
         for nan_rank in range(WORLD):
             for streamed in (False, True):

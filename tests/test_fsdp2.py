@@ -267,6 +267,16 @@ def test_adafactor_refuses_sharded_params_naming_one(ranks):
         assert "fo.partition" in res["refused"]
 
 
+def test_a_sharded_params_format_follows_the_whole_param_on_every_rank(ranks):
+    """8-bit moments and the split master are kept for params above a size and not below: a
+    param whose shards fall either side of it gets the same format on both ranks (each rank's
+    shard decided alone: one rank 8-bit, the other fp32, silently; and fo.dcp refused on one
+    rank while the other waited in its collective)."""
+    res = results(ranks, "formats")
+    assert sorted(r["rows"] for r in res) == [546, 547]
+    assert all(r["mu"] == torch.uint8 and r["master"] == torch.int16 for r in res), res
+
+
 def test_node_aware_executors_split_the_cores(ranks):
     """With ``LOCAL_WORLD_SIZE=2`` (as torchrun sets it), the two ranks' default executors get
     disjoint CPU sets, thread counts summing to at most the physical cores, and their worker

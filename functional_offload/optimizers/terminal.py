@@ -126,6 +126,7 @@ class Terminal:
         self.delay = delay  # which delayed updates are exact (None: not delayed)
         self.store_param_remainders = store_param_remainders
         self.device_writes = spec.device_writes if device_kernel == "te" else None
+        self._whole: dict[int, int] = {}  # a DTensor shard's id -> its param's elements (init)
 
     @property
     def delayed(self) -> bool:
@@ -162,12 +163,18 @@ class Terminal:
         return hyper, self.spec.hyper({**values, self.spec.decay: 0.0}, n + 1)
 
     # ---- init -----------------------------------------------------------------------------
+    def _small(self, p: torch.Tensor) -> bool:
+        """Whether the param ``p`` (a local tensor) has at most ``PACK_MAX`` elements, counted
+        over the whole param for a DTensor's shard (as :meth:`init` noted them): what decides a
+        leaf's format must be the same on every rank."""
+        return self._whole.get(id(p), p.numel()) <= PACK_MAX
+
     def _moment_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
         """The moment's dtype for ``p``: the option's (block-wise 8-bit only for leaves of more
         than ``PACK_MAX`` elements, as bitsandbytes keeps small tensors in 32 bits: their bytes
         are few), else fp32 for low-precision params and the param's dtype for others."""
         dt = self.moment_dtypes[name]
-        if dt is None or (dt == torch.uint8 and p.numel() <= PACK_MAX):
+        if dt is None or (dt == torch.uint8 and self._small(p)):
             return torch.float32 if _low(p) else p.dtype
         return dt
 
@@ -197,7 +204,7 @@ class Terminal:
         pack nothing, give such a leaf the fp32 master too, so that its params round as the
         plain step's (ties to even), bit for bit."""
         return (self.store_param_remainders and p.dtype == torch.bfloat16 and not is_quantized(p)
-                and not (host and self.spec.elementwise and p.numel() <= PACK_MAX))
+                and not (host and self.spec.elementwise and self._small(p)))
 
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
         """State bytes of a leaf as init makes them: moments, master (if it gets one), EMA."""
@@ -351,10 +358,17 @@ class Terminal:
         return masters, moments, emas
 
     def init(self, params: Params) -> Any:
+        try:
+            return self._init(params)
+        finally:
+            self._whole = {}  # (ids of tensors that may be gone by the next init)
+
+    def _init(self, params: Params) -> Any:
         paths, leaves, spec = leaves_with_paths(params)
         check_tensor_leaves(leaves, paths, "params")
         check_unique_paths(paths, "params", "checkpoints name each leaf's state by its path")
         locals_ = [local(p) for p in leaves]  # DTensor params: state for this rank's shard
+        self._whole = {id(x): p.numel() for p, x in zip(leaves, locals_)}  # (see _small)
         self._check_params(paths, locals_)
         tree = optree.tree_unflatten(spec, locals_)
         plan = self.placement.plan(tree, [self._state_bytes(p, False) for p in locals_],
@@ -375,7 +389,7 @@ class Terminal:
         # small leaves are packed for plain and delayed steps
         pack = plain or (not preview and self.delayed and self.spec.elementwise)
         packable = [host and self._needs_master(p, True) and not self._split(p, True)
-                    and not is_quantized(p) and p.numel() <= PACK_MAX
+                    and not is_quantized(p) and self._small(p)
                     for p, host in zip(locals_, on_host)]
         # the GPU engine copies its host state in place: pinned (with "both", of the leaves it
         # can step; packed leaves run on the CPU kernel there)
