@@ -73,12 +73,11 @@ def _mirrors(like: OptState) -> dict[str, _Mirror]:
     return out
 
 
-def _param_shapes(state: OptState, every: bool = False) -> dict[str, tuple[int, ...]]:
-    """By key (``<prefix>.param_shape.<leaf>``), the shapes of the params whose state keeps
-    block-wise 8-bit moments (``every``: of all params): flat bytes of whole blocks, which
-    carry neither the param's shape nor its exact element count, so a checkpoint holds them
-    beside."""
-    out = {}
+def _param_shapes(state: OptState) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """By key (``<prefix>.param_shape.<leaf>``), each param's shape and whether its state keeps
+    block-wise 8-bit moments: flat bytes of whole blocks, which carry neither the param's shape
+    nor its exact element count, so a checkpoint holds the shapes of those params beside."""
+    out: dict[str, tuple[tuple[int, ...], bool]] = {}
     prefixes, nodes, _ = leaves_with_paths(state, is_leaf=_is_terminal)
     for prefix, s in zip(prefixes, nodes):
         if not _is_terminal(s):
@@ -94,8 +93,9 @@ def _param_shapes(state: OptState, every: bool = False) -> dict[str, tuple[int, 
             except (ValueError, TypeError):  # not one tensor per param: no moment of a param
                 continue
             for name, p, x in zip(names, params, xs):
-                if every or (isinstance(x, torch.Tensor) and is_blockwise(x)):
-                    out[_key(prefix, "param_shape", name)] = tuple(local(p).shape)
+                key = _key(prefix, "param_shape", name)
+                eight = isinstance(x, torch.Tensor) and is_blockwise(x)
+                out[key] = (tuple(local(p).shape), eight or out.get(key, ((), False))[1])
     return out
 
 
@@ -163,7 +163,8 @@ def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
     flush(state)  # a delayed update still in flight lands first
     check_usable(state, action)
     check_states(state)  # values a loop wrote into the state that a load would refuse
-    shapes = {k: torch.tensor(v, dtype=torch.int64) for k, v in _param_shapes(state).items()}
+    shapes = {k: torch.tensor(shape, dtype=torch.int64)
+              for k, (shape, eight) in _param_shapes(state).items() if eight}
     return {**state_tensors(state), **shapes}
 
 
@@ -186,9 +187,9 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     paths, leaves = _state_leaves(like)
     known = set(paths)
     mirrors = _mirrors(like)
-    shapes = _param_shapes(like)  # absent from checkpoints written before they were kept
-    shaped = _param_shapes(like, every=True)  # those of other moment formats: their moments
-    #                                            are refused below, naming them
+    shaped = _param_shapes(like)  # a checkpoint of 8-bit moments holds their params' shapes
+    shapes = {k: shape for k, (shape, eight) in shaped.items() if eight}  # (absent from older
+    #  checkpoints); those of params of other moment formats are refused below, by the moments
     missing = [p for p in paths if p not in sd and p not in mirrors]
     unexpected = [k for k in sd if k not in known and k not in mirrors and k not in shaped]
     adopt = {p: mirrors[p] for p in paths if p not in sd and p in mirrors}

@@ -12,7 +12,7 @@ state.
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import optree
 import torch
@@ -25,7 +25,7 @@ from functional_offload.typing import OptState, Params, Updates
 
 __all__ = [
     "CONSUMED", "FAILED", "BUSY", "MARK_FIELDS", "params_of", "grads_for", "ema_params", "flush",
-    "land", "missed_landing", "tensors_of",
+    "land", "missed_landing", "refuse_missed_landings", "tensors_of",
     "check_usable", "claim", "release", "mark_tensors", "terminal_states", "terminal_counts",
     "stepped", "mark_failed", "check_recoverable", "check_states", "restore_params",
     "after_load",
@@ -267,6 +267,25 @@ def missed_landing(paths: list[str]) -> RuntimeError:
         "of the step before. Land them before they are read (fo.land(state, [...]), or "
         "optimizer.land([...]) with fo.TorchOptimizer, where they are used). This update "
         "did not run; the state holds the last one, landed")
+
+
+def refuse_missed_landings(parts: Sequence[tuple[OptState, Any]],
+                           name: Callable[[int, str], str] = lambda _, path: path) -> None:
+    """Before an update of several states steps any (a partition's parts, a
+    ``fo.TorchOptimizer``'s groups; ``parts``: (state, its grads, a tree like its params)
+    pairs): if a param with a grad was not landed before the forward read it (``Pending.missed``,
+    :mod:`functional_offload.optimizers.forms.delayed`), land every step in flight, so that each
+    state is whole and usable, and raise :func:`missed_landing` naming the params
+    (``name(part index, path)``)."""
+    missed = [name(n, path) for n, (state, grads) in enumerate(parts)
+              for s in terminal_states(state) if s.params.pending is not None
+              for path in s.params.pending.missed(flatten_like(grads, s.params.tree, "grads"))]
+    if missed:
+        for state, _ in parts:
+            for s in terminal_states(state):
+                if s.params.pending is not None:
+                    s.params.pending.land()
+        raise missed_landing(missed)
 
 
 def flush(state: OptState) -> OptState:

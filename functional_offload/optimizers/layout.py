@@ -21,7 +21,7 @@ from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.spec import OptimizerSpec
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 
-__all__ = ["Leaf", "Static", "TerminalLike", "check_master", "flat_state", "layout", "static",
+__all__ = ["Leaf", "Static", "TerminalLike", "check_fits", "check_master", "flat_state", "layout", "static",
            "viewed", "with_flat_views"]
 
 
@@ -125,10 +125,12 @@ def check_master(leaf: Leaf) -> None:
                         "for the new dtype with opt.init(params)")
 
 
-def check_shape(leaf: Leaf, spec: OptimizerSpec) -> None:
-    """Refuse a leaf of a non-element-wise optimizer (Adafactor) whose param was reshaped since
-    its state was laid out: that state follows the param's shape (element-wise state is read
-    flat, so a reshaped param is followed)."""
+def check_fits(leaf: Leaf, spec: OptimizerSpec) -> None:
+    """Refuse a leaf whose state no longer fits its param: its master (:func:`check_master`),
+    or, for a non-element-wise optimizer (Adafactor), a param reshaped since its state was laid
+    out: that state follows the param's shape (element-wise state is read flat, so a reshaped
+    param is followed)."""
+    check_master(leaf)
     if spec.elementwise:
         return
     p = leaf.param

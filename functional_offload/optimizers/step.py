@@ -36,8 +36,8 @@ from functional_offload.state import BUSY, CONSUMED, after_load, claim, mark_fai
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.device_math import run_groups
 from functional_offload.optimizers.forms import Case, HostForm, HostWork, Pending, form_for
-from functional_offload.optimizers.layout import (Leaf, Static, TerminalLike, check_master,
-                                                 check_shape, static)
+from functional_offload.optimizers.layout import (Leaf, Static, TerminalLike, check_fits,
+                                                 check_master, static)
 from functional_offload.tree import check_grad, grads_of, insertion_order, plain_grad
 
 __all__ = ["TerminalStep"]
@@ -60,8 +60,7 @@ class TerminalStep(StepBase):
             cache = state.params.cache if state.params.cache is not None else StepCache()
             if cache.static is None:
                 for leaf in self.leaves:  # changed between init and the first step
-                    check_master(leaf)
-                    check_shape(leaf, t.spec)
+                    check_fits(leaf, t.spec)
                 cache.static = static(self.leaves, cache.packs)
         except BaseException:
             state.count.fill_(self.n)
@@ -230,8 +229,7 @@ class TerminalStep(StepBase):
             same = p.dtype is dtype and p.shape == shape  # (a leaf without a grad too)
             changed = changed or not same
             if not same:
-                check_master(leaf)
-                check_shape(leaf, self.t.spec)
+                check_fits(leaf, self.t.spec)
             if fed and len(out) in fed:
                 out.append(fed[len(out)])
             elif g is None or (same and plain_grad(g, p)):

@@ -14,9 +14,8 @@ from functional_offload.base import (EmptyState, GradientTransformation, Optimiz
                                      Step, StepBase)
 from functional_offload.combine import begin_step, merge_grads
 from functional_offload.executor.shield import shielded
-from functional_offload.state import (CONSUMED, FAILED, check_usable, mark_torn,
-                                      missed_landing, params_of, terminal_counts,
-                                      terminal_states)
+from functional_offload.state import (CONSUMED, FAILED, check_usable, mark_torn, params_of,
+                                      refuse_missed_landings, terminal_counts)
 from functional_offload.tree import (check_grads, check_unique_paths, insertion_order,
                                      leaves_with_paths, paths_of)
 from functional_offload.typing import OptState, Params, Updates
@@ -312,18 +311,12 @@ class _Partitioned(StepBase):
             raise
         part_grads = {label: {self.paths[i]: flat[i] for i in self.parts[label]}
                       for label in self.steps}
-        missed = [path for label, g in part_grads.items()
-                  for s in terminal_states(self.state.inner_states[label])
-                  if s.params.pending is not None
-                  for path in s.params.pending.missed(
-                      [g.get(k) for k in paths_of(optree.tree_structure(s.params.tree))])]
-        if missed:  # refused before any part steps: every part's last step lands, none runs
-            for label in self.steps:
-                for s in terminal_states(self.state.inner_states[label]):
-                    if s.params.pending is not None:
-                        s.params.pending.land()
+        try:  # a missed landing is refused before any part steps
+            refuse_missed_landings([(self.state.inner_states[label], g)
+                                    for label, g in part_grads.items()])
+        except BaseException:
             self.abort()
-            raise missed_landing(missed)
+            raise
         calls = {label: functools.partial(step.finish, part_grads[label])
                  for label, step in self.steps.items()}
         results, interrupt = shielded(_concurrently, calls, _caller_context(flat))

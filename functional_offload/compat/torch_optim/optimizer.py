@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Optional
 
-import optree
 import torch
 
 from functional_offload.base import Optimizer
 from functional_offload.combine import through
-from functional_offload.state import (FAILED, flush, land, missed_landing, tensors_of,
-                                      terminal_states)
+from functional_offload.state import (FAILED, flush, land, refuse_missed_landings,
+                                      tensors_of, terminal_states)
 from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
 from functional_offload.compat.torch_optim.groups import GroupStates, GroupStep
 from functional_offload.compat.torch_optim.state_dicts import (from_earlier_format,
@@ -213,12 +212,9 @@ class TorchOptimizer(torch.optim.Optimizer):
                                  caches or None)
             for r, g in zip(runs, clipped):
                 r.grads = g
-        missed = [self._label(run, path) for run in runs if run.slot.state.params.pending is not None
-                  for path in run.slot.state.params.pending.missed(
-                      optree.tree_leaves(run.grads, none_is_leaf=True))]
-        if missed:  # refused before any group steps: every group's last step lands, none runs
-            self.flush()
-            raise missed_landing(missed)
+        # a missed landing is refused before any group steps
+        refuse_missed_landings([(run.slot.state, run.grads) for run in runs],
+                               lambda n, path: self._label(runs[n], path))
         interrupt: Optional[BaseException] = None
         stepped = False
         for run in runs:
