@@ -368,7 +368,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--chunk-mb", type=int, default=32, help="our executor's chunk size")
     ap.add_argument("--engine-chunk-mb", type=int, default=128,
                     help="engine:F and both:F systems: the GPU engine's chunk size (the library's "
-                         "default, 32 MiB, cost 2.7x the host step at 6.7 B with 8-bit moments)")
+                         "default, 128 MiB)")
     ap.add_argument("--slots", type=int, default=4, help="our executor's ring slots")
     ap.add_argument("--gpu-share", type=float, default=None,
                     help="both:F systems: the GPU engine's share (default: searched for over the first steps)")

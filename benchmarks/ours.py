@@ -81,7 +81,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     default here; ``delay``: the policy of mode ``delayed`` (default ``fo.Delay()``: every step
     delayed, with the look-ahead); ``engine``, ``gpu_share``: the executor's (``"gpu"``: plain
     steps run the host-resident state's math on the GPU; ``"both"``: divided between the GPU and
-    the CPU kernel), ``engine_chunk_mb`` the GPU engine's chunks (default: ``chunk_mb``);
+    the CPU kernel), ``engine_chunk_mb`` the GPU engine's chunks (default: the executor's, 128 MiB);
     ``norms``: a list that plain and delayed steps append their grads' global norm to (a device
     tensor; no sync). ``shadow`` (a diagnostic of mode ``delayed``): a list that each step appends
     a device tensor to, ``[sum |p - m|, sum |bf16(m) - m|, sum |m - m_before|, count(p != bf16(m))]``

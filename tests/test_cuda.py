@@ -146,6 +146,34 @@ def test_no_pinned_allocation_after_init_and_native_kernel_used():
     assert ex.pinned_bytes == pinned
 
 
+@pytest.mark.parametrize("pin", [False, True])
+def test_upload_casts_as_copy_does_and_keeps_the_stream_order(pin):
+    """HostExecutor.upload: each destination equals ``dst.copy_(src)`` bit for bit (casts on the
+    host, chunks through the two staging buffers turned over many times, pinned sources of the
+    destination's dtype copied directly), after the work queued before on the caller's stream,
+    and read after it by the work queued later."""
+    ex = HostExecutor(chunk_bytes=4096)
+    g = torch.Generator().manual_seed(0)
+    sizes = [1, 3, 1000, 1024, 1025, 5000, 70001, 64]
+    dtypes = [(torch.float32, torch.bfloat16), (torch.float32, torch.float32),
+              (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]
+    srcs, dsts = [], []
+    for k, n in enumerate(sizes):
+        src_dtype, dst_dtype = dtypes[k % len(dtypes)]
+        src = (torch.randn(n, generator=g) * 1e3).to(src_dtype)
+        srcs.append(src.pin_memory() if pin else src)
+        dsts.append(torch.zeros(n, dtype=dst_dtype, device=DEV))
+    expected = [torch.empty_like(d).copy_(s) for d, s in zip(dsts, srcs)]
+    torch.cuda._sleep(50_000_000)  # the stream is busy a while, then fills the destinations
+    for d in dsts:
+        d.fill_(7)
+    ex.upload(DEV, dsts, srcs)
+    sums = [d.double().sum() for d in dsts]  # read on the caller's stream after the copies
+    for d, e, s in zip(dsts, expected, sums):
+        assert torch.equal(d.view(torch.uint8), e.view(torch.uint8))
+        assert s.item() == e.double().sum().item()
+
+
 def test_cpu_and_gpu_kernels_agree():
     g = torch.Generator().manual_seed(0)
     p = {"w": torch.randn(4096, generator=g).to(DEV)}

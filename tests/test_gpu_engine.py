@@ -37,7 +37,8 @@ def run(entry, placement, engine, dtype=torch.float32, ema=False, mask=False, ch
     """``steps`` updates of CUDA params (the second without a grad for one leaf); the params
     and the state's tensors by name (on the CPU). ``formats``: state formats' options."""
     params = make_params(0, dtype, device="cuda", big=True)
-    ex = HostExecutor(chunk_bytes=chunk_bytes, slots=2, engine=engine)
+    ex = HostExecutor(chunk_bytes=chunk_bytes, slots=2, engine=engine,
+                      engine_chunk_bytes=None if engine == "cpu" else chunk_bytes)
     kw = dict(entry.hypers, placement=placement, executor=ex, **formats)
     if ema:
         kw["ema_decay"] = 0.9
@@ -105,7 +106,7 @@ def test_formats_give_the_bits_of_on_device(fmt, ema):
 @pytest.mark.parametrize("entry", ELEMENTWISE[:1], ids=lambda e: e.name)
 def test_one_chunk_and_strided_params(entry):
     assert_same(run(entry, on_host(), "gpu", chunk_bytes=32 << 20), run(entry, on_device(), "cpu"))
-    ex = HostExecutor(chunk_bytes=4096, slots=2, engine="gpu")
+    ex = HostExecutor(chunk_bytes=4096, slots=2, engine="gpu", engine_chunk_bytes=4096)
     outs = []
     for placement, executor, strided in ((on_host(), ex, True), (on_device(), None, False)):
         params = make_params(0, device="cuda", big=True)
@@ -125,7 +126,8 @@ def test_timeline_records_the_engines_copies_and_math():
     tl = Timeline()
     params = make_params(0, device="cuda", big=True)
     opt = fo.adamw(1e-2, placement=on_host(),
-                   executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu", timeline=tl))
+                   executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu", timeline=tl,
+                                         engine_chunk_bytes=4096))
     state = opt.init(params)
     for g in grad_seq(params, 1):
         params, state = opt.update(g, state)
@@ -152,7 +154,8 @@ def test_failure_marks_the_state():
     for after, fails in ((0, False), (1, True)):
         params = make_params(0, device="cuda", big=True)
         opt = entry.make(**entry.hypers, placement=on_host(),
-                         executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu"))
+                         executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu",
+                                               engine_chunk_bytes=4096))
         state = opt.init(params)
         g = grad_seq(params, 1)[0]
         with fail_host_kernel(after=after):
@@ -173,7 +176,8 @@ def test_host_state_is_pinned_through_a_save_and_load(tmp_path):
     entry = ELEMENTWISE[0]
     params = make_params(0, device="cuda", big=True)
     opt = entry.make(**entry.hypers, placement=on_host(),
-                     executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu"))
+                     executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu",
+                                               engine_chunk_bytes=4096))
     state = opt.init(params)
     for g in grad_seq(params, 2):
         params, state = opt.update(g, state)
@@ -195,7 +199,8 @@ def test_state_replaced_by_pageable_tensors_steps_the_same():
     for placement, engine in ((on_host(), "gpu"), (on_device(), "cpu")):
         params = make_params(0, device="cuda", big=True)
         opt = entry.make(**entry.hypers, placement=placement,
-                         executor=HostExecutor(chunk_bytes=4096, slots=2, engine=engine))
+                         executor=HostExecutor(chunk_bytes=4096, slots=2, engine=engine,
+                                               engine_chunk_bytes=4096 if engine == "gpu" else None))
         state = opt.init(params)
         state = state._replace(mu=optree.tree_map(lambda x: x.clone(), state.mu))
         assert engine == "cpu" or not any(x.is_pinned() for x in optree.tree_leaves(state.mu))
@@ -226,8 +231,8 @@ def test_bad_engine_chunk_bytes_refused(engine, size):
         HostExecutor(engine=engine, engine_chunk_bytes=size)
 
 
-def test_engine_chunk_bytes_defaults_to_chunk_bytes():
-    assert HostExecutor(chunk_bytes=1 << 16, engine="gpu").engine_chunk_bytes == 1 << 16
+def test_engine_chunk_bytes_defaults_to_128_mib():
+    assert HostExecutor(chunk_bytes=1 << 16, engine="gpu").engine_chunk_bytes == 128 << 20
     assert HostExecutor(engine="both", engine_chunk_bytes=1 << 27).engine_chunk_bytes == 1 << 27
 
 
@@ -239,7 +244,7 @@ def test_engine_chunks_are_cut_by_engine_chunk_bytes():
     entry = ELEMENTWISE[0]
     outs = []
     for ex in (HostExecutor(chunk_bytes=1 << 20, slots=2, engine="gpu", engine_chunk_bytes=4096),
-               HostExecutor(chunk_bytes=4096, slots=2, engine="gpu")):
+               HostExecutor(chunk_bytes=4096, slots=2, engine="gpu", engine_chunk_bytes=4096)):
         params = make_params(0, device="cuda", big=True)
         opt = entry.make(**entry.hypers, placement=on_host(), executor=ex)
         state = opt.init(params)
@@ -340,9 +345,9 @@ def test_gpu_engine_refuses_8bit_moments_it_would_have_to_cut_off_the_kernels_pa
     into a chunk, and init refuses one whose state is over the chunk, naming it."""
     params = {"w": torch.randn(70_001).to(torch.bfloat16)}  # above the packed size
     opt = fo.adamw(lr=1e-2, placement=on_host(), mu_dtype=torch.uint8, nu_dtype=torch.uint8,
-                   executor=HostExecutor(engine="gpu", chunk_bytes=1 << 16))
+                   executor=HostExecutor(engine="gpu", engine_chunk_bytes=1 << 16))
     with pytest.raises(ValueError, match=r"param 'w'.*engine='gpu'.*8-bit moments of a length "
-                                         r"not divisible by 4.*chunk_bytes \(65536\)"):
+                                         r"not divisible by 4.*engine_chunk_bytes \(65536\)"):
         opt.init(params)
 
 
@@ -539,7 +544,8 @@ def run_split(engine, share=None, dtype=torch.float32, steps=3, placement=None,
     executor's last split."""
     params = split_params(dtype)
     ex = HostExecutor(chunk_bytes=chunk_bytes, slots=2, engine=engine,
-                      gpu_share=share if engine == "both" else None)
+                      gpu_share=share if engine == "both" else None,
+                      engine_chunk_bytes=None if engine == "cpu" else chunk_bytes)
     opt = fo.adamw(1e-2, weight_decay=0.1, placement=placement or on_host(), executor=ex,
                    **options)
     state = opt.init(params)
@@ -612,7 +618,8 @@ def test_split_steps_the_formats_and_leaves_what_it_cannot_cut_to_the_cpu(fmt):
 def test_split_failure_marks_the_state():
     params = split_params()
     opt = fo.adamw(1e-2, placement=on_host(),
-                   executor=HostExecutor(chunk_bytes=1 << 16, slots=2, engine="both"))
+                   executor=HostExecutor(chunk_bytes=1 << 16, slots=2, engine="both",
+                                         engine_chunk_bytes=1 << 16))
     state = opt.init(params)
     g = grad_seq(params, 1)[0]
     with fail_host_kernel(after=1):

@@ -275,13 +275,15 @@ class Landing:
 
     def _set_values(self, which: list[tuple[int, int]]) -> None:
         """Params ``which`` ((leaf, param) pairs) set from their leaves' new values, copied up
-        (synchronously: the next step changes the values in place), each leaf's once."""
+        (:meth:`~functional_offload.executor.HostExecutor.upload`: done reading the values on
+        return, as the next step changes them in place; the caller's stream ordered after)."""
+        dsts, srcs = [], []
         for j, ks in _by_leaf(which).items():
-            if len(self.targets[j]) == 1:
-                self.targets[j][0][1].copy_(self._values[j])
-                continue
-            values = self._parts(j, self._values[j].to(self.device))
-            torch._foreach_copy_([self.targets[j][k][1] for k in ks], [values[k] for k in ks])
+            values = self._parts(j, self._values[j])
+            dsts += [self.targets[j][k][1] for k in ks]
+            srcs += [values[k] for k in ks]
+        if dsts:
+            self.ex.upload(self.device, dsts, srcs)
 
     def note_landed(self, which: Sequence[int]) -> bool:
         """Whether leaves ``which`` were all copied by :meth:`land_leaves` already (along with
