@@ -217,11 +217,12 @@ class _Chained(StepBase):
         if isinstance(self.inner, HeldStep):  # nothing ran ahead
             self.inner.abort()
             return self.update(full, self.state)
+        ran = not self.inner.delayed  # a delayed step starts nothing before finish
         if ones:  # every factor is 1: the grads the step ran on are the chain's, bit for bit
-            self.committed = True
+            self.committed = True if ran else None
             params, s = self.inner.finish(grads)
             return params, (*self.state[:-1], s)
-        self.committed = False
+        self.committed = False if ran else None
         self.inner.abort()  # the state is as it was: run the chain as update would
         return self.update(full, self.state)
 

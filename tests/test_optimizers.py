@@ -245,6 +245,29 @@ def test_param_dtype_change_between_updates_is_followed():
     assert all(v.dtype == torch.float64 and torch.equal(v, torch.full_like(v, -2.0)) for v in params.values())
 
 
+@pytest.mark.parametrize("placement", ["on_host", "on_device"])
+@pytest.mark.parametrize("when", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_param_narrowed_below_fp32_without_a_master_is_refused(placement, when, dtype):
+    """An fp32 param (no master) made bf16/fp16 after init, before or between updates, would
+    step in its own precision, losing most small updates: the update refuses it, naming it,
+    before anything changes; converted back, the state steps on."""
+    params = {"w": torch.randn(4096), "b": torch.zeros(3)}
+    opt = fo.adamw(1e-4, placement=getattr(fo.placement, placement)())
+    state = opt.init(params)
+    grads = lambda: {k: torch.ones_like(v) for k, v in params.items()}  # noqa: E731
+    for _ in range(when):
+        params, state = opt.update(grads(), state)
+    before = {k: v.clone() for k, v in params.items()}
+    params["w"].data = params["w"].data.to(dtype)
+    with pytest.raises(TypeError, match=rf"param 'w' is {dtype} now, but its state keeps no master"):
+        opt.update(grads(), state)
+    assert int(state.count) == when and torch.equal(params["b"], before["b"])
+    params["w"].data = params["w"].data.float()
+    params, state = opt.update(grads(), state)
+    assert int(state.count) == when + 1
+
+
 @pytest.mark.parametrize("shape", [(20,), (5, 4)])
 def test_small_packed_param_reshaped_between_updates_is_followed(shape):
     """``param.data = param.data.reshape(...)`` on a small bf16 param (its host state shares

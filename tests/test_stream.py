@@ -154,6 +154,24 @@ def test_streaming_a_chain_around_a_delayed_optimizer_runs_its_update():
         assert torch.equal(pa[k], pb[k]), k
 
 
+@pytest.mark.parametrize("max_norm", [1e9, 1e-3])
+def test_streamed_chain_around_a_delayed_optimizer_reports_nothing_ran_ahead(max_norm):
+    """Its delayed step starts at finish, whether the clip scales or not: ``committed`` is
+    None (nothing was kept or redone), as the step protocol says."""
+    model = make_model()
+    opt = fo.chain(fo.clip_by_global_norm(max_norm), fo.adamw(1e-2, delayed=True))
+    params = dict(model.named_parameters())
+    state = opt.init(params)
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        with fo.stream(opt, state) as s:
+            model(x).square().mean().backward()
+        params, state = s.finish()
+        assert s.committed is None
+        model.zero_grad(set_to_none=True)
+    fo.flush(state)
+
+
 @pytest.mark.parametrize("order", ["first-first", "second-first"])
 def test_two_streams_on_one_executor_finish_in_any_order(order):
     """Two optimizers streaming one backward through one executor (the default one, say): each

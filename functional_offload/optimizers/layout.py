@@ -112,9 +112,16 @@ def decay_flags(params: Any, mask: Any) -> list[bool]:
 
 def check_master(leaf: Leaf) -> None:
     """Refuse a leaf whose param changed dtype since ``init`` so that its master no longer
-    fits it (an fp32 master made for an fp32 param that is fp64 now: ``module.double()``);
-    params without a master, and low-precision params of an fp32 master, are followed."""
+    fits it (an fp32 master made for an fp32 param that is fp64 now: ``module.double()``), or
+    that has none where it needs one (an fp32 param without a master that is bf16 now: it would
+    step in bf16); other params without a master, and low-precision params of an fp32 master,
+    are followed."""
     p, v = leaf.param, leaf.value
+    if not leaf.has_master and p.dtype in (torch.bfloat16, torch.float16):
+        raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps no master "
+                        f"(the param was wider at init), and a {p.dtype} param steps through an "
+                        "fp32 master; convert it back, or make a new state for the new dtype with "
+                        "opt.init(params)")
     if leaf.has_master and is_split(v) and p.dtype != torch.bfloat16:
         raise TypeError(f"param {leaf.path!r} is {p.dtype} now, but its state keeps a split master "
                         "(store_param_remainders) made for a bf16 param; convert it back, or make "
