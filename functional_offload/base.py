@@ -13,7 +13,7 @@ The state's life cycle (its marks, :func:`~functional_offload.state.flush`) is i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 
@@ -135,11 +135,15 @@ class EmptyState(NamedTuple):
 
 class Pending(Protocol):
     """A delayed step in flight: ``land()`` applies it (raising its error, if any);
-    ``settle()`` waits for it and drops its result (before a checkpoint is loaded over it)."""
+    ``settle()`` waits for it and drops its result (before a checkpoint is loaded over it);
+    ``on_failure(fn)``: ``fn()`` is called when its host step is found to have failed, once its
+    state is marked failed (the update it was part of, a partition's, is torn)."""
 
     def land(self) -> None: ...
 
     def settle(self) -> None: ...
+
+    def on_failure(self, fn: Callable[[], None]) -> None: ...
 
 
 @dataclasses.dataclass(eq=False)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Iterator, Union
+from typing import Iterator, Optional, Sequence, Union
 
 from functional_offload.executor import faults
 
@@ -35,10 +35,12 @@ __all__ = ["fail_host_kernel", "slow_host_kernel"]
 
 @contextlib.contextmanager
 def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseException]] = RuntimeError,
-                     times: int = 1) -> Iterator[None]:
+                     times: int = 1, leaves: Optional[Sequence[str]] = None) -> Iterator[None]:
     """Make host chunks fail: the first ``after`` chunks started inside the block run, then the
     next ``times`` chunks raise ``exc`` instead of running (a class is instantiated with a message
-    naming the chunk's leaves). Chunks are counted across all runs, in the order they start.
+    naming the chunk's leaves). Chunks are counted across all runs, in the order they start;
+    with ``leaves`` (paths), only chunks holding one of them count (the others run; small leaves
+    packed into one run go by its first leaf's path).
 
     A failure after some chunks were applied leaves a partially applied step: the step raises
     (:class:`~functional_offload.HostStepError` naming the leaves, with ``exc`` as its cause; a
@@ -50,6 +52,8 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
     lock = threading.Lock()
 
     def hook(_: int, paths: list[str]) -> None:
+        if leaves is not None and not any(p.partition(" (and ")[0] in leaves for p in paths):
+            return
         with lock:
             k = seen[0]
             seen[0] += 1

@@ -495,6 +495,42 @@ def test_a_failed_load_changes_nothing():
 
 # ---- hooks -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("source, dtype, kw", [
+    ("ours", torch.float32, dict(delayed=True)),  # fp32 params with (hidden) masters
+    ("ours", torch.float32, dict(delayed=STALE)),
+    ("torch", torch.bfloat16, {}),  # a torch.optim checkpoint holds no master
+])
+def test_load_state_dict_before_the_models_own_load_steps_from_the_model_loaded(source, dtype, kw):
+    """A checkpoint without the masters the state keeps, loaded before the model's weights are
+    (``opt.load_state_dict(sd); model.load_state_dict(msd)``, as torch.optim allows): the
+    masters are taken from the params at the next step, not at the load, so both orders step
+    the same (they used to step from the weights the model had before its load)."""
+    p = make_params(dtype=dtype)
+    a = (torch.optim.AdamW(p, lr=1e-2) if source == "torch"
+         else fo.TorchOptimizer(p, fo.adamw, lr=1e-2, **kw))
+    for s in range(3):
+        loss_step(a, p, s)
+    if source == "ours":
+        a.flush()
+    sd, weights = copy.deepcopy(a.state_dict()), [x.detach().clone() for x in p]
+    out = []
+    for order in ("model first", "optimizer first"):
+        q = make_params(seed=7, dtype=dtype)  # a new model, other weights
+        b = fo.TorchOptimizer(q, fo.adamw, lr=1e-2, **kw)
+        if order == "optimizer first":
+            b.load_state_dict(copy.deepcopy(sd))
+        with torch.no_grad():
+            for x, w in zip(q, weights):
+                x.copy_(w)
+        if order == "model first":
+            b.load_state_dict(copy.deepcopy(sd))
+        for s in range(3, 5):
+            loss_step(b, q, s)
+        b.flush()
+        out.append(q)
+    assert_same_params(*out)
+
+
 def test_state_dict_and_load_state_dict_hooks_run_in_order():
     p = torch.rand(2, 3, requires_grad=True)
     opt = fo.TorchOptimizer([p], fo.adamw)

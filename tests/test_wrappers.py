@@ -326,6 +326,50 @@ def test_a_torn_partition_step_is_failed_until_a_checkpoint_is_loaded(tmp_path, 
     assert same(p, want)
 
 
+@pytest.mark.parametrize("surfaced", ["flush", "save", "land"])
+def test_a_delayed_part_failing_after_the_update_returned_tears_the_partition(tmp_path, surfaced):
+    """A delayed part's host step fails in the background and the error surfaces at a flush, a
+    save or a landing, after the update returned: the other part applied that update in place
+    (fp32 params, no master), so the partition's state is failed and a load into it is refused
+    naming that part's params (it would apply their step twice); into a new state (the
+    model's params restored) it recovers the run without the failure."""
+    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, threads=1)
+
+    def mk():
+        return fo.partition({"w": fo.adamw(1e-2, delayed=fo.Delay(lookahead=False), executor=ex),
+                             "b": fo.sgd(0.1, momentum=0.9, executor=ex)}, LABELS)
+
+    params = make_params()
+    grads = grad_seq(params, 3)
+    want, want_state = run(mk(), params, grads)
+    fo.flush(want_state)
+    opt = mk()
+    p = clone(params)
+    s = opt.init(p)
+    p, s = opt.update(grads[0], s)
+    fo.save(s, tmp_path / "good")
+    good = clone(p)
+    label = dict(zip(leaves_with_paths(params)[0], optree.tree_leaves(LABELS)))
+    with fail_host_kernel(leaves=[k for k, v in label.items() if v == "w"]):
+        p, s = opt.update(grads[1], s)  # returns: the "w" part's step runs in the background
+        surface = {"flush": lambda: fo.flush(s), "save": lambda: fo.save(s, tmp_path / "bad"),
+                   "land": lambda: fo.land(s, p)}[surfaced]
+        with pytest.raises(fo.HostStepError):
+            surface()
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.update(grads[2], s)
+    with pytest.raises(fo.StateError, match="in place") as e:
+        fo.load(tmp_path / "good", like=s)
+    assert set(re.findall(r"'([\w.]+)'", str(e.value))) == {k for k, v in label.items() if v == "b"}
+    for x, y in zip(optree.tree_leaves(p), optree.tree_leaves(good)):
+        x.copy_(y)  # the model's own checkpoint
+    s = fo.load(tmp_path / "good", like=opt.init(p))
+    for g in grads[1:]:
+        p, s = opt.update(g, s)
+    fo.flush(s)
+    assert same(p, want)
+
+
 def test_ctrl_c_during_a_partition_update_completes_the_step_then_raises():
     params = make_params(dtype=torch.bfloat16, big=True)
     grads = grad_seq(params, 3)

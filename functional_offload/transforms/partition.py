@@ -15,7 +15,7 @@ from functional_offload.base import (EmptyState, GradientTransformation, Optimiz
 from functional_offload.combine import begin_step, merge_grads
 from functional_offload.executor.shield import shielded
 from functional_offload.state import (CONSUMED, FAILED, check_usable, mark_torn, params_of,
-                                      refuse_missed_landings, terminal_counts)
+                                      refuse_missed_landings, terminal_counts, terminal_states)
 from functional_offload.tree import (check_grads, check_unique_paths, insertion_order,
                                      leaves_with_paths, paths_of)
 from functional_offload.typing import OptState, Params, Updates
@@ -274,6 +274,19 @@ def _concurrently(calls: dict[str, Callable[[], Any]],
     return {label: results[label] for label in calls}
 
 
+def _torn(count: torch.Tensor, others: list[tuple[OptState, set[str]]]) -> None:
+    """A part's delayed step failed after the partition's update returned: the other parts
+    applied that update (their params changed in place), so the partition's state is torn —
+    each other part marked failed with the params it changed, the partition's count too — and
+    a checkpoint loaded into it refuses what it cannot put back, as a failure within the update
+    does."""
+    for s, paths in others:
+        if all(c >= 0 for c in terminal_counts(s)):  # (in a step now: its finish marks it)
+            mark_torn(s, paths)
+    if int(count) >= 0:
+        count.fill_(FAILED)
+
+
 class _Partitioned(StepBase):
     """A partition's step: each part's step, fed the leaves of its part (indices mapped from the
     whole tree's flatten order to the part's own)."""
@@ -344,6 +357,13 @@ class _Partitioned(StepBase):
             raise interrupt
         new = PartitionState(PartitionRefs(torch.tensor(self.n + 1, dtype=torch.int64),
                                            ParamRefs(whole)), news)
+        changed = {label: {self.paths[i] for i in self.parts[label] if flat[i] is not None}
+                   for label in news}
+        for label, s in news.items():  # a part's delayed step that fails later tears the update
+            for t in terminal_states(s):
+                if t.params.pending is not None:
+                    t.params.pending.on_failure(functools.partial(
+                        _torn, new.refs.count, [(news[k], changed[k]) for k in news if k != label]))
         self.state.refs.count.fill_(CONSUMED)
         return whole, new
 

@@ -25,13 +25,21 @@ from functional_offload.state import BUSY, CONSUMED, FAILED, flush
 from functional_offload.checks import real
 from functional_offload.optimizers.spec import torch_state_names
 from functional_offload.quantized import is_quantized
-from functional_offload.tree import local
+from functional_offload.tree import flatten_like, local
 
 __all__ = ["Slot", "Copy", "Expect", "apply_copies", "param_label", "scalar_dtype", "tree_of",
            "signature", "quiesce", "mark_error"]
 
 STEP, MASTER, EMA = "step", "master", "ema"
 _ZERO = object()  # a Copy source: fill with zeros
+
+
+class Adopt(NamedTuple):
+    """A Copy source: the param's value, taken at the state's first use after the load (a step,
+    a flush, a save), not at the load, so that the model's own checkpoint may be loaded after
+    the optimizer's (as ``fo.load`` notes masters a checkpoint lacks)."""
+
+    param: torch.Tensor
 
 
 def scalar_dtype() -> torch.dtype:
@@ -126,12 +134,24 @@ class Copy:
 
 
 def apply_copies(state: Any, copies: list[Copy], count: Optional[int]) -> None:
-    """Run the copies :meth:`Slot.copies_for` made and set the count (``None``: keep it)."""
+    """Run the copies :meth:`Slot.copies_for` made and set the count (``None``: keep it); a
+    master whose source is :class:`Adopt` is noted in the state's cache to be set from its
+    param at the state's first use (``StepCache.adopt_masters``), or set now where the state
+    has no cache."""
+    cache = state.params.cache
+    adopt = [c for c in copies if isinstance(c.src, Adopt)]
     with torch.no_grad():
         for c in copies:
-            c.run()
+            if not isinstance(c.src, Adopt):
+                c.run()
+            elif cache is None:
+                c.dst.copy_(c.src.param)
         if count is not None:
             state.count.fill_(count)
+    if adopt and cache is not None:
+        masters = flatten_like(state.master, state.params.tree, "state.master")
+        at = {id(m): i for i, m in enumerate(masters) if m is not None}
+        cache.adopt_masters = sorted({*cache.adopt_masters, *(at[id(c.dst)] for c in adopt)})
 
 
 class Slot:
@@ -202,18 +222,21 @@ class Slot:
                 expect.check(e, label,
                              [n for n, _, shown in leaves if shown and n not in (MASTER, EMA)])
             fresh: dict[str, Any] = {}
+            loaded: set[str] = set()  # the names given a value of the entry
             for name, leaf, shown in leaves:
                 v = e.get(name) if (e and shown) else None
                 if name == MASTER and isinstance(v, torch.Tensor) and v.dtype != leaf.dtype:
                     v = None  # not a master this layout wrote (torch casts state to the param's
                     #           dtype on load, and stops updating it): the param is the truth
-                if v is None:
+                if v is None:  # (a load's master from its param: taken at first use)
+                    from_param = Adopt(local(p)) if resync_masters else local(p)
                     if name == MASTER and not shown:
                         if resync_masters or (reset and not e):
-                            copies.append(Copy(leaf, local(p)))
+                            copies.append(Copy(leaf, from_param))
                     elif reset:
                         src = (_ZERO if name not in (MASTER, EMA) else
-                               local(p) if name == MASTER else fresh.get(MASTER, local(p)))
+                               from_param if name == MASTER else
+                               fresh.get(MASTER, local(p)) if MASTER in loaded else local(p))
                         copies.append(Copy(leaf, src))
                     fresh[name] = leaf
                     continue
@@ -228,6 +251,7 @@ class Slot:
                                      "expected floating values")
                 copies.append(Copy(leaf, v))
                 fresh[name] = leaf
+                loaded.add(name)
             master = e.get(MASTER) if e else None
             if (not reset and isinstance(master, torch.Tensor) and master.dtype == p.dtype
                     and master.shape == p.shape and master is not fresh.get(MASTER)):

@@ -67,6 +67,7 @@ class Pending:
         #                                       landing leaf's position and its layout index
         self._asked: set[int] = set()  # the layout indices land_params was given the params of
         self._early = False  # land_params was called: every leaf read is to land before
+        self._on_failure: list[Callable[[], None]] = []
 
     def land(self, grads: Optional[list] = None) -> None:
         """Apply the step; ``grads``: the next step's grads of every leaf of the layout (a
@@ -165,10 +166,16 @@ class Pending:
             ex.order_after_copies(device)
             self.done, self.error = True, e
             mark_failed(self.count, self.cache, self.lost)
+            for fn in self._on_failure:
+                fn()
             raise
         if order:
             ex.order_after_copies(device)
         return interrupt
+
+    def on_failure(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` if the step is found to have failed (once the state is marked)."""
+        self._on_failure.append(fn)
 
     def ahead_landed(self) -> set[int]:
         """The state's leaves whose params its landing set from a look-ahead."""
