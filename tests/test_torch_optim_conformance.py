@@ -6,6 +6,7 @@ import contextlib
 import copy
 import io
 import pickle
+import warnings
 from typing import Callable, NamedTuple
 
 import pytest
@@ -531,6 +532,31 @@ def test_load_state_dict_before_the_models_own_load_steps_from_the_model_loaded(
     assert_same_params(*out)
 
 
+def test_loading_a_state_dict_where_some_params_have_no_state_warns():
+    """A torch.optim state_dict whose group has a param without state (no grad while it was
+    trained: torch starts it at step 1) and others at step 3: the group's one count goes on
+    from 3, with a warning naming the spread, as for params whose steps differ."""
+    p = make_params()
+    ref = torch.optim.AdamW(p, lr=1e-2)
+    for s in range(3):
+        set_grads(p, s)
+        p[1].grad = None
+        ref.step()
+    assert 1 not in ref.state_dict()["state"]
+    ours = fo.TorchOptimizer(clone_params(p), fo.adamw, lr=1e-2)
+    with pytest.warns(UserWarning, match=r"steps differ \(0 to 3\)"):
+        ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+    q = clone_params(p)
+    every = torch.optim.AdamW(q, lr=1e-2)
+    for s in range(3):
+        set_grads(q, s)
+        every.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every param at step 3: no warning
+        fo.TorchOptimizer(clone_params(q), fo.adamw, lr=1e-2).load_state_dict(
+            copy.deepcopy(every.state_dict()))
+
+
 def test_state_dict_and_load_state_dict_hooks_run_in_order():
     p = torch.rand(2, 3, requires_grad=True)
     opt = fo.TorchOptimizer([p], fo.adamw)
@@ -861,7 +887,8 @@ def test_state_keys_of_the_same_algorithm_still_load():
     sd["state"][1]["my_note"] = torch.tensor(3.0)
     del sd["state"][2]
     opt = BY_NAME["adamw"].ours(p)
-    opt.load_state_dict(sd)
+    with pytest.warns(UserWarning, match="steps differ"):  # param 2 has no state
+        opt.load_state_dict(sd)
     assert torch.equal(opt.state[p[1]]["my_note"], torch.tensor(3.0))
     assert opt.state[p[2]]["exp_avg"].count_nonzero() == 0
     sgd = BY_NAME["sgd_momentum"].ours(clone_params(p), momentum=0.9)
@@ -929,7 +956,8 @@ def test_adafactor_refuses_a_state_without_its_moments():
     with pytest.raises(ValueError, match=r"param 0: state 'col_var' is missing"):
         opt.load_state_dict(sd)
     del sd["state"][0]
-    opt.load_state_dict(sd)  # a key the param's layout does not use is kept, as torch keeps it
+    with pytest.warns(UserWarning, match=r"steps differ \(0 to 1\)"):  # param 0: no state
+        opt.load_state_dict(sd)  # a key the param's layout does not use is kept, as torch keeps it
     assert set(opt.state[p[1]]) == {"step", "variance", "row_var"}
 
 

@@ -214,6 +214,7 @@ class Slot:
         value of another shape tells the user to check."""
         copies: list[Copy] = []
         steps: list[int] = []
+        steps_none = False  # a param of the group has no state (step 0)
         for j, p in enumerate(params):
             e = entries[j]
             label = param_label(where, j, names)
@@ -262,9 +263,12 @@ class Slot:
                     copies.append(Copy(fresh[MASTER], master))
             if e and e.get(STEP) is not None:
                 steps.append(_as_step(e[STEP], label))
+            elif resync_masters and not e:  # loaded with no state: torch starts it at step 1
+                steps_none = True
         if steps:
-            if len(set(steps)) > 1:
-                warnings.warn(f"{where}the params' steps differ ({min(steps)} to {max(steps)}); "
+            low = 0 if steps_none else min(steps)
+            if low != max(steps):
+                warnings.warn(f"{where}the params' steps differ ({low} to {max(steps)}); "
                               f"fo.TorchOptimizer keeps one step count per param group and "
                               f"continues from {max(steps)} (bias corrections of params that "
                               "were updated less often differ from torch.optim's)", stacklevel=4)
