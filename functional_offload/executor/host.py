@@ -154,9 +154,9 @@ class HostExecutor:
         (:func:`~functional_offload.optimizers.forms.split.next_share`). The last split is
         :attr:`last_split`.
       engine_chunk_bytes: with ``engine="gpu"`` or ``"both"``, the state bytes per chunk of the
-        GPU engine (device buffers: ``engine_chunk_bytes × slots``); default 128 MiB. A chunk
-        costs the engine's thread a copy per state tensor each way and its math's kernel
-        launches, about 2 ms on an H100 box whatever its size: at 32 MiB that bound the engine
+        GPU engine (device buffers: ``engine_chunk_bytes × slots``); default 128 MiB. A chunk has
+        a fixed cost (a copy per state tensor each way, its math's kernels), about 2 ms on an
+        H100 box whatever its size: at 32 MiB that bound the engine
         (2.25 G params/s with the split master and 8-bit moments), at 128 MiB and over PCIe
         does (6.1 G params/s; 6.3 at 512 MiB).
     """
