@@ -142,8 +142,8 @@ class HostExecutor:
         thread costs more than it computes).
       engine: where plain steps of element-wise optimizers run the math of host-resident
         leaves: ``"cpu"`` (the host kernel, the default) or ``"gpu"`` (on the params' GPU, the
-        state — pinned at ``init`` — copied up and back in place, at most ``chunk_bytes ×
-        slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`), or
+        state — pinned at ``init`` — copied up and back in place, at most ``engine_chunk_bytes
+        × slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`), or
         ``"both"``: each step divides the leaves between the two, run at once
         (:mod:`~functional_offload.optimizers.forms.split`). Delayed, speculative
         and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` and ``"both"`` need
