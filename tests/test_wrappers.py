@@ -283,6 +283,15 @@ def test_partition_errors_name_the_label_and_the_leaf(tmp_path):
             action()
 
 
+def _one_update_saved(opt, params, grads, path):
+    """``opt`` over a copy of ``params`` after one update with ``grads``, its state saved to
+    ``path``: (opt, params, state, a copy of the params then)."""
+    p = clone(params)
+    p, s = opt.update(grads, opt.init(p))
+    fo.save(s, path)
+    return opt, p, s, clone(p)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_torn_partition_step_is_failed_until_a_checkpoint_is_loaded(tmp_path, dtype):
     """One part steps, the other fails (the parts run at once, each in a thread: which one's
@@ -299,12 +308,7 @@ def test_a_torn_partition_step_is_failed_until_a_checkpoint_is_loaded(tmp_path, 
     params = make_params(dtype=dtype)
     grads = grad_seq(params, 3)
     want, _ = run(mk(), params, grads)
-    opt = mk()
-    p = clone(params)
-    s = opt.init(p)
-    p, s = opt.update(grads[0], s)
-    fo.save(s, tmp_path / "good")
-    good = clone(p)
+    opt, p, s, good = _one_update_saved(mk(), params, grads[0], tmp_path / "good")
     with fail_host_kernel(after=1):  # one part runs, the other fails
         with pytest.raises(fo.HostStepError):
             opt.update(grads[1], s)
@@ -343,12 +347,7 @@ def test_a_delayed_part_failing_after_the_update_returned_tears_the_partition(tm
     grads = grad_seq(params, 3)
     want, want_state = run(mk(), params, grads)
     fo.flush(want_state)
-    opt = mk()
-    p = clone(params)
-    s = opt.init(p)
-    p, s = opt.update(grads[0], s)
-    fo.save(s, tmp_path / "good")
-    good = clone(p)
+    opt, p, s, good = _one_update_saved(mk(), params, grads[0], tmp_path / "good")
     label = dict(zip(leaves_with_paths(params)[0], optree.tree_leaves(LABELS)))
     with fail_host_kernel(leaves=[k for k, v in label.items() if v == "w"]):
         p, s = opt.update(grads[1], s)  # returns: the "w" part's step runs in the background
