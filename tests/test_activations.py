@@ -134,6 +134,38 @@ def test_views_of_one_storage_are_copied_once():
     assert torch.equal(a.grad, ref.grad)
 
 
+@pytest.mark.parametrize("view", ["conj", "neg", "fft"])
+def test_conjugate_and_negative_views_keep_their_flag(view):
+    """A saved conjugate (or negative) view's flag is part of its value: such tensors stay
+    where they are (a raw copy would bring back the values without it, and backward would use
+    the unconjugated ones); the grads equal those without offload, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, dtype=torch.complex64, generator=g)
+    k = torch.randn(256, generator=g)
+    w0 = torch.randn(256, dtype=torch.complex64 if view == "conj" else torch.float32, generator=g)
+
+    def loss(w: torch.Tensor) -> torch.Tensor:
+        if view == "conj":
+            return (x.conj() * w).real.square().sum()  # mul saves the conjugate view
+        if view == "neg":
+            return (torch._neg_view(w.detach() * 0 + k) * w).square().sum()
+        return torch.fft.irfft(torch.fft.rfft(w) * torch.fft.rfft(k).conj()).square().sum()
+
+    if view == "fft":
+        w0 = torch.randn(256, generator=g)
+    ref = w0.clone().requires_grad_()
+    loss(ref).backward()
+    off = make(2, 1, min_bytes=0, copy=True)
+    w = w0.clone().requires_grad_()
+    with off.record():
+        with off.group(0):
+            y = loss(w)
+        with off.group(1):
+            y = y * 1.0
+    y.backward()
+    assert torch.equal(w.grad, ref.grad)
+
+
 @pytest.mark.parametrize("copy", [False, True])
 def test_inplace_change_of_a_saved_activation_raises(copy):
     """Plain autograd raises when a saved tensor changes in place; so must offload (it used to

@@ -302,8 +302,8 @@ class ActivationOffload:
     def _pack(self, t: torch.Tensor) -> Any:
         step, g = self._step, self._group
         if (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided
-                or _param_like(t)):
-            return Kept(t, step, g)
+                or t.is_nested or t.is_conj() or t.is_neg() or _param_like(t)):
+            return Kept(t, step, g)  # (a conjugate or negative view's flag would not come back)
         ptr = _storage_ptr(t)
         if ptr is None or ptr in self._exclude:
             return Kept(t, step, g)
