@@ -164,7 +164,9 @@ def test_upload_casts_as_copy_does_and_keeps_the_stream_order(pin):
         srcs.append(src.pin_memory() if pin else src)
         dsts.append(torch.zeros(n, dtype=dst_dtype, device=DEV))
     expected = [torch.empty_like(d).copy_(s) for d, s in zip(dsts, srcs)]
-    torch.cuda._sleep(50_000_000)  # the stream is busy a while, then fills the destinations
+    busy = torch.empty(1 << 28, device=DEV)
+    for _ in range(40):  # the stream is busy a while (~1 GiB written each), then fills them
+        busy.fill_(1.0)
     for d in dsts:
         d.fill_(7)
     ex.upload(DEV, dsts, srcs)

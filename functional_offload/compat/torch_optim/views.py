@@ -144,7 +144,7 @@ def apply_copies(state: Any, copies: list[Copy], count: Optional[int]) -> None:
         for c in copies:
             if not isinstance(c.src, Adopt):
                 c.run()
-            elif cache is None:
+            elif cache is None:  # nowhere to note it: the param now
                 c.dst.copy_(c.src.param)
         if count is not None:
             state.count.fill_(count)
@@ -223,7 +223,7 @@ class Slot:
                 expect.check(e, label,
                              [n for n, _, shown in leaves if shown and n not in (MASTER, EMA)])
             fresh: dict[str, Any] = {}
-            loaded: set[str] = set()  # the names given a value of the entry
+            master_loaded = False  # the master was given the entry's value
             for name, leaf, shown in leaves:
                 v = e.get(name) if (e and shown) else None
                 if name == MASTER and isinstance(v, torch.Tensor) and v.dtype != leaf.dtype:
@@ -237,7 +237,7 @@ class Slot:
                     elif reset:
                         src = (_ZERO if name not in (MASTER, EMA) else
                                from_param if name == MASTER else
-                               fresh.get(MASTER, local(p)) if MASTER in loaded else local(p))
+                               fresh[MASTER] if master_loaded else local(p))
                         copies.append(Copy(leaf, src))
                     fresh[name] = leaf
                     continue
@@ -252,7 +252,7 @@ class Slot:
                                      "expected floating values")
                 copies.append(Copy(leaf, v))
                 fresh[name] = leaf
-                loaded.add(name)
+                master_loaded = master_loaded or name == MASTER
             master = e.get(MASTER) if e else None
             if (not reset and isinstance(master, torch.Tensor) and master.dtype == p.dtype
                     and master.shape == p.shape and master is not fresh.get(MASTER)):

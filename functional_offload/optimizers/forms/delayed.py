@@ -83,7 +83,7 @@ class Pending:
         missed = [] if grads is None else self.missed(grads)
         interrupt = self._shielded(self.landing.land, ready, mine)
         self._land_moved([i for m in self.members for i in m])
-        self.done = True
+        self.done, self._on_failure = True, []  # (the callbacks hold other parts' states)
         if interrupt is not None:
             raise interrupt
         if missed:  # landed now (the state is whole), but the forward read these params before
@@ -166,7 +166,8 @@ class Pending:
             ex.order_after_copies(device)
             self.done, self.error = True, e
             mark_failed(self.count, self.cache, self.lost)
-            for fn in self._on_failure:
+            called, self._on_failure = self._on_failure, []
+            for fn in called:
                 fn()
             raise
         if order:
@@ -183,6 +184,7 @@ class Pending:
 
     def settle(self) -> None:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
+        self._on_failure = []
         _, interrupt = shielded(self.landing.run.wait)
         if interrupt is not None:
             raise interrupt
