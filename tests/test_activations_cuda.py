@@ -129,15 +129,20 @@ def test_no_leak_over_100_steps(mode):
     x = torch.randn(TOKENS // 8, D, device="cuda")
     off = ActivationOffload(GROUPS, min_bytes=1 << 16, **mode)
     vg = off.value_and_grad(lambda p, x: forward(p, x, off))
-    for _ in range(5):
+    # warm up until the budget's plan holds (its peak checks may correct it over the first
+    # steps; a new plan's first steps may take memory that stays, e.g. a new stream's cuBLAS
+    # workspace): the plan's decisions the same three steps running
+    seen = []
+    while len(seen) < 30 and (len(seen) < 8 or len(set(seen[-3:])) > 1):
         vg(params, x)
+        seen.append(None if off.plan is None else (off.plan.decisions, off.plan.prefetch))
     settle()
     mem, pinned = torch.cuda.memory_allocated(), off.pinned_bytes
     for _ in range(100):
         vg(params, x)
     settle()
     # (the pool may drop buffers of sizes the later steps no longer use: never more)
-    assert torch.cuda.memory_allocated() == mem and off.pinned_bytes <= pinned
+    assert torch.cuda.memory_allocated() == mem and off.pinned_bytes <= pinned, seen
     assert off.held_bytes == 0
 
 

@@ -7,11 +7,13 @@ import shutil
 import subprocess
 import sys
 
+import optree
 import pytest
 import torch
 
-from functional_offload.kernels import native
+from functional_offload.kernels import blockwise, native
 from conftest import KERNELS
+from registry import OPTIMIZERS, torch_oracle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,3 +90,53 @@ def test_without_a_compiler_the_torch_kernel_runs_with_a_warning(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "warned True" in out.stdout
     assert "params [0.9000000357627869, 0.9000000357627869, 0.9000000357627869]" in out.stdout  # as torch
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+def test_adams_l2_term_rounds_once_as_torch_does():
+    """Grads that nearly cancel the L2 term (g = -wd*p in bf16): torch's CPU code rounds
+    g + wd*p once; rounded twice, one side got an exact 0 where the other a tiny value, which
+    Adam's normalisation made a step of up to lr (on ~9% of these elements, before)."""
+    e = next(x for x in OPTIMIZERS if x.name == "adam")
+    wd, lr = 0.1, e.hypers["lr"]
+    hypers = dict(e.hypers, weight_decay=wd, eps=1e-8)
+    p = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)).bfloat16()
+    g = (-(wd * p.float())).bfloat16()
+    opt = e.make(**hypers, cpu_kernel="native")
+    state = opt.init({"w": p.clone()})
+    _, state = opt.update({"w": g.clone()}, state)
+    want = torch_oracle(torch.optim.Adam, **hypers)({"w": p.float()}, [{"w": g.float()}])["w"]
+    assert int(((state.master["w"] - want).abs() > 0.01 * lr).sum()) == 0
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+@pytest.mark.parametrize("name", ["adamw-nowd", "sgd-momentum", "lion"])
+@pytest.mark.parametrize("eight", [False, True])
+def test_an_infinite_param_leaves_its_moments_as_torch_does(name, eight):
+    """Without weight decay an infinite param stays infinite and its moments finite, as with
+    the torch kernel (the L2 term evaluated with a zero coefficient made them NaN, and with
+    8-bit moments every element of its block NaN the step after)."""
+    e = next(x for x in OPTIMIZERS if x.name == name)
+    hypers = dict(e.hypers, weight_decay=0.0)
+    dtypes = {}
+    if eight:
+        dtypes = ({"mu_dtype": torch.uint8, "nu_dtype": torch.uint8} if name.startswith("adam")
+                  else {"momentum_dtype": torch.uint8} if name.startswith("sgd")
+                  else {"mu_dtype": torch.uint8})
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1 << 17, generator=gen)
+    w[5] = float("inf")
+    grads = [{"w": torch.randn(1 << 17, generator=gen)} for _ in range(3)]
+    outs = []
+    for kernel in ("torch", "native"):
+        opt = e.make(**hypers, **dtypes, cpu_kernel=kernel)
+        params, state = {"w": w.clone()}, None
+        state = opt.init(params)
+        for g in grads:
+            params, state = opt.update(g, state)
+        outs.append((params["w"], state))
+    for p, state in outs:
+        assert torch.isinf(p[5]) and int(p.isnan().sum()) == 0
+        for m in optree.tree_leaves(state[1:-3]):  # the moments
+            m = blockwise.dequantize(m, p.numel(), signed=True) if eight else m
+            assert int((~m.isfinite()).sum()) == 0

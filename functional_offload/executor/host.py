@@ -35,10 +35,7 @@ class SplitStep(NamedTuple):
     them (from the rates measured at that share, else in the step before; None while an
     engine's rate is unknown) and the times they took, in seconds: the GPU engine's from the
     hand-over of the CPU kernel's leaves until its last copy down landed, the CPU kernel's until
-    its runs' threads ended (their last copies up may still be in flight); those runs end once
-    the step's thread closes them, after the GPU engine's part, so where that part is the
-    longer, the CPU kernel's time reads as about the same (its workers may have been idle
-    since: a timeline shows when they stopped). ``gpu_rate``,
+    its runs' threads ended (their last copies up may still be in flight). ``gpu_rate``,
     ``cpu_rate``: elements a second, this step's, or the last one measured where an engine
     stepped nothing (0: none yet)."""
 

@@ -7,6 +7,11 @@
 
 namespace fo {
 
+// The L2 weight-decay term g + wd*p as torch's CPU `grad.add(param, alpha=wd)` computes it:
+// rounded once (a fused multiply-add; the build contracts nothing itself), and not at all where
+// wd is 0, as torch skips it (0 * inf would make an infinite param's moments NaN).
+static inline float l2(float g, float p, float wd) { return wd != 0.f ? std::fma(wd, p, g) : g; }
+
 // Adam and AdamW. Scalars: decay (1 - lr*wd for AdamW, 1 for Adam), l2 (wd for Adam, 0 for
 // AdamW), 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2^t), eps, -lr / (1 - beta1^t).
 // Look-ahead scalars (of step t+1, primed): decay', b1', eps', -lr'/(1 - b1'^(t+1)),
@@ -17,7 +22,7 @@ struct Adam {
   static constexpr int kMoments = 2, kScalars = 8, kAheadScalars = 5;
   static inline float step(float p, float g, float& m, float& v, const float* s) {
     p = p * s[0];                               // AdamW: p *= 1 - lr*wd
-    g = g + s[1] * p;                           // Adam:  g += wd*p
+    g = l2(g, p, s[1]);                         // Adam:  g += wd*p
     m = lerp(m, g, s[2]);                       // m = lerp(m, g, 1 - b1)
     v = v * s[3] + s[4] * g * g;                // v = b2*v + (1 - b2)*g*g
     const float denom = std::sqrt(v) / s[5] + s[6];
@@ -37,7 +42,7 @@ FO_ELEMENTWISE(adam, Adam)
 struct Sgd {
   static constexpr int kMoments = 0, kScalars = 2, kAheadScalars = 3;
   static inline float step(float p, float g, float&, float&, const float* s) {
-    return p + s[0] * (g + s[1] * p);
+    return p + s[0] * l2(g, p, s[1]);
   }
   static inline void ahead(float p, float, float, const float*, const float* a, float& base,
                            float& rate) {
@@ -53,7 +58,7 @@ FO_ELEMENTWISE(sgd, Sgd)
 struct SgdMomentum {
   static constexpr int kMoments = 1, kScalars = 4, kAheadScalars = 4;
   static inline float step(float p, float g, float& b, float&, const float* s) {
-    g = g + s[1] * p;
+    g = l2(g, p, s[1]);
     b = b * s[2] + g;                           // b = mu*b + g
     g = s[3] != 0.f ? g + s[2] * b : b;         // nesterov: g + mu*b
     return p + s[0] * g;

@@ -131,6 +131,12 @@ class InPlace:
             work.run(device, runs, elements, threaded).add_all(
                 [self.in_place_leaf(i, gs[i]) for i in idx], ready[device])
 
+    def end_hand_over(self) -> None:
+        """Nothing more is handed over: the runs end once their leaves are done (not when
+        :meth:`wait_all` closes them)."""
+        for run in self.finish_runs().values():
+            run.close()
+
     def wait_all(self) -> None:
         """Wait for every run, raise the first error, order the caller's stream after the
         copies."""

@@ -170,6 +170,7 @@ class Split:
         # every worker: a share of 0 is measured as the CPU kernel alone)
         self.cpu.hand_over(gs, [i for i in rest if i not in self.on_gpu], ready,
                            threaded=bool(gpu))
+        self.cpu.end_hand_over()  # its runs end when done: the CPU kernel's time is its own
         begun = time.perf_counter()
         try:
             self.gpu.run_prepared(prepared)
