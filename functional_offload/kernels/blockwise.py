@@ -51,6 +51,8 @@ from typing import NamedTuple
 
 import torch
 
+from functional_offload.kernels import blockwise_cuda
+
 __all__ = ["BLOCK", "Map", "dynamic_map", "is_blockwise", "nbytes", "elements", "part",
            "quantize", "dequantize", "quantize_into", "dequantize_into", "table"]
 
@@ -188,6 +190,9 @@ def dequantize_into(q: torch.Tensor, out: torch.Tensor, signed: bool) -> torch.T
     n = out.numel()
     codes, absmax = _rows(q, n)
     m = _on(signed, q.device)
+    if blockwise_cuda.available(q, out):  # one pass, the same bits
+        blockwise_cuda.dequantize_into(q, m.values, out)
+        return out
     full = torch.take(m.values, codes.long()).mul_(absmax)  # (nb, 256)
     out.view(-1).copy_(full.view(-1)[:n])
     return out
@@ -204,6 +209,9 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, signed: bool) -> torch.Tenso
     n = x.numel()
     codes, absmax = _rows(q, n)
     m = _on(signed, q.device)
+    if blockwise_cuda.available(x, q):  # one pass, the same bits
+        blockwise_cuda.quantize_into(x, q, m.mids, m.zero)
+        return q
     pad = codes.numel() - n
     blocks = torch.cat([x, x.new_zeros(pad)]).view(-1, BLOCK) if pad else x.view(-1, BLOCK)
     a = blocks.abs().amax(dim=1, keepdim=True)  # NaN in a block: NaN
