@@ -1,0 +1,82 @@
+"""The GPU engine's math on one chunk of host state, phase by phase: a chunk of the split master
+with block-wise 8-bit moments (AdamW), as the engine steps it on the device, each phase timed
+by CUDA events (the least of five), and pinned copies of the chunk's bytes each way.
+
+    python benchmarks/engine_math.py                  # 22 M elements: a 128 MiB chunk
+    python benchmarks/engine_math.py --numel 5500000  # a 32 MiB one
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ours import fo  # noqa: F401 - the library from this checkout (or FUNCTIONAL_OFFLOAD_PATH)
+from functional_offload.kernels import blockwise
+from functional_offload.kernels.remainder import join, split_
+from functional_offload.optimizers.adam import AdamHyper, fused
+
+PHASES = ["join the split master", "dequantize both moments", "cast the grads",
+          "fused AdamW", "quantize both moments", "split the master, write the param"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=22_000_000)
+    n = ap.parse_args().numel
+    dev = "cuda"
+    g = torch.randn(n, device=dev).bfloat16()
+    p = torch.randn(n, device=dev).bfloat16()
+    master = torch.empty(2, n, dtype=torch.int16, device=dev)
+    master[0].copy_(p.view(torch.int16))
+    master[1].random_(-30000, 30000)
+    mu = blockwise.quantize(torch.randn(n, device=dev) * 1e-3, True)
+    nu = blockwise.quantize(torch.rand(n, device=dev) * 1e-6, False)
+    h = AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 10, True)
+
+    def once() -> list[float]:
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(7)]
+        ev[0].record()
+        v = join(master)
+        ev[1].record()
+        m, s = blockwise.dequantize(mu, n, True), blockwise.dequantize(nu, n, False)
+        ev[2].record()
+        gf = g.float()
+        ev[3].record()
+        fused([v], [gf], [[m], [s]], h)
+        ev[4].record()
+        blockwise.quantize_into(m, mu, True)
+        blockwise.quantize_into(s, nu, False)
+        ev[5].record()
+        split_(master, v)
+        p.copy_(master[0].view(torch.bfloat16))
+        ev[6].record()
+        torch.cuda.synchronize()
+        return [ev[i].elapsed_time(ev[i + 1]) for i in range(6)]
+
+    for _ in range(3):
+        once()
+    runs = [once() for _ in range(5)]
+    for k, name in enumerate(PHASES):
+        print(f"{name:<36} {min(r[k] for r in runs):7.3f} ms")
+    print(f"{'total':<36} {min(sum(r) for r in runs):7.3f} ms for {n / 1e6:.1f} M elements")
+    nbytes = master.numel() * 2 + mu.numel() + nu.numel()
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    for name, copy in (("up", lambda: device.copy_(host, non_blocking=True)),
+                       ("down", lambda: host.copy_(device, non_blocking=True))):
+        copy()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            copy()
+        b.record()
+        torch.cuda.synchronize()
+        print(f"{'copy the chunk ' + name + ' (pinned)':<36} {a.elapsed_time(b) / 10:7.3f} ms "
+              f"({nbytes / 2**20:.0f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
