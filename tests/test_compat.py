@@ -10,6 +10,7 @@ import torch
 import functional_offload as fo
 from functional_offload.compat import optimizer_from_megatron
 from functional_offload.kernels import remainder
+from conftest import grad_seq
 
 
 def make_model(seed=0):
@@ -268,6 +269,8 @@ def test_megatron_real_optimizer_config():
     (dict(clip_grad=True), "clip_grad"),
     (dict(optimizer_offload_fraction="0.5"), "optimizer_offload_fraction"),
     (dict(optimizer="sgd", use_precision_aware_optimizer=True), "optimizer='adam' only"),
+    (dict(exp_avg_dtype=torch.uint8), "block-wise.*megatron_weight_decay_mask"),
+    (dict(optimizer="sgd", device_kernel="te"), "Adam's"),
 ])
 def test_megatron_option_errors(kwargs, msg):
     with pytest.raises(ValueError, match=msg):
@@ -356,3 +359,48 @@ def test_megatron_mapping_takes_the_delayed_update():
         hooks.remove()
         out.append([p.detach().clone() for p in params.values()])
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def test_megatron_mapping_takes_the_librarys_options():
+    """``executor`` and ``cpu_kernel`` (no Megatron fields) reach the optimizer: torch's host
+    kernel gives torch.optim.AdamW's bits, and a GPU engine's executor refuses CPU params."""
+    model = make_model()
+    params = dict(model.named_parameters())
+    ref = [p.detach().clone().requires_grad_() for p in params.values()]
+    torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.0)
+    opt = optimizer_from_megatron(lr=1e-2, weight_decay=0.0, clip_grad=0.0,
+                                  optimizer_cpu_offload=True, cpu_kernel="torch",
+                                  executor=fo.executor.HostExecutor(threads=1))
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        grads = {k: torch.randn(p.shape, generator=g) for k, p in params.items()}
+        for r, x in zip(ref, grads.values()):
+            r.grad = x.clone()
+        torch_opt.step()
+        params, state = opt.update(grads, state)
+    assert all(torch.equal(p, r) for p, r in zip(params.values(), ref))
+    gpu = optimizer_from_megatron(lr=1e-2, optimizer_cpu_offload=True,
+                                  executor=fo.executor.HostExecutor(engine="gpu"))
+    with pytest.raises(ValueError, match="engine='gpu'"):
+        gpu.init(dict(make_model().named_parameters()))
+
+
+def test_megatron_decay_rule_is_public_and_the_mappings_own():
+    """Building the chain by hand with ``megatron_weight_decay_mask`` (e.g. for 8-bit moments)
+    decays what the mapping decays."""
+    outs = []
+    for by_hand in (False, True):
+        model = make_model()
+        params = dict(model.named_parameters())
+        opt = (fo.chain(fo.clip_by_global_norm(1.0, norm_dtype=torch.float32),
+                        fo.adamw(1e-2, weight_decay=0.1,
+                                 weight_decay_mask=fo.compat.megatron_weight_decay_mask))
+               if by_hand else optimizer_from_megatron(lr=1e-2, weight_decay=0.1))
+        state = opt.init(params)
+        for g in grad_seq(params, 3):
+            params, state = opt.update(g, state)
+        outs.append([p.detach().clone() for p in params.values()])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    mask = fo.compat.megatron_weight_decay_mask(dict(make_model().named_parameters()))
+    assert any(mask.values()) and not all(mask.values())

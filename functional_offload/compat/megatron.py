@@ -14,19 +14,20 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import optree
 import torch
 
 from functional_offload.base import Optimizer
 from functional_offload.combine import chain
+from functional_offload.executor import HostExecutor
 from functional_offload.optimizers import adam, adamw, sgd
 from functional_offload.placement import offload_fraction, on_device
 from functional_offload.transforms import clip_by_global_norm
 from functional_offload.tree import leaves_with_paths
 
-__all__ = ["optimizer_from_megatron"]
+__all__ = ["megatron_weight_decay_mask", "optimizer_from_megatron"]
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -60,16 +61,33 @@ _NO_MATH = frozenset({
 
 def _dtype(name: str, x: Union[str, torch.dtype], allowed: tuple) -> torch.dtype:
     dt = _DTYPES.get(x) if isinstance(x, str) else x
+    if dt == torch.uint8 and name.startswith("exp_avg"):
+        raise ValueError(f"{name}=torch.uint8 is TransformerEngine's per-tensor scaled fp8 "
+                         "moment, not provided here. This library's 8-bit moments are "
+                         "block-wise (docs/performance.md): build fo.chain(fo.clip_by_global_norm("
+                         "clip_grad, norm_dtype=torch.float32), fo.adamw(..., mu_dtype=torch.uint8, "
+                         "nu_dtype=torch.uint8, weight_decay_mask=fo.compat."
+                         "megatron_weight_decay_mask))")
     if dt not in allowed:
         raise ValueError(f"{name}={x!r} is not supported; use one of "
                          f"{sorted(k for k, v in _DTYPES.items() if v in allowed)}")
     return dt
 
 
-def _decay_mask(params: Any, apply_wd_to_qk_layernorm: bool = False) -> Any:
-    """Megatron's weight-decay rule as a ``weight_decay_mask`` tree: no decay for params of one
-    dimension or whose dotted path ends in ``.bias``; with ``apply_wd_to_qk_layernorm``, decay
-    for ``q_layernorm.`` / ``k_layernorm.`` params all the same."""
+def megatron_weight_decay_mask(params: Any, apply_wd_to_qk_layernorm: bool = False) -> Any:
+    """Megatron's weight-decay rule as a ``weight_decay_mask`` tree (pass the function itself
+    as ``weight_decay_mask=``, or its result): no decay for params of one dimension or whose
+    dotted path ends in ``.bias``; with ``apply_wd_to_qk_layernorm``, decay for
+    ``q_layernorm.`` / ``k_layernorm.`` params all the same. Paths are the dotted ones of
+    ``dict(model.named_parameters())``.
+
+    Example::
+
+        >>> import torch, functional_offload as fo
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        >>> fo.compat.megatron_weight_decay_mask(dict(model.named_parameters()))
+        {'0.weight': True, '0.bias': False, '1.weight': False, '1.bias': False}
+    """
     paths, leaves, spec = leaves_with_paths(params)
 
     def decays(path: str, p: torch.Tensor) -> bool:  # init checked the leaves are tensors
@@ -127,7 +145,8 @@ _FLAGS = ("optimizer_cpu_offload", "decoupled_weight_decay", "use_precision_awar
 
 
 def optimizer_from_megatron(config: Any = None, /, *, delayed: Any = False,
-                            **options: Any) -> Optimizer:
+                            executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
+                            device_kernel: str = "torch", **options: Any) -> Optimizer:
     """The functional optimizer Megatron's options describe: ``chain(clip, adam/adamw/sgd)``.
 
     ``config`` is a Megatron-core ``OptimizerConfig`` (or ``AdamOptimizerConfig``...; a dict or
@@ -154,10 +173,14 @@ def optimizer_from_megatron(config: Any = None, /, *, delayed: Any = False,
       ``exp_avg_dtype``/``exp_avg_sq_dtype`` (fp32 or bf16; TE's fp16 moments are scaled, ours
       would not be) apply with or without it, to Adam.
 
-    ``delayed`` (no Megatron field): this library's delayed update, passed to the optimizer
-    (``True`` or a :class:`~functional_offload.Delay`; e.g. ``fo.Delay(lookahead=False)`` with
+    ``delayed``, ``executor``, ``cpu_kernel``, ``device_kernel`` (no Megatron fields): this
+    library's options, passed to the optimizer: the delayed update (``True`` or a
+    :class:`~functional_offload.Delay`; e.g. ``fo.Delay(lookahead=False)`` with
     :func:`~functional_offload.land_before_forward` for exact steps that overlap the next
-    forward).
+    forward), the :class:`~functional_offload.executor.HostExecutor` of the offloaded part
+    (e.g. ``engine="both"``), the host kernel and the device kernel (``"te"``: TransformerEngine's
+    fused Adam, Adam only). For the block-wise 8-bit moments, or other options of ``fo.adamw``,
+    build the chain yourself with :func:`megatron_weight_decay_mask`.
 
     Raises ``ValueError`` naming the field for a value out of its range (a fraction outside
     [0, 1], betas outside [0, 1), negative ``clip_grad``...), CPU offload without decoupled
@@ -200,17 +223,20 @@ def optimizer_from_megatron(config: Any = None, /, *, delayed: Any = False,
         if not o["decoupled_weight_decay"]:
             raise ValueError("optimizer_cpu_offload needs decoupled_weight_decay=True, as in "
                              "Megatron (its CPU-offloaded optimizer is AdamW)")
-    mask = functools.partial(_decay_mask,
+    mask = functools.partial(megatron_weight_decay_mask,
                              apply_wd_to_qk_layernorm=bool(o["apply_wd_to_qk_layernorm"]))
     master = _dtype("main_params_dtype", o["main_params_dtype"], (torch.float32,))
     common = dict(lr=o["lr"], weight_decay=_number("weight_decay", o["weight_decay"], 0.0),
                   placement=placement, master_dtype=master, weight_decay_mask=mask,
-                  delayed=delayed)
+                  delayed=delayed, executor=executor, cpu_kernel=cpu_kernel)
     if o["optimizer"] == "sgd":  # fp32 momentum, as Megatron's (exp_avg_dtype is Adam's)
         for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if _dtype(name, o[name], _MOMENTS) != torch.float32:
                 raise ValueError(f"{name}={o[name]!r} is Adam's; SGD keeps its momentum in fp32, "
                                  "as Megatron's")
+        if device_kernel != "torch":
+            raise ValueError(f"device_kernel={device_kernel!r} is Adam's; SGD steps its "
+                             "device-resident leaves with torch's kernel")
         last = sgd(momentum=_number("sgd_momentum", o["sgd_momentum"], 0.0), **common)
     else:
         make = adamw if o["decoupled_weight_decay"] else adam
@@ -220,7 +246,8 @@ def optimizer_from_megatron(config: Any = None, /, *, delayed: Any = False,
                     mu_dtype=_dtype("exp_avg_dtype", o["exp_avg_dtype"], _MOMENTS),
                     nu_dtype=_dtype("exp_avg_sq_dtype", o["exp_avg_sq_dtype"], _MOMENTS),
                     store_param_remainders=bool(o["use_precision_aware_optimizer"]
-                                                and o["store_param_remainders"]), **common)
+                                                and o["store_param_remainders"]),
+                    device_kernel=device_kernel, **common)
     if clip == 0:
         return last
     # Megatron clips by an fp32 norm and factor, whatever its grads' dtype
