@@ -39,8 +39,8 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
     """Make host chunks fail: the first ``after`` chunks started inside the block run, then the
     next ``times`` chunks raise ``exc`` instead of running (a class is instantiated with a message
     naming the chunk's leaves). Chunks are counted across all runs, in the order they start;
-    with ``leaves`` (paths), only chunks holding one of them count (the others run; small leaves
-    packed into one run go by its first leaf's path).
+    with ``leaves`` (paths), only chunks holding one of them count (the others run; a chunk of
+    small leaves packed into one run holds each of them).
 
     A failure after some chunks were applied leaves a partially applied step: the step raises
     (:class:`~functional_offload.HostStepError` naming the leaves, with ``exc`` as its cause; a
@@ -52,7 +52,7 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
     lock = threading.Lock()
 
     def hook(_: int, paths: list[str]) -> None:
-        if leaves is not None and not any(p.partition(" (and ")[0] in leaves for p in paths):
+        if leaves is not None and not any(p in leaves for p in paths):
             return
         with lock:
             k = seen[0]

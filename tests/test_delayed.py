@@ -640,3 +640,19 @@ def test_a_param_given_other_memory_in_flight_lands_there(delay, change):
     want, got = run(False), run(DELAYS[delay])
     for k in sizes:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("momentum, nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_sgds_lookahead_keeps_an_infinite_param_without_weight_decay(kernel, momentum, nesterov):
+    """With no weight decay the look-ahead has no decay term (0 * inf made the landed param
+    NaN, though the master stayed infinite): the forwards read the infinite param, as without
+    ``delayed``."""
+    opt = fo.sgd(0.1, momentum=momentum, nesterov=nesterov, weight_decay=0.0, cpu_kernel=kernel,
+                 delayed=True)
+    params = {"w": torch.tensor([1.0, float("inf"), -2.0])}
+    state = opt.init(params)
+    for _ in range(3):
+        params, state = opt.update({"w": torch.ones(3)}, state)
+        assert not params["w"].isnan().any() and params["w"][1] == float("inf")
+    fo.flush(state)

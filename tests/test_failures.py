@@ -15,7 +15,7 @@ import torch
 import functional_offload as fo
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
-from conftest import STALE, KERNELS, clone, grad_seq, make_params
+from conftest import STALE, KERNELS, clone, grad_seq, make_params, small_executor
 
 
 def small_chunks(**kw):
@@ -914,3 +914,21 @@ def test_a_param_replaced_in_the_tree_the_state_holds_is_refused_naming_it(neste
     inner["b"] = old
     params, state = opt.update(grads(), state)
     fo.flush(state)
+
+
+@pytest.mark.parametrize("which, named", [("b", r"'a \(and 2 more small leaves\)'"),
+                                          ("big", r"'big'")])
+def test_a_fault_aimed_at_a_small_leaf_hits_its_packed_run(which, named):
+    """``fail_host_kernel(leaves=...)`` counts the chunks holding a leaf, whether it runs alone
+    or packed with other small leaves (not only as a run's first leaf)."""
+    g = torch.Generator().manual_seed(0)
+    params = {k: torch.randn(n, generator=g).bfloat16() for k, n in  # (masters: packed)
+              (("big", 100_000), ("a", 300), ("b", 200), ("c", 100))}
+    opt = fo.adamw(1e-2, executor=small_executor())
+    state = opt.init(params)
+    with fail_host_kernel(leaves=[which]):
+        with pytest.raises(fo.HostStepError, match=named) as e:
+            opt.update({k: torch.ones_like(p) for k, p in params.items()}, state)
+    assert "injected failure" in str(e.value.__cause__)
+    if which == "b":
+        assert "on a, b, c" in str(e.value.__cause__)  # (each member of the packed run)

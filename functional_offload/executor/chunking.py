@@ -46,6 +46,8 @@ class HostLeaf(NamedTuple):
     ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
     residual: Optional[torch.Tensor] = None  # 1-D int8, with ``ahead`` for bf16 grads: the byte
     #   of each base's fp32 bits below its bf16 (kernels/remainder.py, ``split_base``)
+    members: tuple[str, ...] = ()  # the paths of the params tree's leaves it holds, where more
+    #   than one (a packed run of small leaves); () for one leaf, ``path``
 
 
 class Segment(NamedTuple):

@@ -3,7 +3,7 @@
 :mod:`functional_offload.testing` builds its context managers on these; nothing else uses them.
 A hook is called from the thread that lands the run's chunks (its lander, or the thread
 running a one-chunk run alone) with the chunk's index in its run and the paths
-of its leaves, after the previous chunk of the run completed; what it raises fails the run at
+of the params tree's leaves it holds (each member of a packed run of small leaves), after the previous chunk of the run completed; what it raises fails the run at
 that chunk (earlier chunks stay applied), what it sleeps delays the chunk.
 """
 

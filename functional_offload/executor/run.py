@@ -322,7 +322,9 @@ class _Pipeline:
         if faults.active():
             if k > 0:
                 self.q.wait(k - 1)
-            faults.before_chunk(k, list(dict.fromkeys(self.leaves[s.leaf].path for s in self.chunks[k])))
+            faults.before_chunk(k, list(dict.fromkeys(
+                p for s in self.chunks[k]
+                for p in self.leaves[s.leaf].members or (self.leaves[s.leaf].path,))))
         self.run_.started = True
         self.q.ready(k)
 

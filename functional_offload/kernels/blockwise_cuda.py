@@ -27,9 +27,11 @@ ROWS = 8  # blocks a program takes
 
 
 def available(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: Triton imports, every tensor is on a CUDA device
-    and contiguous."""
-    return triton is not None and all(t.is_cuda and t.is_contiguous() for t in tensors)
+    """Whether the kernels take these tensors: Triton imports, every tensor is contiguous on
+    one CUDA device, and the float ones are fp32."""
+    return (triton is not None and len({t.device for t in tensors}) == 1
+            and all(t.is_cuda and t.is_contiguous() for t in tensors)
+            and all(t.dtype == torch.float32 for t in tensors if t.is_floating_point()))
 
 
 if triton is not None:
@@ -70,13 +72,15 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, mids: torch.Tensor, zero: in
     bytes, on the same device), with the map's midpoints ``mids`` (256, fp32, the last +inf)
     and its zero index ``zero``."""
     blocks = q.numel() // 260
-    _quantize[(triton.cdiv(blocks, ROWS),)](x, q, mids, x.numel(), blocks, zero, ROWS=ROWS,
-                                            num_warps=4)
+    with torch.cuda.device(q.device):  # (Triton launches on the current device)
+        _quantize[(triton.cdiv(blocks, ROWS),)](x, q, mids, x.numel(), blocks, zero, ROWS=ROWS,
+                                                num_warps=4)
 
 
 def dequantize_into(q: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
     """The fp32 values of the block-wise moment ``q`` into ``out`` (contiguous, CUDA), with the
     map's values by stored byte ``values`` (256, fp32)."""
     n = out.numel()
-    _dequantize[(triton.cdiv(q.numel() // 260, ROWS),)](q, values, out, n, ROWS=ROWS,
-                                                        num_warps=4)
+    with torch.cuda.device(q.device):  # (Triton launches on the current device)
+        _dequantize[(triton.cdiv(q.numel() // 260, ROWS),)](q, values, out, n, ROWS=ROWS,
+                                                            num_warps=4)

@@ -89,12 +89,14 @@ def ahead(params: list, moments: list, h: SGDHyper, h2: SGDHyper) -> tuple[list,
     scalars = ahead_scalars(h, h2, bool(moments))
     if moments:
         step, mu, wd, rate = scalars
-        change = torch._foreach_add(torch._foreach_mul(as_dtypes_of(moments[0], params), mu),
-                                    torch._foreach_mul(params, wd))
+        change = torch._foreach_mul(as_dtypes_of(moments[0], params), mu)
+        if wd != 0:  # (0 * inf would make an infinite param's base NaN)
+            change = torch._foreach_add(change, torch._foreach_mul(params, wd))
     else:
         step, wd, rate = scalars
-        change = torch._foreach_mul(params, wd)
-    bases = torch._foreach_add(params, torch._foreach_mul(change, step))
+        change = torch._foreach_mul(params, wd) if wd != 0 else None
+    bases = (torch._foreach_add(params, torch._foreach_mul(change, step)) if change is not None
+             else [p.clone() for p in params])
     return bases, [torch.full_like(b, rate) for b in bases]
 
 

@@ -8,9 +8,17 @@
 namespace fo {
 
 // The L2 weight-decay term g + wd*p as torch's CPU `grad.add(param, alpha=wd)` computes it:
-// rounded once (a fused multiply-add; the build contracts nothing itself), and not at all where
+// rounded once (a fused multiply-add; the build contracts nothing itself) where the CPU has an
+// FMA unit, as torch's vectorized kernels do, rounded twice where it has none (as torch's
+// DEFAULT kernels do; std::fma would be a library call per element there), and not at all where
 // wd is 0, as torch skips it (0 * inf would make an infinite param's moments NaN).
-static inline float l2(float g, float p, float wd) { return wd != 0.f ? std::fma(wd, p, g) : g; }
+static inline float l2(float g, float p, float wd) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+  return wd != 0.f ? std::fma(wd, p, g) : g;
+#else
+  return wd != 0.f ? g + wd * p : g;
+#endif
+}
 
 // Adam and AdamW. Scalars: decay (1 - lr*wd for AdamW, 1 for Adam), l2 (wd for Adam, 0 for
 // AdamW), 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2^t), eps, -lr / (1 - beta1^t).
@@ -46,7 +54,7 @@ struct Sgd {
   }
   static inline void ahead(float p, float, float, const float*, const float* a, float& base,
                            float& rate) {
-    base = p + a[0] * (a[1] * p);
+    base = a[1] != 0.f ? p + a[0] * (a[1] * p) : p;  // (wd' 0: no 0 * inf)
     rate = a[2];
   }
 };
@@ -65,7 +73,7 @@ struct SgdMomentum {
   }
   static inline void ahead(float p, float b, float, const float*, const float* a, float& base,
                            float& rate) {
-    base = p + a[0] * (a[1] * b + a[2] * p);
+    base = p + a[0] * (a[2] != 0.f ? a[1] * b + a[2] * p : a[1] * b);  // (wd' 0: no 0 * inf)
     rate = a[3];
   }
 };

@@ -61,7 +61,8 @@ def packed_leaves(work: HostWork, gs: list) -> list[tuple[HostLeaf, PackedRun]]:
                             None if lead.ema is None else span(lead.ema, hi - lo),
                             work.t.ema_decay or 0.0,
                             ahead_hyper=None if work.ahead is None
-                            else work.ahead[0 if lead.decay else 1])
+                            else work.ahead[0 if lead.decay else 1],
+                            members=tuple(leaves[m].path for m in members))
             at = tuple(pack.offsets[m] - lo for m in range(first, last + 1))
             out.append((leaf, PackedRun(members, bufs, first, last, at)))
     return out
