@@ -70,7 +70,8 @@ class EngineJob(Protocol):
 
 
 def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
-             device: torch.device, ahead: bool) -> tuple[torch.Tensor, list[torch.Tensor],
+             device: torch.device, ahead: bool,
+             reuse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]]]:
@@ -99,7 +100,10 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
     res_at = [take(leaf.grad.numel(), ALIGN // 2)
               if r is not None and leaf.grad.dtype == torch.bfloat16 else None
               for leaf, r in zip(leaves, rate_at)]
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    if reuse is not None and reuse.device == device and size <= reuse.numel() <= 2 * size:
+        buf = reuse  # (a landed step's: its copies were waited for on the caller's stream)
+    else:
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
     typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (size: a multiple of ALIGN)
 
     def region(at: Optional[int], n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -148,7 +152,7 @@ class Landing:
                  targets: Sequence[Targets], threads: Optional[int] = None,
                  ahead: Optional[Callable[..., None]] = None,
                  fresh: Optional[Sequence[Sequence[bool]]] = None,
-                 engine: Optional[EngineJob] = None):
+                 engine: Optional[EngineJob] = None, buffer: Optional[torch.Tensor] = None):
         if engine is not None and (ahead is not None or any(targets[j] is None
                                                            for j in engine.leaves)):
             raise ValueError("the GPU engine steps leaves with params to write, without a "
@@ -165,11 +169,14 @@ class Landing:
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
         buf, grads, self._up, self._rates, self._residuals = _regions(
-            leaves, self.targets, self.device, ahead is not None)
+            leaves, self.targets, self.device, ahead is not None, buffer)
+        self._buf: Optional[torch.Tensor] = buf
         torch._foreach_copy_(grads, [leaf.grad for leaf in leaves])  # the caller's grads are free now
         on_engine = set(engine.leaves) if engine is not None else set()
         if engine is not None:  # (a failure here: nothing started)
-            engine.prepare({j: grads[j] for j in on_engine}, {j: self._up[j] for j in on_engine})
+            with torch.cuda.use_mem_pool(executor.engine_pool(self.device), self.device):
+                engine.prepare({j: grads[j] for j in on_engine},
+                               {j: self._up[j] for j in on_engine})
         self.began = time.perf_counter()
         t = executor.transport(self.device)
         for stream in (t.stream_in, t.stream_out):
@@ -227,6 +234,7 @@ class Landing:
         buf.record_stream(stream)  # its math reads the grads and writes the params there
         error, event, ended_at = self._engine_error, self._engine_event, self._engine_ended
         device, progress = self.device, self._progress  # (not self: no cycle through the thread)
+        pool = self.ex.engine_pool(device)
 
         def done(pieces: Pieces) -> None:
             mark = torch.cuda.current_stream(device).record_event()
@@ -236,7 +244,8 @@ class Landing:
 
         def body() -> None:
             try:
-                with torch.no_grad(), torch.cuda.stream(stream):
+                with torch.no_grad(), torch.cuda.stream(stream), \
+                        torch.cuda.use_mem_pool(pool, device):
                     if ready is not None:
                         stream.wait_event(ready)
                     engine.run(done)
@@ -249,6 +258,12 @@ class Landing:
         thread = threading.Thread(target=body, name="functional_offload GPU engine", daemon=True)
         thread.start()
         return thread
+
+    def take_buffer(self) -> Optional[torch.Tensor]:
+        """The device buffer of a step that landed without an error, for the next delayed step
+        (its size mostly the same: the grads of the same params), once; None otherwise."""
+        buf, self._buf = self._buf, None
+        return buf if self._landed and self._failure() is None else None
 
     @property
     def engine_ended_at(self) -> Optional[float]:

@@ -117,6 +117,8 @@ class Pending:
         if self._landed_fn is not None:
             self._landed_fn, landed = None, self._landed_fn
             landed()
+        if grads is not None and self.cache is not None:  # an update lands it: the next
+            self.cache.landing_buffer = self.landing.take_buffer()  # delayed step's buffer
         if interrupt is not None:
             raise interrupt
         if missed:  # landed now (the state is whole), but the forward read these params before
@@ -259,11 +261,12 @@ class Delayed(AtFinish):
                                else None)
                 members.append((i,))
         division, engine = self._engine(gs, members)
+        reuse, work.cache.landing_buffer = work.cache.landing_buffer, None
         landing = Landing(work.ex, leaves, work.kernel(), targets, work.t.threads,
                           ahead=(None if work.ahead is None
                                  else partial(land, work.t.spec.land_ahead)),
                           fresh=[[m not in work.held_ahead for m in run] for run in members],
-                          engine=engine)
+                          engine=engine, buffer=reuse)
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         landed = None
         if division is not None:
