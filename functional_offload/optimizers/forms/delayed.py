@@ -270,8 +270,10 @@ class Delayed(AtFinish):
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         landed = None
         if division is not None:
+            stepped = [None if g is None else True for g in gs]  # (not the grads: they go now)
+
             def landed() -> None:
-                record(work, division, gs, landing.began, landing.engine_ended_at,
+                record(work, division, stepped, landing.began, landing.engine_ended_at,
                        landing.run.ended_at)
         return Flight(landing, members, landed)
 

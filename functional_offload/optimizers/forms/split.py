@@ -165,7 +165,7 @@ def record(work: HostWork, d: Division, gs: list, begun: float, gpu_end: Optiona
            cpu_end: Optional[float]) -> None:
     """The step's :class:`SplitStep` (the engines' times from ``begun`` to their ends, None
     where one stepped nothing), kept with what the steps before measured (the next step's
-    plan) and on the executor."""
+    plan) and on the executor. ``gs``: per leaf, not None where it had a grad."""
     leaves, memory = work.leaves, d.memory
     last = memory.last
     size = lambda i: leaves[i].param.numel()  # noqa: E731
