@@ -71,7 +71,7 @@ class EngineJob(Protocol):
 
 def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
              device: torch.device, ahead: bool,
-             reuse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[torch.Tensor],
+             reuse: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, list[torch.Tensor],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]]]:
@@ -100,9 +100,11 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
     res_at = [take(leaf.grad.numel(), ALIGN // 2)
               if r is not None and leaf.grad.dtype == torch.bfloat16 else None
               for leaf, r in zip(leaves, rate_at)]
-    if reuse is not None and reuse.device == device and size <= reuse.numel() <= 2 * size:
-        buf = reuse  # (a landed step's: its copies were waited for on the caller's stream)
+    old = reuse.pop() if reuse else None  # (its holder's reference goes with it)
+    if old is not None and old.device == device and size <= old.numel() <= 2 * size:
+        buf = old  # (a landed step's: its reads were ordered before the caller's stream)
     else:
+        old = None  # let go of it before allocating
         buf = torch.empty(size, dtype=torch.uint8, device=device)
     typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (size: a multiple of ALIGN)
 
@@ -152,7 +154,8 @@ class Landing:
                  targets: Sequence[Targets], threads: Optional[int] = None,
                  ahead: Optional[Callable[..., None]] = None,
                  fresh: Optional[Sequence[Sequence[bool]]] = None,
-                 engine: Optional[EngineJob] = None, buffer: Optional[torch.Tensor] = None):
+                 engine: Optional[EngineJob] = None,
+                 buffer: Optional[list[torch.Tensor]] = None):
         if engine is not None and (ahead is not None or any(targets[j] is None
                                                            for j in engine.leaves)):
             raise ValueError("the GPU engine steps leaves with params to write, without a "
@@ -170,13 +173,16 @@ class Landing:
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
         buf, grads, self._up, self._rates, self._residuals = _regions(
             leaves, self.targets, self.device, ahead is not None, buffer)
-        self._buf: Optional[torch.Tensor] = buf
+        self._buf: Optional[torch.Tensor] = buf  # kept for the next step only if land() is asked
+        self._read_on: set[Any] = set()  # streams land_leaves read it on (other than the caller's)
         torch._foreach_copy_(grads, [leaf.grad for leaf in leaves])  # the caller's grads are free now
         on_engine = set(engine.leaves) if engine is not None else set()
-        if engine is not None:  # (a failure here: nothing started)
-            with torch.cuda.use_mem_pool(executor.engine_pool(self.device), self.device):
+        stream = executor.engine_stream(self.device) if engine is not None else None
+        if engine is not None:  # (a failure here: nothing started) its buffers on its stream
+            with torch.cuda.stream(stream):
                 engine.prepare({j: grads[j] for j in on_engine},
                                {j: self._up[j] for j in on_engine})
+            buf.record_stream(stream)  # its math reads the grads and writes the params there
         self.began = time.perf_counter()
         t = executor.transport(self.device)
         for stream in (t.stream_in, t.stream_out):
@@ -212,29 +218,31 @@ class Landing:
 
         self.run = executor.open(self.device, kernel, threads, chunk_done=chunk_done,
                                  ahead=ahead is not None)
+        self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
+        self._engine_error: list[Optional[BaseException]] = [None]
+        self._engine_event: list[Optional[torch.cuda.Event]] = [None]  # its last chunk's math
+        self._engine: Optional[threading.Thread] = None
+        if engine is not None:  # started before the run has leaves: if it cannot start, the
+            try:                # run ends with none, and nothing was written
+                self._engine = self._start(engine, stream, ready, chunk_done)
+            except BaseException:
+                self.run.close()
+                self.run.wait()
+                raise
         self.run.add_all([leaf._replace(grad=g, out=p, ahead=r, residual=e,
                                         high=leaf.high if r is None else None)
                           for j, (leaf, g, p, r, e) in enumerate(zip(
                               leaves, grads, self._up, self._rates, self._residuals))
                           if j not in on_engine], ready)
         self.run.close()
-        self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
-        self._engine_error: list[Optional[BaseException]] = [None]
-        self._engine_event: list[Optional[torch.cuda.Event]] = [None]  # its last chunk's math
-        self._engine: Optional[threading.Thread] = None
-        if engine is not None:
-            self._engine = self._start(engine, buf, ready, chunk_done)
 
-    def _start(self, engine: EngineJob, buf: torch.Tensor, ready: Any,
+    def _start(self, engine: EngineJob, stream: "torch.cuda.Stream", ready: Any,
                chunk_done: Callable[[Any, Optional[list[Segment]]], None]) -> threading.Thread:
-        """The engine's thread, on a stream of its own that waits for ``ready``; each chunk's
-        math queued marks its pieces done (as the run's chunk_done does) and the event the
-        landing waits for; its end counts as a part's."""
-        stream = torch.cuda.Stream(device=self.device)
-        buf.record_stream(stream)  # its math reads the grads and writes the params there
+        """The engine's thread, on the executor's engine stream, which waits for ``ready``;
+        each chunk's math queued marks its pieces done (as the run's chunk_done does) and the
+        event the landing waits for; its end counts as a part's."""
         error, event, ended_at = self._engine_error, self._engine_event, self._engine_ended
         device, progress = self.device, self._progress  # (not self: no cycle through the thread)
-        pool = self.ex.engine_pool(device)
 
         def done(pieces: Pieces) -> None:
             mark = torch.cuda.current_stream(device).record_event()
@@ -244,8 +252,7 @@ class Landing:
 
         def body() -> None:
             try:
-                with torch.no_grad(), torch.cuda.stream(stream), \
-                        torch.cuda.use_mem_pool(pool, device):
+                with torch.no_grad(), torch.cuda.stream(stream):
                     if ready is not None:
                         stream.wait_event(ready)
                     engine.run(done)
@@ -260,10 +267,15 @@ class Landing:
         return thread
 
     def take_buffer(self) -> Optional[torch.Tensor]:
-        """The device buffer of a step that landed without an error, for the next delayed step
-        (its size mostly the same: the grads of the same params), once; None otherwise."""
+        """The device buffer of a step :meth:`land` kept (``keep=True``) and that landed
+        without an error, once, for the next delayed step (its size mostly the same: the grads
+        of the same params), if nothing read it on another stream than the caller's; None
+        otherwise (then it goes)."""
         buf, self._buf = self._buf, None
-        return buf if self._landed and self._failure() is None else None
+        here = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if not self._landed or self._failure() is not None or self._read_on - {here}:
+            return None
+        return buf
 
     @property
     def engine_ended_at(self) -> Optional[float]:
@@ -294,21 +306,27 @@ class Landing:
         return self._failure()
 
     def land(self, ready: Any,
-             grads: Optional[Sequence[Sequence[Optional[torch.Tensor]]]] = None) -> None:
+             grads: Optional[Sequence[Sequence[Optional[torch.Tensor]]]] = None,
+             keep: bool = False) -> None:
         """Wait for the run, then copy the new params of its finished chunks over the params
         (after ``ready``, the caller's stream's mark) and raise the run's error. With a
         look-ahead: ``grads`` (per leaf, per param of its ``targets``: the next step's grad on
         the device, or None) give the params their look-ahead; without them the params are set
         from the new values. The
         caller's stream is ordered after the copies (:meth:`~functional_offload.executor.
-        HostExecutor.order_after_copies`). Idempotent; call from shielded work."""
+        HostExecutor.order_after_copies`). ``keep``: the device buffer stays for
+        :meth:`take_buffer` (else it goes). Idempotent; call from shielded work."""
         with self._lock:
-            if not self._landed:
-                if self.ahead is not None:
-                    self._land_ahead(grads)
-                else:
-                    self._land(ready)
-                self._landed = True
+            try:
+                if not self._landed:
+                    if self.ahead is not None:
+                        self._land_ahead(grads)
+                    else:
+                        self._land(ready)
+                    self._landed = True
+            finally:
+                if not keep:
+                    self._buf = None
         failure = self._failure()
         if failure is not None:
             raise failure
@@ -440,6 +458,7 @@ class Landing:
                     torch.cuda.current_stream(self.device).wait_event(engine_event)
                 if self.device.type == "cuda":  # the buffer is read on this stream too
                     pairs[0][1].record_stream(torch.cuda.current_stream(self.device))
+                    self._read_on.add(torch.cuda.current_stream(self.device))
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             self._copied.update(copy)
             self._landed_leaves.update(want)

@@ -111,14 +111,17 @@ class Pending:
         #                                                      params come first
         mine = None if grads is None else [[grads[i] for i in m] for m in self.members]
         missed = [] if grads is None else self.missed(grads)
-        interrupt = self._shielded(self.landing.land, ready, mine)
-        self._land_moved([i for m in self.members for i in m])
+        keep = grads is not None and self.cache is not None  # an update lands it: its own
+        interrupt = self._shielded(self.landing.land, ready, mine, keep)  # delayed step may
+        self._land_moved([i for m in self.members for i in m])  # reuse the buffer
         self.done, self._on_failure = True, []  # (the callbacks hold other parts' states)
         if self._landed_fn is not None:
             self._landed_fn, landed = None, self._landed_fn
             landed()
-        if grads is not None and self.cache is not None:  # an update lands it: the next
-            self.cache.landing_buffer = self.landing.take_buffer()  # delayed step's buffer
+        buf = self.landing.take_buffer() if keep else None
+        if buf is not None and interrupt is None and not missed:
+            self.cache.landing_buffer = buf
+        del buf
         if interrupt is not None:
             raise interrupt
         if missed:  # landed now (the state is whole), but the forward read these params before
@@ -221,6 +224,7 @@ class Pending:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
         self._on_failure, self._landed_fn = [], None
         _, interrupt = shielded(self.landing.wait)
+        self.landing.take_buffer()  # dropped
         if interrupt is not None:
             raise interrupt
 
@@ -261,7 +265,8 @@ class Delayed(AtFinish):
                                else None)
                 members.append((i,))
         division, engine = self._engine(gs, members)
-        reuse, work.cache.landing_buffer = work.cache.landing_buffer, None
+        reuse = [work.cache.landing_buffer] if work.cache.landing_buffer is not None else []
+        work.cache.landing_buffer = None  # (the landing takes it from the list, or lets it go)
         landing = Landing(work.ex, leaves, work.kernel(), targets, work.t.threads,
                           ahead=(None if work.ahead is None
                                  else partial(land, work.t.spec.land_ahead)),
