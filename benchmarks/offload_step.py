@@ -35,6 +35,8 @@ Systems (``F``: offload fraction, Megatron's semantics):
                    share searched for over the first steps, which the warm-up runs until it
                    settles, or ``--gpu-share``); the last split in the row (``both8``,
                    ``bothr16``, ``bothr8``...: the formats, as for ``plain``).
+  ``staleboth:F`` / ``landboth:F``   ``stale:F`` / ``land:F`` with both engines (the GPU
+                   engine's leaves stepped on the device in the background).
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
 Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
@@ -76,7 +78,8 @@ LossFn = Callable[[], torch.Tensor]
 Step = Callable[[LossFn], None]
 
 OURS = ("lion", "streamlion",
-        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale", "land", "engine", "both")
+        *(mode + r + m for mode in ("plain", "stream", "delayed", "stale", "land", "engine", "both",
+                                    "staleboth", "landboth")
           for r in ("", "r")
           for m in MOMENTS))
 DEFAULT = "fwdbwd,gpu,gpu32,plain:1,stream:1,delayed:1,stream16:1,delayed16:1,hdo:1,torchao"
@@ -157,22 +160,24 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         m = moments_of(name)
         base = name.removesuffix(m)
         mode = base.removesuffix("r") if base.endswith("r") else base.removesuffix("lion") or "plain"
-        ours = build_ours({"stale": "delayed", "land": "delayed", "engine": "plain",
-                           "both": "plain"}.get(mode, mode),
+        stale = mode in ("stale", "land", "staleboth", "landboth")
+        ours = build_ours({"engine": "plain", "both": "plain"}.get(mode, "delayed" if stale else mode),
                           dict(model.named_parameters()), frac, clip=args.max_norm if clip else None,
-                          delay=fo.Delay(lookahead=False) if mode in ("stale", "land") else None,
+                          delay=fo.Delay(lookahead=False) if stale else None,
                           optimizer="lion" if name.endswith("lion") else "adamw",
                           moments=MOMENTS[m], remainders=base.endswith("r"),
                           threads=args.threads,
-                          engine={"engine": "gpu", "both": "both"}.get(mode, "cpu"),
-                          gpu_share=args.gpu_share if mode == "both" else None,
+                          engine={"engine": "gpu", "both": "both", "staleboth": "both",
+                                  "landboth": "both"}.get(mode, "cpu"),
+                          gpu_share=args.gpu_share if mode.endswith("both") else None,
                           chunk_mb=args.chunk_mb, slots=args.slots, timeline=timeline,
-                          engine_chunk_mb=args.engine_chunk_mb if mode in ("engine", "both") else None)
+                          engine_chunk_mb=args.engine_chunk_mb if mode in (
+                              "engine", "both", "staleboth", "landboth") else None)
         info.update(offloaded=ours.offloaded, host_state_gib=ours.host_state_bytes / 2**30,
                     threads=ours.executor.threads, ahead=ours.ahead)
-        if mode == "land":  # the hooks stay for the process's one model
+        if mode in ("land", "landboth"):  # the hooks stay for the process's one model
             fo.land_before_forward(model, ours.state)
-        if mode == "both":
+        if mode.endswith("both"):
             SEARCHING.append(lambda: ours.executor.last_split is None
                              or ours.executor.last_split.phase in ("warm-up", "search"))
 

@@ -177,6 +177,8 @@ class StepCache:
     #                    which plans the next one
     land_order: list = dataclasses.field(default_factory=list)  # leaves in the order the last
     #     forward landed them (fo.land): the next delayed step's host run takes them so
+    landing_buffer: Any = None  # the device buffer of the delayed step an update landed, for
+    #     that update's own delayed step (dropped by the update if it takes none)
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all

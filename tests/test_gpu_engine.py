@@ -553,6 +553,7 @@ def run_split(engine, share=None, dtype=torch.float32, steps=3, placement=None,
         if n == 1:
             g["b1"] = None
         params, state = opt.update(g, state)
+    fo.flush(state)
     return ({k: p.cpu() for k, p in params.items()},
             {k: v.cpu() for k, v in fo.state_dict(state).items()}, ex.last_split)
 
@@ -637,3 +638,88 @@ def test_split_failure_marks_the_state():
             opt.update(g, state)
     with pytest.raises(fo.StateError, match="failed"):
         opt.update(g, state)
+
+
+STALE = fo.Delay(lookahead=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["fp32", "split-8bit"])
+@pytest.mark.parametrize("engine, share", [("gpu", None), ("both", 0.5)])
+def test_delayed_steps_give_the_bits_of_the_plain_ones(engine, share, fmt):
+    """Without a look-ahead a delayed step's leaves are stepped by the engine the plain step
+    gives them (the GPU engine's on the device, in the background): the same grads give the
+    same bits, params and state."""
+    options = FORMATS.get(fmt, {})
+    dtype = torch.bfloat16 if options else torch.float32
+    size = 2 << 20 if options else 1 << 16  # (w2 goes whole into a chunk with 8-bit moments)
+    got, got_state, split = run_split(engine, share, dtype=dtype, delayed=STALE,
+                                      chunk_bytes=size, **options)
+    want, want_state, want_split = run_split(engine, share, dtype=dtype, chunk_bytes=size,
+                                             **options)
+    if engine == "both":
+        assert split.gpu == want_split.gpu and split.gpu and split.phase == "fixed"
+        assert split.gpu_s > 0 and split.cpu_s > 0
+    for k in want:
+        assert_leaf_same(k, got, got_state, want, want_state)
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                               torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda().bfloat16()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["gpu", "both"])
+def test_landing_before_the_forward_is_exact_on_the_gpu_engine(engine):
+    """``fo.land_before_forward`` with the GPU engine stepping in the background: each module's
+    forward waits for its params, and training gives the plain steps' bits."""
+    outs = []
+    for delayed in (STALE, False):
+        model = _mlp()
+        params = dict(model.named_parameters())
+        ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine, engine_chunk_bytes=1 << 16,
+                          gpu_share=0.5 if engine == "both" else None)
+        opt = fo.chain(fo.clip_by_global_norm(0.1),
+                       fo.adamw(1e-2, placement=on_host(), executor=ex, delayed=delayed,
+                                store_param_remainders=True, mu_dtype=torch.uint8,
+                                nu_dtype=torch.uint8))
+        state = opt.init(params)
+        hooks = fo.land_before_forward(model, lambda: state) if delayed else None
+        g = torch.Generator(device="cuda").manual_seed(1)
+        losses = []
+        for _ in range(5):
+            x = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
+            loss = model(x).float().square().mean()
+            loss.backward()
+            losses.append(loss.item())
+            params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+            model.zero_grad(set_to_none=True)
+        state = fo.flush(state)
+        if hooks is not None:
+            hooks.remove()
+        outs.append((losses, [p.detach().cpu() for p in params.values()]))
+    assert outs[0][0] == outs[1][0]
+    assert all(torch.equal(x, y) for x, y in zip(outs[0][1], outs[1][1]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["gpu", "both"])
+def test_a_delayed_engine_step_that_fails_marks_the_state(engine):
+    """A chunk of the engine failing in the background: the error comes at the landing (the
+    next update), the state is marked failed, and nothing can use or save it."""
+    params = split_params()
+    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine, engine_chunk_bytes=1 << 16,
+                      gpu_share=1.0 if engine == "both" else None)
+    opt = fo.adamw(1e-2, placement=on_host(), executor=ex, delayed=STALE)
+    state = opt.init(params)
+    grads = grad_seq(params, 3)
+    params, state = opt.update(grads[0], state)
+    state = fo.flush(state)  # (its engine done before the fault is injected)
+    with fail_host_kernel(after=2, leaves=["w1"]):
+        params, state = opt.update(grads[1], state)
+        with pytest.raises(fo.HostStepError, match="injected failure"):
+            opt.update(grads[2], state)
+    with pytest.raises(fo.StateError, match="failed"):
+        opt.update(grads[2], state)

@@ -26,12 +26,18 @@ it is a step behind) are set from the new values first, copied up once.
 A leaf of the run may update several params (a packed run of small ones: its elements are
 theirs, each from an offset): each lands as a leaf of its own would, with its own grad, and
 the leaf's new params are copied to them from the buffer.
+
+Without a look-ahead, an :class:`EngineJob` (the GPU engine) may step some of the leaves on the
+device instead: it reads their grads from the buffer and writes their new params into the
+same bytes, on a stream of its own in a thread of its own, beside the run; its leaves land as
+the run's do, once their math is queued.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -39,14 +45,33 @@ from functional_offload.executor.host import HostExecutor
 from functional_offload.executor.chunking import ALIGN, HostLeaf, Segment
 from functional_offload.kernels.work import Kernel
 
-__all__ = ["Landing"]
+__all__ = ["EngineJob", "Landing"]
 
 
 Targets = Optional[Sequence[tuple[int, torch.Tensor]]]  # a leaf's params: (offset, 1-D param)
+Pieces = list[tuple[int, int, int]]  # (leaf, first element, end) whose new params are queued
+
+
+class EngineJob(Protocol):
+    """The part of a delayed step the GPU engine steps: ``leaves``, positions in the landing's
+    leaves (each with params to write). :meth:`prepare` runs in the caller's thread, before
+    anything starts (what can fail before a byte is written: its device buffers); :meth:`run`
+    in a thread of its own, on a stream of its own that waits for the grads, calling ``done``
+    after each chunk's math is queued on it with the pieces of leaves whose new params it
+    writes."""
+
+    leaves: Sequence[int]
+
+    def prepare(self, grads: dict[int, torch.Tensor], outs: dict[int, torch.Tensor]) -> None:
+        """``grads``: each leaf's grad (1-D, in the landing's buffer); ``outs``: where its new
+        params go (1-D, the same bytes where the dtypes have one size)."""
+
+    def run(self, done: Callable[[Pieces], None]) -> None: ...
 
 
 def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
-             device: torch.device, ahead: bool) -> tuple[torch.Tensor, list[torch.Tensor],
+             device: torch.device, ahead: bool,
+             reuse: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, list[torch.Tensor],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]],
                                                          list[Optional[torch.Tensor]]]:
@@ -75,7 +100,12 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
     res_at = [take(leaf.grad.numel(), ALIGN // 2)
               if r is not None and leaf.grad.dtype == torch.bfloat16 else None
               for leaf, r in zip(leaves, rate_at)]
-    buf = torch.empty(size, dtype=torch.uint8, device=device)
+    old = reuse.pop() if reuse else None  # (its holder's reference goes with it)
+    if old is not None and old.device == device and size <= old.numel() <= 2 * size:
+        buf = old  # (a landed step's: its reads were ordered before the caller's stream)
+    else:
+        old = None  # let go of it before allocating
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
     typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (size: a multiple of ALIGN)
 
     def region(at: Optional[int], n: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -117,12 +147,19 @@ class Landing:
     param itself. ``ahead``: the device side of a look-ahead, ``ahead(params, bases, residuals,
     rates, grads, hyper, next_hyper)``, for leaves that carry the next step's hyperparameters
     (``HostLeaf.ahead_hyper``); ``fresh[i][k]``: param ``k`` of leaf ``i`` is not the last
-    look-ahead's (default: all); see the module."""
+    look-ahead's (default: all); ``engine``: the leaves the GPU engine steps instead of the
+    run (without ``ahead`` only); see the module."""
 
     def __init__(self, executor: HostExecutor, leaves: Sequence[HostLeaf], kernel: Kernel,
                  targets: Sequence[Targets], threads: Optional[int] = None,
                  ahead: Optional[Callable[..., None]] = None,
-                 fresh: Optional[Sequence[Sequence[bool]]] = None):
+                 fresh: Optional[Sequence[Sequence[bool]]] = None,
+                 engine: Optional[EngineJob] = None,
+                 buffer: Optional[list[torch.Tensor]] = None):
+        if engine is not None and (ahead is not None or any(targets[j] is None
+                                                           for j in engine.leaves)):
+            raise ValueError("the GPU engine steps leaves with params to write, without a "
+                             "look-ahead")
         self.ex, self.targets, self.ahead = executor, [None if t is None else list(t)
                                                        for t in targets], ahead
         for leaf, t in zip(leaves, self.targets):
@@ -135,8 +172,18 @@ class Landing:
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
         buf, grads, self._up, self._rates, self._residuals = _regions(
-            leaves, self.targets, self.device, ahead is not None)
+            leaves, self.targets, self.device, ahead is not None, buffer)
+        self._buf: Optional[torch.Tensor] = buf  # kept for the next step only if land() is asked
+        self._read_on: set[Any] = set()  # streams land_leaves read it on (other than the caller's)
         torch._foreach_copy_(grads, [leaf.grad for leaf in leaves])  # the caller's grads are free now
+        on_engine = set(engine.leaves) if engine is not None else set()
+        stream = executor.engine_stream(self.device) if engine is not None else None
+        if engine is not None:  # (a failure here: nothing started) its buffers on its stream
+            with torch.cuda.stream(stream):
+                engine.prepare({j: grads[j] for j in on_engine},
+                               {j: self._up[j] for j in on_engine})
+            buf.record_stream(stream)  # its math reads the grads and writes the params there
+        self.began = time.perf_counter()
         t = executor.transport(self.device)
         for stream in (t.stream_in, t.stream_out):
             if stream is not None:  # the run reads and writes ``buf`` on the copy streams
@@ -150,7 +197,8 @@ class Landing:
         self._left = [leaf.grad.numel() for leaf in leaves]
         self._finished: list[int] = []  # the leaves whose copies up are all issued, in order
         self._taken = 0  # how many of them land_leaves has seen
-        self._ended = [False]  # the run called its last chunk_done (it ended, or failed)
+        self._ended = [0]  # the parts (the run, the engine) that ended (or failed)
+        self._part_count = 1 if engine is None else 2
         self._progress = threading.Condition()
         ready = executor.ready(self.device)  # the copies above are complete here
         # (not self in the callback: no cycle through the run keeps the buffer past its step)
@@ -160,7 +208,7 @@ class Landing:
         def chunk_done(_: Any, segs: Optional[list[Segment]]) -> None:
             with progress:
                 if segs is None:  # the run's end
-                    ended[0] = True
+                    ended[0] += 1
                 for seg in segs or ():
                     done.append(seg)
                     left[seg.leaf] -= seg.stop - seg.start
@@ -170,11 +218,79 @@ class Landing:
 
         self.run = executor.open(self.device, kernel, threads, chunk_done=chunk_done,
                                  ahead=ahead is not None)
+        self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
+        self._engine_error: list[Optional[BaseException]] = [None]
+        self._engine_event: list[Optional[torch.cuda.Event]] = [None]  # its last chunk's math
+        self._engine: Optional[threading.Thread] = None
+        if engine is not None:  # started before the run has leaves: if it cannot start, the
+            try:                # run ends with none, and nothing was written
+                self._engine = self._start(engine, stream, ready, chunk_done)
+            except BaseException:
+                self.run.close()
+                self.run.wait()
+                raise
         self.run.add_all([leaf._replace(grad=g, out=p, ahead=r, residual=e,
                                         high=leaf.high if r is None else None)
-                          for leaf, g, p, r, e in zip(leaves, grads, self._up, self._rates,
-                                                      self._residuals)], ready)
+                          for j, (leaf, g, p, r, e) in enumerate(zip(
+                              leaves, grads, self._up, self._rates, self._residuals))
+                          if j not in on_engine], ready)
         self.run.close()
+
+    def _start(self, engine: EngineJob, stream: "torch.cuda.Stream", ready: Any,
+               chunk_done: Callable[[Any, Optional[list[Segment]]], None]) -> threading.Thread:
+        """The engine's thread, on the executor's engine stream, which waits for ``ready``;
+        each chunk's math queued marks its pieces done (as the run's chunk_done does) and the
+        event the landing waits for; its end counts as a part's."""
+        error, event, ended_at = self._engine_error, self._engine_event, self._engine_ended
+        device, progress = self.device, self._progress  # (not self: no cycle through the thread)
+
+        def done(pieces: Pieces) -> None:
+            mark = torch.cuda.current_stream(device).record_event()
+            with progress:
+                event[0] = mark
+            chunk_done(None, [Segment(j, lo, hi, 0) for j, lo, hi in pieces])
+
+        def body() -> None:
+            try:
+                with torch.no_grad(), torch.cuda.stream(stream):
+                    if ready is not None:
+                        stream.wait_event(ready)
+                    engine.run(done)
+            except BaseException as e:  # noqa: BLE001 - raised by the landing
+                error[0] = e
+            finally:
+                ended_at[0] = time.perf_counter()
+                chunk_done(None, None)
+
+        thread = threading.Thread(target=body, name="functional_offload GPU engine", daemon=True)
+        thread.start()
+        return thread
+
+    def take_buffer(self) -> Optional[torch.Tensor]:
+        """The device buffer of a step :meth:`land` kept (``keep=True``) and that landed
+        without an error, once, for the next delayed step (its size mostly the same: the grads
+        of the same params), if nothing read it on another stream than the caller's; None
+        otherwise (then it goes)."""
+        buf, self._buf = self._buf, None
+        here = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if not self._landed or self._failure() is not None or self._read_on - {here}:
+            return None
+        return buf
+
+    @property
+    def engine_ended_at(self) -> Optional[float]:
+        """``time.perf_counter()`` when the engine ended (None: none, or not yet)."""
+        return self._engine_ended[0]
+
+    def wait(self) -> None:
+        """Wait until the run and the engine ended."""
+        self.run.wait()
+        if self._engine is not None:
+            self._engine.join()
+
+    def _failure(self) -> Optional[BaseException]:
+        """The run's error, else the engine's (once they ended)."""
+        return self.run.error or self._engine_error[0]
 
     @property
     def landed_early(self) -> set[int]:
@@ -183,27 +299,37 @@ class Landing:
 
     @property
     def error(self) -> Optional[BaseException]:
-        """The host step's error once the run ended (None while it runs or when it succeeded)."""
-        return self.run.error if self.run.done else None
+        """The host step's error once the run and the engine ended (None while they run or when
+        they succeeded)."""
+        if not self.run.done or (self._engine is not None and self._engine.is_alive()):
+            return None
+        return self._failure()
 
     def land(self, ready: Any,
-             grads: Optional[Sequence[Sequence[Optional[torch.Tensor]]]] = None) -> None:
+             grads: Optional[Sequence[Sequence[Optional[torch.Tensor]]]] = None,
+             keep: bool = False) -> None:
         """Wait for the run, then copy the new params of its finished chunks over the params
         (after ``ready``, the caller's stream's mark) and raise the run's error. With a
         look-ahead: ``grads`` (per leaf, per param of its ``targets``: the next step's grad on
         the device, or None) give the params their look-ahead; without them the params are set
         from the new values. The
         caller's stream is ordered after the copies (:meth:`~functional_offload.executor.
-        HostExecutor.order_after_copies`). Idempotent; call from shielded work."""
+        HostExecutor.order_after_copies`). ``keep``: the device buffer stays for
+        :meth:`take_buffer` (else it goes). Idempotent; call from shielded work."""
         with self._lock:
-            if not self._landed:
-                if self.ahead is not None:
-                    self._land_ahead(grads)
-                else:
-                    self._land(ready)
-                self._landed = True
-        if self.run.error is not None:
-            raise self.run.error
+            try:
+                if not self._landed:
+                    if self.ahead is not None:
+                        self._land_ahead(grads)
+                    else:
+                        self._land(ready)
+                    self._landed = True
+            finally:
+                if not keep:
+                    self._buf = None
+        failure = self._failure()
+        if failure is not None:
+            raise failure
 
     def _parts(self, j: int, region: Optional[torch.Tensor]) -> list[torch.Tensor]:
         """Leaf ``j``'s ``region`` (a region of the buffer, or its new values) cut as its params
@@ -289,7 +415,7 @@ class Landing:
         """Whether leaves ``which`` were all copied by :meth:`land_leaves` already (along with
         others); if so they count as asked for, as if it had been called for them."""
         with self._lock:
-            if not self._copied.issuperset(which) or self.run.error is not None:
+            if not self._copied.issuperset(which) or self._failure() is not None:
                 return False  # (a failed run: land_leaves raises its error)
             self._landed_leaves.update(which)
             return True
@@ -314,30 +440,35 @@ class Landing:
                 return
             want = [j for j in dict.fromkeys(which) if j not in self._landed_leaves]
             with self._progress:
-                self._progress.wait_for(lambda: self._ended[0] or all(
+                self._progress.wait_for(lambda: self._ended[0] >= self._part_count or all(
                     self._left[j] <= 0 for j in want))
                 more, self._taken = self._finished[self._taken:], len(self._finished)
-            if self._ended[0]:  # the run ended (all done, or failed: then raise its error)
-                self.run.wait()
-                if self.run.error is not None:
-                    raise self.run.error
+                engine_event = self._engine_event[0]
+            if self._ended[0] >= self._part_count:  # all ended (all done, or failed: raise the error)
+                self.wait()
+                failure = self._failure()
+                if failure is not None:
+                    raise failure
             copy = [j for j in dict.fromkeys(want + more) if j not in self._copied]
             pairs = [(p, x) for j in copy if self.targets[j] is not None
                      for (_, p), x in zip(self.targets[j], self._parts(j, self._up[j]))]
             if pairs:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
+                if engine_event is not None:  # and the engine's math of those it stepped
+                    torch.cuda.current_stream(self.device).wait_event(engine_event)
                 if self.device.type == "cuda":  # the buffer is read on this stream too
                     pairs[0][1].record_stream(torch.cuda.current_stream(self.device))
+                    self._read_on.add(torch.cuda.current_stream(self.device))
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             self._copied.update(copy)
             self._landed_leaves.update(want)
 
     @torch.no_grad()
     def _land(self, ready: Any) -> None:
-        self.run.wait()
+        self.wait()
         t, tl = self.ex.transport(self.device), self.ex.timeline
         early = self._copied
-        if self.run.error is None:  # every chunk is done: whole leaves, no slice per segment
+        if self._failure() is None:  # every chunk is done: whole leaves, no slice per segment
             pairs = [(p, x) for j, t in enumerate(self.targets) if t is not None and j not in early
                      for (_, p), x in zip(t, self._parts(j, self._up[j]))]
         else:  # the params' elements in the finished segments
@@ -347,6 +478,7 @@ class Landing:
                      for lo, hi in [(max(at, s.start), min(at + p.numel(), s.stop))] if lo < hi]
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
+            t.wait_out(self._engine_event[0])  # the engine's params are written (None: none)
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
             if tl:

@@ -197,6 +197,7 @@ class HostExecutor:
         self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
         self._slot_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Transport] = {}
+        self._engine_streams: dict[torch.device, Any] = {}
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
@@ -254,6 +255,14 @@ class HostExecutor:
     def transport(self, device: torch.device) -> Transport:
         self.reserve(device)
         return self._transports[device]
+
+    def engine_stream(self, device: torch.device) -> "torch.cuda.Stream":
+        """The stream of the GPU engine's math in delayed steps (one per device, kept): the
+        caching allocator reuses a freed block on the stream it was allocated on, so its
+        buffers and temporaries, allocated on it, are reused step after step."""
+        if device not in self._engine_streams:
+            self._engine_streams[device] = torch.cuda.Stream(device=device)
+        return self._engine_streams[device]
 
     def engine_transport(self, device: torch.device) -> Transport:
         """The GPU engine's copies' transport: with ``engine="both"`` a second pair of streams

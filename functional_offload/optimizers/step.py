@@ -128,6 +128,8 @@ class TerminalStep(StepBase):
         finally:
             del gs
             self._release()
+            if self.state.params.cache is not None:  # a landed step's buffer no step took
+                self.state.params.cache.landing_buffer = None
         self.state.count.fill_(CONSUMED)
         return new
 

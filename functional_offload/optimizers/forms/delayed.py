@@ -18,21 +18,51 @@ from functional_offload.state import mark_failed, missed_landing
 from functional_offload.executor.delayed import Landing
 from functional_offload.executor.shield import shielded
 from functional_offload.optimizers.forms.base import AtFinish, HostWork
+from functional_offload.optimizers.forms.gpu_engine import GpuEngine, Prepared
 from functional_offload.optimizers.forms.in_place import packed_leaves
+from functional_offload.optimizers.forms.split import Division, divide, engine_steps, record
 from functional_offload.optimizers.spec import land
 from functional_offload.quantized import write_params
 from functional_offload.tree import local
 
-__all__ = ["Delayed", "Flight", "Pending"]
+__all__ = ["Delayed", "DelayedEngine", "Flight", "Pending"]
 
 
 class Flight(NamedTuple):
     """A delayed step's landing and, per leaf of the landing, the state's leaves whose params
     it updates (layout indices: one, or a run of a pack's members, in the order of the
-    landing's ``targets``)."""
+    landing's ``targets``); ``landed``: called once it landed without an error (a split
+    step's record)."""
 
     landing: Landing
     members: list[tuple[int, ...]]
+    landed: Optional[Callable[[], None]] = None
+
+
+class DelayedEngine:
+    """The GPU engine's part of a delayed step (:class:`~functional_offload.executor.delayed.
+    EngineJob`): the layout's leaves ``idx``, at positions ``leaves`` of the landing."""
+
+    def __init__(self, work: HostWork, idx: list[int], leaves: list[int]):
+        self.engine, self.idx, self.leaves = GpuEngine(work), idx, leaves
+        self.size = len(work.leaves)
+        self.prepared: list[Prepared] = []
+
+    def prepare(self, grads: dict[int, torch.Tensor], outs: dict[int, torch.Tensor]) -> None:
+        gs: list[Optional[torch.Tensor]] = [None] * self.size
+        for i, j in zip(self.idx, self.leaves):
+            gs[i] = grads[j]
+        self.prepared = self.engine.prepare(gs, self.idx,
+                                            {i: outs[j] for i, j in zip(self.idx, self.leaves)})
+
+    def run(self, done: Callable[[list[tuple[int, int, int]]], None]) -> None:
+        at = dict(zip(self.idx, self.leaves))
+        try:
+            self.engine.run_prepared(self.prepared, lambda chunk: done(
+                [(at[p.index], p.lo, p.hi) for p in chunk.pieces]))
+        finally:
+            self.prepared = []  # the device buffers go once every copy landed
+            self.engine.release()
 
 
 def _elements_of(t: torch.Tensor) -> tuple:
@@ -55,7 +85,7 @@ class Pending:
     def __init__(self, flight: Flight, count: torch.Tensor, cache: Optional[StepCache],
                  lost: list[str]):
         self.landing, self.count, self.cache, self.lost = flight.landing, count, cache, lost
-        self.members = flight.members
+        self.members, self._landed_fn = flight.members, flight.landed
         # where the landing writes each param (a layout index's): its memory at the step; a
         # param given other memory since gets what was landed there (_land_moved)
         self._targets = {i: p for m, t in zip(self.members, self.landing.targets)
@@ -81,9 +111,17 @@ class Pending:
         #                                                      params come first
         mine = None if grads is None else [[grads[i] for i in m] for m in self.members]
         missed = [] if grads is None else self.missed(grads)
-        interrupt = self._shielded(self.landing.land, ready, mine)
-        self._land_moved([i for m in self.members for i in m])
+        keep = grads is not None and self.cache is not None  # an update lands it: its own
+        interrupt = self._shielded(self.landing.land, ready, mine, keep)  # delayed step may
+        self._land_moved([i for m in self.members for i in m])  # reuse the buffer
         self.done, self._on_failure = True, []  # (the callbacks hold other parts' states)
+        if self._landed_fn is not None:
+            self._landed_fn, landed = None, self._landed_fn
+            landed()
+        buf = self.landing.take_buffer() if keep else None
+        if buf is not None and interrupt is None and not missed:
+            self.cache.landing_buffer = buf
+        del buf
         if interrupt is not None:
             raise interrupt
         if missed:  # landed now (the state is whole), but the forward read these params before
@@ -184,8 +222,9 @@ class Pending:
 
     def settle(self) -> None:
         self.done, self.error = True, None  # dropped: a load overwrites what it would land
-        self._on_failure = []
-        _, interrupt = shielded(self.landing.run.wait)
+        self._on_failure, self._landed_fn = [], None
+        _, interrupt = shielded(self.landing.wait)
+        self.landing.take_buffer()  # dropped
         if interrupt is not None:
             raise interrupt
 
@@ -194,7 +233,10 @@ class Delayed(AtFinish):
     """The delayed form (see the module): nothing starts before finish, which starts the run
     and returns its :class:`Flight` (with look-aheads where the step's work has the next
     step's hyperparameters, ``HostWork.ahead``); the step's count and lost params make it
-    :class:`Pending`."""
+    :class:`Pending`. Without a look-ahead, an executor's ``engine="gpu"`` steps every leaf on
+    the device (:class:`DelayedEngine`; small ones too, unpacked, as its plain steps do),
+    ``"both"`` the leaves of the planned share (:func:`~functional_offload.optimizers.forms.split.divide`, measured at the
+    landing as the plain split steps are)."""
 
     def __init__(self, work: HostWork):
         super().__init__(work)
@@ -204,7 +246,8 @@ class Delayed(AtFinish):
         if not rest:
             return None
         work = self.work
-        runs = packed_leaves(work, gs) if work.cache.packs else []
+        every = work.ex.engine == "gpu" and work.ahead is None  # the engine steps every leaf
+        runs = packed_leaves(work, gs) if work.cache.packs and not every else []
         run_of = {i: k for k, (_, run) in enumerate(runs) for i in run.members}
         leaves, targets, members = [], [], []
         for i in rest:  # a packed run at its first member's place in the order
@@ -216,17 +259,48 @@ class Delayed(AtFinish):
                 targets.append([(at, work.leaves[m].param.view(-1))
                                 for at, m in zip(run.at, run.members)])
                 members.append(run.members)
-            elif i not in work.static.packed:
+            elif every or i not in work.static.packed:
                 leaves.append(work.host_leaf(i, gs[i], None))
                 targets.append([(0, work.leaves[i].param.view(-1))] if work.leaves[i].has_master
                                else None)
                 members.append((i,))
+        division, engine = self._engine(gs, members)
+        reuse = [work.cache.landing_buffer] if work.cache.landing_buffer is not None else []
+        work.cache.landing_buffer = None  # (the landing takes it from the list, or lets it go)
         landing = Landing(work.ex, leaves, work.kernel(), targets, work.t.threads,
                           ahead=(None if work.ahead is None
                                  else partial(land, work.t.spec.land_ahead)),
-                          fresh=[[m not in work.held_ahead for m in run] for run in members])
+                          fresh=[[m not in work.held_ahead for m in run] for run in members],
+                          engine=engine, buffer=reuse)
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
-        return Flight(landing, members)
+        landed = None
+        if division is not None:
+            stepped = [None if g is None else True for g in gs]  # (not the grads: they go now)
+
+            def landed() -> None:
+                record(work, division, stepped, landing.began, landing.engine_ended_at,
+                       landing.run.ended_at)
+        return Flight(landing, members, landed)
+
+    def _engine(self, gs: list, members: list[tuple[int, ...]]
+                ) -> tuple[Optional[Division], Optional[DelayedEngine]]:
+        """The GPU engine's part, with ``engine="gpu"`` or ``"both"`` and no look-ahead: the
+        leaves it steps (of the landing's ``members``) and, with ``"both"``, the division."""
+        work = self.work
+        if work.ex.engine == "cpu" or work.ahead is not None:
+            return None, None
+        if work.ex.engine == "gpu":  # every leaf, as its plain steps (init refused the others)
+            able = [i for i, leaf in enumerate(work.leaves) if leaf.on_host and leaf.has_master]
+        else:
+            able = [i for i, leaf in enumerate(work.leaves)
+                    if leaf.on_host and leaf.has_master and engine_steps(work, i)]
+        division = divide(work, able) if work.ex.engine == "both" else None
+        on_gpu = set(able) if division is None else division.on_gpu
+        at = [(m[0], j) for j, m in enumerate(members)
+              if len(m) == 1 and m[0] in on_gpu and gs[m[0]] is not None]
+        if not at:
+            return division, None
+        return division, DelayedEngine(work, [i for i, _ in at], [j for _, j in at])
 
     def touched(self) -> bool:
         return self.started

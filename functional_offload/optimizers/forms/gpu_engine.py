@@ -17,7 +17,7 @@ synchronously.)
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -188,13 +188,17 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         super().__init__(work)
         self.begun = False
         self.strided: dict[int, torch.Tensor] = {}  # strided params' new values, written at commit
+        self.outs: dict[int, torch.Tensor] = {}  # where leaves' new params go, if not the params
 
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
         self.run_prepared(self.prepare(gs, rest))
 
-    def prepare(self, gs: list, idx: list[int]) -> list["Prepared"]:
+    def prepare(self, gs: list, idx: list[int],
+                outs: Optional[dict[int, torch.Tensor]] = None) -> list["Prepared"]:
         """Leaves ``idx`` cut into chunks and their device buffers allocated, per device: what
-        can fail before anything is written."""
+        can fail before anything is written. ``outs``: per leaf, a 1-D tensor on its device
+        that gets its new params instead of its param (a delayed step's buffer)."""
+        self.outs = dict(outs or {})
         out = []
         ex = self.work.ex
         for device, on in by_device(idx, gs).items():
@@ -207,13 +211,15 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
                                 {i: gs[i].reshape(-1) for i in on}, bufs))
         return out
 
-    def run_prepared(self, prepared: list["Prepared"]) -> None:
-        """Step what :meth:`prepare` made, chunk by chunk; every copy down has landed when it
+    def run_prepared(self, prepared: list["Prepared"],
+                     done: Optional[Callable[[Chunk], None]] = None) -> None:
+        """Step what :meth:`prepare` made, chunk by chunk, calling ``done`` with each chunk once
+        its math is queued on this thread's stream; every copy down has landed when it
         returns."""
         for p in prepared:
-            self._run(p)
+            self._run(p, done)
 
-    def _run(self, p: "Prepared") -> None:
+    def _run(self, p: "Prepared", done: Optional[Callable[[Chunk], None]]) -> None:
         ex, t, todo, bufs, grads = self.work.ex, p.transport, p.chunks, p.buffers, p.grads
         t.wait_out(t.ready())  # the buffers' memory is free where the caller's stream is
         landing: deque[object] = deque()
@@ -222,7 +228,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             for k, chunk in enumerate(todo):
                 if k >= ex.slots:
                     t.wait_host(landing.popleft())  # the buffer's last chunk is back on the host
-                landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads))
+                landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done))
             while landing:
                 t.wait_host(landing.popleft())
         except Exception as e:
@@ -236,7 +242,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             t.wait_host(t.mark_out())
 
     def _chunk(self, t: Transport, k: int, chunk: Chunk, buf: torch.Tensor,
-               grads: dict[int, torch.Tensor]) -> object:
+               grads: dict[int, torch.Tensor], done: Optional[Callable[[Chunk], None]]) -> object:
         """Copy chunk ``k``'s state up, queue its math on the caller's stream and its copies
         down into the host state; the event of the copies down."""
         leaves, work = self.work.leaves, self.work
@@ -256,6 +262,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
                    [grads[p.index][p.lo:p.hi] for p in chunk.pieces], True,
                    spec.device or spec.reference, [m.signed for m in spec.moments], work.hyper,
                    work.hyper_no_decay, work.t.ema_decay, tl, [])
+        if done is not None:
+            done(chunk)
         t.wait_in(t.ready())
         s0 = tl.stamp(buf.device, t.stream_in) if tl else None
         for p in chunk.pieces:
@@ -275,7 +283,9 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             gap = (lo.data_ptr() - hi.data_ptr()) // hi.element_size()
             state[:2] = [hi.as_strided((2, p.hi - p.lo), (gap, 1))]
         k = 1 + len(leaf.moments)
-        if leaf.param.is_contiguous():
+        if p.index in self.outs:
+            param = self.outs[p.index][p.lo:p.hi]
+        elif leaf.param.is_contiguous():
             param = leaf.param.view(-1)[p.lo:p.hi]
         else:
             if p.index not in self.strided:
@@ -296,3 +306,4 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
 
     def release(self) -> None:
         self.strided.clear()
+        self.outs.clear()

@@ -36,7 +36,8 @@ from functional_offload.optimizers.forms.gpu_engine import GpuEngine, steppable
 from functional_offload.optimizers.forms.in_place import InPlace
 from functional_offload.quantized import is_quantized
 
-__all__ = ["Split", "SplitPlan", "engine_steps", "next_share", "plan", "remember"]
+__all__ = ["Division", "Split", "SplitPlan", "divide", "engine_steps", "next_share", "plan",
+           "record", "remember"]
 
 
 def engine_steps(work: HostWork, index: int) -> bool:
@@ -127,6 +128,65 @@ def remember(memory: SplitPlan, share: float, per: Optional[float], step: SplitS
     return SplitPlan(tried, step, memory.steps + 1)
 
 
+class Division(NamedTuple):
+    """A step's leaves divided between the engines: the share planned (:func:`plan`), the
+    phase, the times predicted, the leaves the GPU engine can step and those it steps, and
+    what the steps before measured."""
+
+    share: float
+    phase: str
+    predicted_gpu: Optional[float]
+    predicted_cpu: Optional[float]
+    able: list[int]
+    on_gpu: set[int]
+    memory: SplitPlan
+
+
+def divide(work: HostWork, able: list[int]) -> Division:
+    """Leaves ``able`` (host leaves the GPU engine can step) in order to the GPU engine while it
+    has less than the planned share of their elements (a leaf that would take it past by more
+    than half its size stops it); the CPU kernel has the other host leaves."""
+    host = [i for i, leaf in enumerate(work.leaves) if leaf.on_host]
+    sizes = [work.leaves[i].param.numel() for i in able]
+    rest = sum(work.leaves[i].param.numel() for i in host) - sum(sizes)
+    memory = work.cache.split or SplitPlan()
+    share, phase, pg, pc = plan(sizes, rest, memory, work.ex.gpu_share)
+    on_gpu: set[int] = set()
+    goal, taken = share * sum(sizes), 0
+    for i, n in zip(able, sizes):  # in order, while the share is not reached
+        if taken + n / 2 > goal:
+            break
+        on_gpu.add(i)
+        taken += n
+    return Division(share, phase, pg, pc, able, on_gpu, memory)
+
+
+def record(work: HostWork, d: Division, gs: list, begun: float, gpu_end: Optional[float],
+           cpu_end: Optional[float]) -> None:
+    """The step's :class:`SplitStep` (the engines' times from ``begun`` to their ends, None
+    where one stepped nothing), kept with what the steps before measured (the next step's
+    plan) and on the executor. ``gs``: per leaf, not None where it had a grad."""
+    leaves, memory = work.leaves, d.memory
+    last = memory.last
+    size = lambda i: leaves[i].param.numel()  # noqa: E731
+    stepped = tuple((leaf.path, "gpu" if i in d.on_gpu else "cpu", size(i))
+                    for i, leaf in enumerate(leaves) if leaf.on_host and gs[i] is not None)
+    g_n = sum(n for _, engine, n in stepped if engine == "gpu")
+    c_n = sum(n for _, engine, n in stepped if engine == "cpu")
+    able_n = sum(size(i) for i in d.able if gs[i] is not None)
+    gpu_s = max(0.0, gpu_end - begun) if gpu_end is not None else 0.0
+    cpu_s = max(0.0, cpu_end - begun) if cpu_end is not None else 0.0
+    rg = g_n / gpu_s if g_n and gpu_s > 0 else (last.gpu_rate if last else 0.0)
+    rc = c_n / cpu_s if c_n and cpu_s > 0 else (last.cpu_rate if last else 0.0)
+    step = SplitStep(g_n / able_n if able_n else d.share,
+                     tuple(path for path, engine, _ in stepped if engine == "gpu"),
+                     g_n, c_n, d.predicted_gpu, d.predicted_cpu, gpu_s, cpu_s, rg, rc,
+                     d.phase, stepped)
+    per = max(gpu_s, cpu_s) / (g_n + c_n) if g_n + c_n else None
+    work.cache.split = remember(memory, d.share, per, step)
+    work.ex.last_split = step
+
+
 class Split:
     """The split form (see the module)."""
 
@@ -136,20 +196,8 @@ class Split:
         self.gpu = GpuEngine(work)
         self.ahead = self.cpu.ahead
         host = [i for i, leaf in enumerate(work.leaves) if leaf.on_host]
-        able = [i for i in host if engine_steps(work, i)]
-        sizes = [work.leaves[i].param.numel() for i in able]
-        rest = sum(work.leaves[i].param.numel() for i in host) - sum(sizes)
-        self.memory = work.cache.split or SplitPlan()
-        self.share, self.phase, self.predicted_gpu, self.predicted_cpu = plan(
-            sizes, rest, self.memory, work.ex.gpu_share)
-        self.able = able
-        self.on_gpu: set[int] = set()
-        goal, taken = self.share * sum(sizes), 0
-        for i, n in zip(able, sizes):  # in order, while the share is not reached
-            if taken + n / 2 > goal:
-                break
-            self.on_gpu.add(i)
-            taken += n
+        self.division = divide(work, [i for i in host if engine_steps(work, i)])
+        self.on_gpu = self.division.on_gpu
 
     def starts_ahead(self, index: int) -> bool:
         return index not in self.on_gpu and self.cpu.starts_ahead(index)
@@ -183,30 +231,8 @@ class Split:
             raise
         gpu_end = time.perf_counter()
         self.cpu.wait_all()
-        self._record(gs, begun, gpu_end)
-
-    def _record(self, gs: list, begun: float, gpu_end: float) -> None:
-        """This step's :class:`SplitStep`, kept with what the steps before measured (the next
-        step's plan) and on the executor."""
-        leaves, memory = self.work.leaves, self.memory
-        last = memory.last
-        size = lambda i: leaves[i].param.numel()  # noqa: E731
-        stepped = tuple((leaf.path, "gpu" if i in self.on_gpu else "cpu", size(i))
-                        for i, leaf in enumerate(leaves) if leaf.on_host and gs[i] is not None)
-        g_n = sum(n for _, engine, n in stepped if engine == "gpu")
-        c_n = sum(n for _, engine, n in stepped if engine == "cpu")
-        able_n = sum(size(i) for i in self.able if gs[i] is not None)
         ended = [r.ended_at for r in self.cpu.all_runs() if r.ended_at is not None]
-        gpu_s, cpu_s = gpu_end - begun, max(0.0, max(ended) - begun) if ended else 0.0
-        rg = g_n / gpu_s if g_n and gpu_s > 0 else (last.gpu_rate if last else 0.0)
-        rc = c_n / cpu_s if c_n and cpu_s > 0 else (last.cpu_rate if last else 0.0)
-        step = SplitStep(g_n / able_n if able_n else self.share,
-                         tuple(path for path, engine, _ in stepped if engine == "gpu"),
-                         g_n, c_n, self.predicted_gpu, self.predicted_cpu, gpu_s, cpu_s, rg, rc,
-                         self.phase, stepped)
-        per = max(gpu_s, cpu_s) / (g_n + c_n) if g_n + c_n else None
-        self.work.cache.split = remember(memory, self.share, per, step)
-        self.work.ex.last_split = step
+        record(self.work, self.division, gs, begun, gpu_end, max(ended) if ended else None)
 
     def commit(self) -> None:
         self.gpu.commit()
