@@ -224,7 +224,7 @@ class Landing:
         self._engine: Optional[threading.Thread] = None
         if engine is not None:  # started before the run has leaves: if it cannot start, the
             try:                # run ends with none, and nothing was written
-                self._engine = self._start(engine, stream, ready, chunk_done)
+                self._engine = self._start(engine, stream, ready, chunk_done, self.run)
             except BaseException:
                 self.run.close()
                 self.run.wait()
@@ -237,10 +237,12 @@ class Landing:
         self.run.close()
 
     def _start(self, engine: EngineJob, stream: "torch.cuda.Stream", ready: Any,
-               chunk_done: Callable[[Any, Optional[list[Segment]]], None]) -> threading.Thread:
+               chunk_done: Callable[[Any, Optional[list[Segment]]], None],
+               run: Any) -> threading.Thread:
         """The engine's thread, on the executor's engine stream, which waits for ``ready``;
         each chunk's math queued marks its pieces done (as the run's chunk_done does) and the
-        event the landing waits for; its end counts as a part's."""
+        event the landing waits for; its end counts as a part's. Its error cancels the CPU
+        kernel's ``run`` (the step has failed: the landing raises it)."""
         error, event, ended_at = self._engine_error, self._engine_event, self._engine_ended
         device, progress = self.device, self._progress  # (not self: no cycle through the thread)
 
@@ -258,6 +260,7 @@ class Landing:
                     engine.run(done)
             except BaseException as e:  # noqa: BLE001 - raised by the landing
                 error[0] = e
+                run.cancel()
             finally:
                 ended_at[0] = time.perf_counter()
                 chunk_done(None, None)
