@@ -130,7 +130,7 @@ def test_an_infinite_param_leaves_its_moments_as_torch_does(name, eight):
     outs = []
     for kernel in ("torch", "native"):
         opt = e.make(**hypers, **dtypes, cpu_kernel=kernel)
-        params, state = {"w": w.clone()}, None
+        params = {"w": w.clone()}
         state = opt.init(params)
         for g in grads:
             params, state = opt.update(g, state)

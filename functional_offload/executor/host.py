@@ -153,9 +153,9 @@ class HostExecutor:
       engine_chunk_bytes: with ``engine="gpu"`` or ``"both"``, the state bytes per chunk of the
         GPU engine (device buffers: ``engine_chunk_bytes × slots``); default 128 MiB. A chunk has
         a fixed cost (a copy per state tensor each way, its math's kernels), about 2 ms on an
-        H100 box whatever its size: at 32 MiB that bound the engine
-        (2.25 G params/s with the split master and 8-bit moments); it ran 6.1 G params/s at
-        128 MiB and 6.3 at 512 MiB.
+        H100 box whatever its size (measured before the one-pass 8-bit kernels): at 32 MiB that
+        bound the engine (2.25 G params/s with the split master and 8-bit moments); it ran 6.1 G
+        params/s at 128 MiB and 6.3 at 512 MiB.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
