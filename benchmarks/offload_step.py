@@ -104,6 +104,7 @@ def pinned_bytes(device: torch.device) -> Optional[int]:
 
 MAX_NORM = [1.0]  # --max-norm
 SEARCHING: list[Callable[[], bool]] = []  # both:F: whether the GPU share is still searched for
+SPLITS: list = []  # both:F: the split steps seen while searching (SplitStep)
 
 
 def torch_clip(params: list[torch.Tensor]) -> None:
@@ -178,8 +179,12 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
         if mode in ("land", "landboth"):  # the hooks stay for the process's one model
             fo.land_before_forward(model, ours.state)
         if mode.endswith("both"):
-            SEARCHING.append(lambda: ours.executor.last_split is None
-                             or ours.executor.last_split.phase in ("warm-up", "search"))
+            def searching() -> bool:
+                last = ours.executor.last_split
+                if last is not None and (not SPLITS or SPLITS[-1] is not last):
+                    SPLITS.append(last)
+                return last is None or last.phase in ("warm-up", "search")
+            SEARCHING.append(searching)
 
             def flush() -> None:  # the row takes the last step's split (its times and share)
                 ours.flush()
@@ -245,11 +250,16 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
 
     for _ in range(args.warmup):
         step(loss_fn)
+        if SEARCHING:
+            SEARCHING[0]()
     warm = args.warmup
     while SEARCHING and SEARCHING[0]() and warm < args.warmup + 16:  # until the share settles
         step(loss_fn)
         warm += 1
     info["warmup"] = warm
+    if SEARCHING:  # each split step of the warm-up: (share, phase, GPU s, CPU s)
+        info["search"] = [[round(s.share, 3), s.phase, round(s.gpu_s, 4), round(s.cpu_s, 4)]
+                          for s in SPLITS]
     flush()
     sync(device)
     if device.type == "cuda":
