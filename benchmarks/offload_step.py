@@ -264,6 +264,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     # Per step: until the training stream's work is done (what a loop reading the loss waits
     # for; a delayed step's host part may still run). Mean: wall time of all timed steps with the
     # final flush and a device-wide sync, so nothing in flight is left out.
@@ -288,7 +289,12 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
                 times_s=[round(t, 4) for t in times])
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30)
+        info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30,
+                    reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+                    # the caching allocator's frees of cached blocks to retry an allocation
+                    # (each synchronizes the device) in the timed steps
+                    alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+                    - retries)
     if timeline is not None:
         os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))
