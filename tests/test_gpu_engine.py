@@ -170,17 +170,26 @@ def test_failure_marks_the_state():
 
 
 @pytest.mark.cuda
-def test_host_state_is_pinned_through_a_save_and_load(tmp_path):
-    """The engine copies the state in place: it is pinned (packed small leaves too), and a load
-    fills it in place."""
-    entry = ELEMENTWISE[0]
-    params = make_params(0, device="cuda", big=True)
-    opt = entry.make(**entry.hypers, placement=on_host(),
-                     executor=HostExecutor(chunk_bytes=4096, slots=2, engine="gpu",
-                                               engine_chunk_bytes=4096))
+@pytest.mark.parametrize("engine", ["gpu", "both"])
+@pytest.mark.parametrize("delayed", [False, fo.Delay(lookahead=False)], ids=["plain", "delayed"])
+def test_host_state_is_pinned_through_a_save_and_load(tmp_path, engine, delayed):
+    """The engine copies the state in place, in plain and delayed steps: it is pinned (packed
+    small leaves too, with engine='gpu'; with 'both' the leaves it can step), and a load fills
+    it in place. (Pageable state is copied synchronously, through the driver's staging: 6x
+    slower at 6.7 B.)"""
+    entry = next(e for e in ELEMENTWISE if e.name == "adamw")
+    params = {**make_params(0, device="cuda", big=True),  # packed small leaves, and one not
+              "w": torch.randn(300, 300, device="cuda")}
+    opt = entry.make(**entry.hypers, placement=on_host(), delayed=delayed,
+                     executor=HostExecutor(chunk_bytes=4096, slots=2, engine=engine,
+                                           engine_chunk_bytes=4096))
     state = opt.init(params)
     for g in grad_seq(params, 2):
         params, state = opt.update(g, state)
+    state = fo.flush(state)
+    if engine == "both":  # the big leaf, which the engine can step
+        assert all(x.is_pinned() for x in (state.mu["w"], state.nu["w"]))
+        return
     fo.save(state, tmp_path / "s")
     loaded = fo.load(tmp_path / "s", like=opt.init(params))
     for s in (state, loaded):

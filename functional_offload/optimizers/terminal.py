@@ -266,8 +266,7 @@ class Terminal:
                 raise ValueError(f"param {path!r} is not contiguous; the delayed update lands "
                                  "params as flat copies (call .contiguous() on "
                                  "it, or keep its state on the device with placement.select)")
-            if (host and self.executor.engine == "gpu" and not self.delayed
-                    and self.spec.elementwise):
+            if host and self.executor.engine == "gpu" and self.spec.elementwise:
                 whole = not is_quantized(p) and not self._engine_takes(p)
                 built = [what for what, on in (
                     ("a quantized param", is_quantized(p)),
@@ -384,10 +383,10 @@ class Terminal:
             for p, host in zip(locals_, on_host):
                 if host:
                     self.executor.reserve(p.device)
-        plain = not (preview or self.delayed or not self.spec.elementwise)
-        engine = plain and self.executor.engine != "cpu"  # (its leaves' params are on a GPU)
+        # the GPU engine runs in plain and delayed steps (its leaves' params are on a GPU)
+        engine = not preview and self.spec.elementwise and self.executor.engine != "cpu"
         # small leaves are packed for plain and delayed steps
-        pack = plain or (not preview and self.delayed and self.spec.elementwise)
+        pack = not preview and self.spec.elementwise
         packable = [host and self._needs_master(p, True) and not self._split(p, True)
                     and not is_quantized(p) and self._small(p)
                     for p, host in zip(locals_, on_host)]
@@ -402,7 +401,7 @@ class Terminal:
         packs = arrange([i for i, k in enumerate(packable) if k], fields,
                         decay_flags(tree, self.weight_decay_mask),
                         [p.dtype for p in locals_],
-                        pin=plain and self.executor.engine == "gpu") if pack else []
+                        pin=engine and self.executor.engine == "gpu") if pack else []
         packed = {i for pack in packs for i in pack.members}
         small = [(f, i) for f in fields for i in range(len(locals_))  # packable, not packed
                  if own[i] and packable[i] and i not in packed and f[i] is not None]
