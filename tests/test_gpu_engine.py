@@ -349,11 +349,15 @@ def test_split_predictions_use_the_rates_measured_at_the_share():
     assert pg == pytest.approx(share * 400 / 200) and pc == pytest.approx((450 - share * 400) / 300)
 
 
-def test_gpu_engine_refuses_8bit_moments_it_would_have_to_cut_off_the_kernels_path():
+@pytest.mark.parametrize("delayed", [False, fo.Delay(lookahead=False), True],
+                         ids=["plain", "stale", "lookahead"])
+def test_gpu_engine_refuses_8bit_moments_it_would_have_to_cut_off_the_kernels_path(delayed):
     """8-bit moments are cut on their blocks; a leaf of a length not divisible by 4 goes whole
-    into a chunk, and init refuses one whose state is over the chunk, naming it."""
+    into a chunk, and init refuses one whose state is over the chunk, naming it (delayed steps
+    too: the engine steps those without a look-ahead, and a look-ahead delay's exact ones)."""
     params = {"w": torch.randn(70_001).to(torch.bfloat16)}  # above the packed size
     opt = fo.adamw(lr=1e-2, placement=on_host(), mu_dtype=torch.uint8, nu_dtype=torch.uint8,
+                   delayed=delayed,
                    executor=HostExecutor(engine="gpu", engine_chunk_bytes=1 << 16))
     with pytest.raises(ValueError, match=r"param 'w'.*engine='gpu'.*8-bit moments of a length "
                                          r"not divisible by 4.*engine_chunk_bytes \(65536\)"):
