@@ -137,14 +137,17 @@ class HostExecutor:
         at once) gets one worker per this many elements at most; one worker is then the step's
         own thread (at ~0.3 G elem/s a thread, below ~10^5 elements waking and joining a
         thread costs more than it computes).
-      engine: where plain steps of element-wise optimizers run the math of host-resident
-        leaves: ``"cpu"`` (the host kernel, the default) or ``"gpu"`` (on the params' GPU, the
-        state — pinned at ``init`` — copied up and back in place, at most ``engine_chunk_bytes
-        × slots`` of device buffers: :mod:`~functional_offload.optimizers.forms.gpu_engine`), or
-        ``"both"``: each step divides the leaves between the two, run at once
-        (:mod:`~functional_offload.optimizers.forms.split`). Delayed, speculative
-        and leaf-granular (Adafactor) steps keep their CPU forms. ``"gpu"`` and ``"both"`` need
-        every host-resident leaf's param on a CUDA device: a CPU param is refused at ``init``.
+      engine: where plain steps, and delayed steps without a look-ahead, of element-wise
+        optimizers run the math of host-resident leaves: ``"cpu"`` (the host kernel, the
+        default) or ``"gpu"`` (on the params' GPU, the state — pinned at ``init`` — copied up
+        and back in place, at most ``engine_chunk_bytes × slots`` of device buffers:
+        :mod:`~functional_offload.optimizers.forms.gpu_engine`; in a delayed step in the
+        background, :mod:`~functional_offload.optimizers.forms.delayed`), or ``"both"``: each
+        step divides the leaves between the two, run at once
+        (:mod:`~functional_offload.optimizers.forms.split`). Look-ahead, speculative (a
+        clipped ``fo.stream``) and leaf-granular (Adafactor) steps keep their CPU forms.
+        ``"gpu"`` and ``"both"`` need every host-resident leaf's param on a CUDA device: a CPU
+        param is refused at ``init``.
       gpu_share: with ``engine="both"``, the fraction of the elements the GPU engine can step
         that it steps (leaves in order until it is reached); None (the default): searched for
         over the first steps by the host step's measured time
