@@ -262,9 +262,12 @@ class HostExecutor:
     def engine_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The stream of the GPU engine's math in delayed steps (one per device, kept): the
         caching allocator reuses a freed block on the stream it was allocated on, so its
-        buffers and temporaries, allocated on it, are reused step after step."""
+        buffers and temporaries, allocated on it, are reused step after step. Of a higher
+        priority than the training loop's streams (0): the engine's short kernels are scheduled
+        between the next forward's and backward's blocks instead of queueing behind them, so
+        that its copies, which wait for each chunk's math, keep flowing."""
         if device not in self._engine_streams:
-            self._engine_streams[device] = torch.cuda.Stream(device=device)
+            self._engine_streams[device] = torch.cuda.Stream(device=device, priority=-1)
         return self._engine_streams[device]
 
     def engine_transport(self, device: torch.device) -> Transport:
