@@ -736,3 +736,45 @@ def test_a_delayed_engine_step_that_fails_marks_the_state(engine):
             opt.update(grads[2], state)
     with pytest.raises(fo.StateError, match="failed"):
         opt.update(grads[2], state)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("max_norm", [1e6, 1e-3], ids=["kept", "clipped"])
+@pytest.mark.parametrize("engine", ["gpu", "both"])
+def test_a_clipped_stream_is_update_bit_for_bit_on_the_gpu_engine(engine, max_norm):
+    """``fo.stream`` with a clip in front gives ``update``'s bits under the GPU engine, where
+    the clip holds (the step run ahead is kept: with 'both' the CPU kernel's leaves ran ahead
+    into spare buffers, the engine's at finish) and where it scales (the step redone)."""
+    outs = []
+    for streamed in (True, False):
+        model = _mlp()
+        params = dict(model.named_parameters())
+        ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine, engine_chunk_bytes=1 << 16,
+                          gpu_share=0.5 if engine == "both" else None)
+        opt = fo.chain(fo.clip_by_global_norm(max_norm),
+                       fo.adamw(1e-2, weight_decay=0.1, placement=on_host(), executor=ex))
+        state = opt.init(params)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        committed = []
+        for _ in range(3):
+            x = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
+            loss = model(x).float().square().mean()
+            if streamed:
+                with fo.stream(opt, state, params=model) as s:
+                    loss.backward()
+                params, state = s.finish()
+                committed.append(s.committed)
+            else:
+                loss.backward()
+                params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+            model.zero_grad(set_to_none=True)
+        if streamed:  # kept where the clip holds, redone where it scales
+            assert all(c is not (max_norm < 1) for c in committed), committed
+        if engine == "both":
+            assert ex.last_split is not None and ex.last_split.gpu and ex.last_split.cpu_elements
+        outs.append(([p.detach().cpu() for p in params.values()],
+                     {k: v.cpu() for k, v in fo.state_dict(state).items()}))
+    (got, got_state), (want, want_state) = outs
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert got_state.keys() == want_state.keys()
+    assert all(torch.equal(got_state[k], want_state[k]) for k in want_state)

@@ -144,8 +144,8 @@ class HostExecutor:
         :mod:`~functional_offload.optimizers.forms.gpu_engine`; in a delayed step in the
         background, :mod:`~functional_offload.optimizers.forms.delayed`), or ``"both"``: each
         step divides the leaves between the two, run at once
-        (:mod:`~functional_offload.optimizers.forms.split`). Look-ahead, speculative (a
-        clipped ``fo.stream``) and leaf-granular (Adafactor) steps keep their CPU forms.
+        (:mod:`~functional_offload.optimizers.forms.split`). Look-ahead and leaf-granular
+        (Adafactor) steps keep their CPU forms.
         ``"gpu"`` and ``"both"`` need every host-resident leaf's param on a CUDA device: a CPU
         param is refused at ``init``.
       gpu_share: with ``engine="both"``, the fraction of the elements the GPU engine can step

@@ -7,14 +7,16 @@
 - :class:`Delayed`: in the background, landed by the next step;
 - :class:`LeafGranular`: math that needs a whole leaf, one leaf at a time;
 - :class:`GpuEngine`: element-wise math on the params' GPU, the state copied up and back in
-  chunks (plain steps of an executor with ``engine="gpu"``);
-- :class:`Split`: the leaves divided between the two, run at once (``engine="both"``).
+  chunks (plain and speculative steps of an executor with ``engine="gpu"``, at finish);
+- :class:`Split`: the leaves divided between the two, run at once (``engine="both"``; in a
+  speculative step the CPU kernel's part is :class:`Speculative`).
 
 :func:`form_for` picks one; a new form is a module here and a line in ``FORMS``.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, NamedTuple
 
 from functional_offload.optimizers.forms.base import HostForm, HostWork
@@ -42,8 +44,11 @@ class Case(NamedTuple):
 FORMS: list[tuple[Callable[[Case], bool], Callable[[HostWork], HostForm]]] = [
     (lambda c: not c.elementwise, LeafGranular),
     (lambda c: c.delayed, Delayed),
-    (lambda c: c.speculative, Speculative),
+    # a speculative step's leaves run ahead on the CPU kernel; the GPU engine's at finish,
+    # which applies nothing before (the bits of a plain step either way)
+    (lambda c: c.speculative and c.engine == "cpu", Speculative),
     (lambda c: c.engine == "gpu", GpuEngine),
+    (lambda c: c.engine == "both" and c.speculative, partial(Split, speculative=True)),
     (lambda c: c.engine == "both", Split),
     (lambda c: True, InPlace),
 ]

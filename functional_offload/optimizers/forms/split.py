@@ -34,6 +34,7 @@ from functional_offload.executor import SplitStep
 from functional_offload.optimizers.forms.base import HostWork
 from functional_offload.optimizers.forms.gpu_engine import GpuEngine, steppable
 from functional_offload.optimizers.forms.in_place import InPlace
+from functional_offload.optimizers.forms.speculative import Speculative
 from functional_offload.quantized import is_quantized
 
 __all__ = ["Division", "Split", "SplitPlan", "divide", "engine_steps", "next_share", "plan",
@@ -190,9 +191,10 @@ def record(work: HostWork, d: Division, gs: list, begun: float, gpu_end: Optiona
 class Split:
     """The split form (see the module)."""
 
-    def __init__(self, work: HostWork):
+    def __init__(self, work: HostWork, speculative: bool = False):
         self.work = work
-        self.cpu = InPlace(work)
+        # a speculative step's CPU part runs ahead into spare buffers, committed at finish
+        self.cpu = Speculative(work) if speculative else InPlace(work)
         self.gpu = GpuEngine(work)
         self.ahead = self.cpu.ahead
         host = [i for i, leaf in enumerate(work.leaves) if leaf.on_host]
@@ -209,7 +211,7 @@ class Split:
         self.cpu.close()
 
     def settle(self) -> None:
-        pass
+        self.cpu.settle()
 
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
         gpu = [i for i in rest if i in self.on_gpu]
