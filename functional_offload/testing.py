@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 from typing import Iterator, Optional, Sequence, Union
 
 from functional_offload.executor import faults
@@ -39,8 +40,9 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
     """Make host chunks fail: the first ``after`` chunks started inside the block run, then the
     next ``times`` chunks raise ``exc`` instead of running (a class is instantiated with a message
     naming the chunk's leaves). Chunks are counted across all runs, in the order they start;
-    with ``leaves`` (paths), only chunks holding one of them count (the others run; a chunk of
-    small leaves packed into one run holds each of them).
+    with ``leaves`` (a list of paths, not one string), only chunks holding one of them count
+    (the others run; a chunk of small leaves packed into one run holds each of them); a
+    ``UserWarning`` at the block's end says so where chunks ran but none held one of them.
 
     A failure after some chunks were applied leaves a partially applied step: the step raises
     (:class:`~functional_offload.HostStepError` naming the leaves, with ``exc`` as its cause; a
@@ -48,11 +50,17 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
     """
     if after < 0 or times < 1:
         raise ValueError(f"after must be >= 0 and times >= 1, got after={after}, times={times}")
-    seen = [0]
+    if isinstance(leaves, str):
+        raise TypeError(f"leaves must be a list of paths, got the string {leaves!r} "
+                        f"(use leaves=[{leaves!r}])")
+    named = None if leaves is None else frozenset(leaves)
+    seen, ran = [0], [0]
     lock = threading.Lock()
 
     def hook(_: int, paths: list[str]) -> None:
-        if leaves is not None and not any(p in leaves for p in paths):
+        with lock:
+            ran[0] += 1
+        if named is not None and named.isdisjoint(paths):
             return
         with lock:
             k = seen[0]
@@ -66,6 +74,9 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
         yield
     finally:
         faults.remove(hook)
+        if named is not None and ran[0] and not seen[0]:
+            warnings.warn(f"fail_host_kernel(leaves={sorted(named)}): {ran[0]} host chunks ran, "
+                          "none holding one of these leaves (check the paths)", stacklevel=3)
 
 
 @contextlib.contextmanager

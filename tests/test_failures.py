@@ -932,3 +932,17 @@ def test_a_fault_aimed_at_a_small_leaf_hits_its_packed_run(which, named):
     assert "injected failure" in str(e.value.__cause__)
     if which == "b":
         assert "on a, b, c" in str(e.value.__cause__)  # (each member of the packed run)
+
+
+def test_fail_host_kernel_refuses_a_string_and_warns_where_no_chunk_held_its_leaves():
+    """``leaves="l1"`` would match paths by substring: refused; paths no chunk held: the block
+    warns that nothing was injected (a recovery test would otherwise test nothing)."""
+    with pytest.raises(TypeError, match=r"use leaves=\['big'\]"):
+        with fail_host_kernel(leaves="big"):
+            pass
+    params = {"big": torch.randn(100_000).bfloat16(), "a": torch.randn(300).bfloat16()}
+    opt = fo.adamw(1e-2, executor=small_executor())
+    state = opt.init(params)
+    with pytest.warns(UserWarning, match=r"leaves=\['bigg'\].*none holding"):
+        with fail_host_kernel(leaves=["bigg"]):
+            params, state = opt.update({k: torch.ones_like(p) for k, p in params.items()}, state)

@@ -275,8 +275,21 @@ def test_gpu_engine_refuses_cpu_params(engine, delayed):
     params = make_params(0)
     opt = fo.adamw(lr=1e-2, placement=on_host(), delayed=delayed,
                    executor=HostExecutor(engine=engine))
-    with pytest.raises(ValueError, match=rf"engine='{engine}'.* on cpu"):
+    with pytest.raises(ValueError, match=rf"is on cpu, but HostExecutor\(engine='{engine}'\)"):
         opt.init(params)  # (CPU params' state is host-resident whatever the placement)
+
+
+@pytest.mark.parametrize("engine", ["gpu", "both"])
+def test_cpu_params_are_refused_first_naming_the_leaf(engine):
+    """A CPU param is refused for what it is, whichever engine and whatever else the leaf has
+    that the engine would not step (here: 8-bit moments of a length not divisible by 4 over a
+    chunk), naming the leaf, by ``init`` and by ``fo.plan`` alike."""
+    params = {"a": torch.randn(100_001)}
+    opt = fo.adamw(lr=1e-2, placement=on_host(), mu_dtype=torch.uint8, nu_dtype=torch.uint8,
+                   executor=HostExecutor(engine=engine, engine_chunk_bytes=4096))
+    for call in (opt.init, lambda p: fo.plan(opt, p)):
+        with pytest.raises(ValueError, match=rf"param 'a' is on cpu.*engine='{engine}'"):
+            call(params)
 
 
 def step_of(share, phase, gpu_rate=0.0, cpu_rate=0.0):
@@ -354,14 +367,15 @@ def test_split_predictions_use_the_rates_measured_at_the_share():
 def test_gpu_engine_refuses_8bit_moments_it_would_have_to_cut_off_the_kernels_path(delayed):
     """8-bit moments are cut on their blocks; a leaf of a length not divisible by 4 goes whole
     into a chunk, and init refuses one whose state is over the chunk, naming it (delayed steps
-    too: the engine steps those without a look-ahead, and a look-ahead delay's exact ones)."""
-    params = {"w": torch.randn(70_001).to(torch.bfloat16)}  # above the packed size
+    too: the engine steps those without a look-ahead, and a look-ahead delay's exact ones).
+    (``fo.plan`` runs init's checks; on meta params here, as no GPU is needed for them.)"""
+    params = {"w": torch.empty(70_001, dtype=torch.bfloat16, device="meta")}  # not packed
     opt = fo.adamw(lr=1e-2, placement=on_host(), mu_dtype=torch.uint8, nu_dtype=torch.uint8,
                    delayed=delayed,
                    executor=HostExecutor(engine="gpu", engine_chunk_bytes=1 << 16))
     with pytest.raises(ValueError, match=r"param 'w'.*engine='gpu'.*8-bit moments of a length "
                                          r"not divisible by 4.*engine_chunk_bytes \(65536\)"):
-        opt.init(params)
+        fo.plan(opt, params)
 
 
 def _leaf(n: int, dtypes, split: bool = False) -> Leaf:

@@ -247,8 +247,14 @@ class Terminal:
         check_no_aliasing(paths, locals_)
 
     def _check_host(self, paths: list[str], locals_: list[torch.Tensor], on_host: list[bool]) -> None:
-        """Refuse host leaves that ``cpu_kernel`` or ``delayed`` cannot step."""
+        """Refuse host leaves that the executor's engine, ``cpu_kernel`` or ``delayed`` cannot
+        step."""
         for path, p, host in zip(paths, locals_, on_host):
+            if host and self.executor.engine != "cpu" and p.device.type not in ("cuda", "meta"):
+                raise ValueError(f"param {path!r} is on {p.device}, but "
+                                 f"HostExecutor(engine={self.executor.engine!r}) steps "
+                                 "host-resident state on its params' GPU; use engine='cpu' (the "
+                                 "default) for params off a GPU")
             moment_dtypes = {self._moment_dtype(m.name, p) for m in self.spec.moments}
             if host and self.cpu_kernel == "native" and (
                     self._value_dtype(p) != torch.float32 or len(moment_dtypes) > 1
