@@ -72,5 +72,4 @@ def _call(item: LeafItem, grad: torch.Tensor, out: Optional[torch.Tensor], begun
         begun.append(item.path)
         item.fn(grad, out)
     except Exception as e:  # an interrupt goes through as itself
-        raise HostStepError(f"host optimizer step failed on leaf {item.path!r}: "
-                            f"{type(e).__name__}: {e}") from e
+        raise HostStepError((item.path,), e) from e

@@ -56,7 +56,28 @@ def _wait_for_live_runs() -> None:
 
 
 class HostStepError(RuntimeError):
-    """A host step failed on some leaves (the message names them; ``__cause__`` is the error)."""
+    """A host step failed on some leaves: ``leaves``, the paths of every params-tree leaf in
+    the work that failed (each member of a packed run of small leaves); the message names
+    them, at most ``NAMED`` of them; ``__cause__`` is the error."""
+
+    NAMED = 8
+
+    def __init__(self, leaves: tuple[str, ...], error: BaseException):
+        shown = ", ".join(map(repr, leaves[:self.NAMED]))
+        more = f" and {len(leaves) - self.NAMED} more" if len(leaves) > self.NAMED else ""
+        super().__init__(f"host optimizer step failed on leaf {shown}{more}: "
+                         f"{type(error).__name__}: {error}")
+        self.leaves = leaves
+
+    def __reduce__(self) -> Any:  # pickled (e.g. to another process) with its message
+        return _host_step_error, (str(self), self.leaves)
+
+
+def _host_step_error(message: str, leaves: tuple[str, ...]) -> HostStepError:
+    e = HostStepError.__new__(HostStepError)
+    RuntimeError.__init__(e, message)
+    e.leaves = leaves
+    return e
 
 
 class Run:
@@ -428,6 +449,6 @@ class _Pipeline:
             k, e = self.failures[0]
             if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: as themselves
                 raise e
-            names = ", ".join(dict.fromkeys(repr(self.leaves[s.leaf].path) for s in self.chunks[k]))
-            raise HostStepError(f"host optimizer step failed on leaf {names}: "
-                                f"{type(e).__name__}: {e}") from e
+            paths = tuple(dict.fromkeys(path for s in self.chunks[k] for path in
+                                        self.leaves[s.leaf].members or (self.leaves[s.leaf].path,)))
+            raise HostStepError(paths, e) from e

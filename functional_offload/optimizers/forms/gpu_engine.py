@@ -232,10 +232,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             while landing:
                 t.wait_host(landing.popleft())
         except Exception as e:
-            names = ", ".join(dict.fromkeys(repr(self.work.leaves[q.index].path)
-                                            for q in todo[k].pieces))
-            raise HostStepError(f"host optimizer step failed on leaf {names}: "
-                                f"{type(e).__name__}: {e}") from e
+            raise HostStepError(tuple(dict.fromkeys(self.work.leaves[q.index].path
+                                                    for q in todo[k].pieces)), e) from e
         finally:  # nothing in flight reads or writes the state or the buffers once this returns
             t.wait_in(t.ready())
             t.wait_host(t.mark_in())
