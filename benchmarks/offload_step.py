@@ -87,7 +87,7 @@ SMOKE = "fwdbwd,gpu,gpu32,plain:1,stream:0.5,delayed:1,stale:1,delayed16:1,hdo:1
 
 
 class Unavailable(Exception):
-    """A peer that is not installed, or does not import here."""
+    """A peer that is not installed, does not import here, or needs CUDA on a CPU run."""
 
 
 def sync(device: torch.device) -> None:
@@ -197,6 +197,8 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
             from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
         except Exception as e:  # noqa: BLE001 - missing, or failing to import: reported as such
             raise Unavailable(f"megatron-core: {type(e).__name__}: {e}") from e
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise Unavailable("megatron-core's HybridDeviceOptimizer needs CUDA")
         opt = HybridDeviceOptimizer(ps, offload_fraction=frac, cpu_optimizer_cls=torch.optim.AdamW,
                                     gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True,
                                     overlap_cpu_optimizer_d2h_h2d=True, fused=True, **HYPER)
