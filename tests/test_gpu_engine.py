@@ -697,6 +697,17 @@ def _mlp() -> torch.nn.Module:
                                torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda().bfloat16()
 
 
+def _mlp_chain(engine: str, max_norm: float, **options):
+    """:func:`_mlp`, its params by name, an executor of ``engine`` (half the elements on the
+    GPU with 'both') and a clipped AdamW chain on the host (``options`` to ``fo.adamw``)."""
+    model = _mlp()
+    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine, engine_chunk_bytes=1 << 16,
+                      gpu_share=0.5 if engine == "both" else None)
+    opt = fo.chain(fo.clip_by_global_norm(max_norm),
+                   fo.adamw(1e-2, placement=on_host(), executor=ex, **options))
+    return model, dict(model.named_parameters()), ex, opt
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("engine", ["gpu", "both"])
 def test_landing_before_the_forward_is_exact_on_the_gpu_engine(engine):
@@ -704,14 +715,9 @@ def test_landing_before_the_forward_is_exact_on_the_gpu_engine(engine):
     forward waits for its params, and training gives the plain steps' bits."""
     outs = []
     for delayed in (STALE, False):
-        model = _mlp()
-        params = dict(model.named_parameters())
-        ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine, engine_chunk_bytes=1 << 16,
-                          gpu_share=0.5 if engine == "both" else None)
-        opt = fo.chain(fo.clip_by_global_norm(0.1),
-                       fo.adamw(1e-2, placement=on_host(), executor=ex, delayed=delayed,
-                                store_param_remainders=True, mu_dtype=torch.uint8,
-                                nu_dtype=torch.uint8))
+        model, params, _, opt = _mlp_chain(engine, 0.1, delayed=delayed,
+                                           store_param_remainders=True, mu_dtype=torch.uint8,
+                                           nu_dtype=torch.uint8)
         state = opt.init(params)
         hooks = fo.land_before_forward(model, lambda: state) if delayed else None
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -761,26 +767,20 @@ def test_a_clipped_stream_is_update_bit_for_bit_on_the_gpu_engine(engine, max_no
     into spare buffers, the engine's at finish) and where it scales (the step redone)."""
     outs = []
     for streamed in (True, False):
-        model = _mlp()
-        params = dict(model.named_parameters())
-        ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine=engine, engine_chunk_bytes=1 << 16,
-                          gpu_share=0.5 if engine == "both" else None)
-        opt = fo.chain(fo.clip_by_global_norm(max_norm),
-                       fo.adamw(1e-2, weight_decay=0.1, placement=on_host(), executor=ex))
+        model, params, ex, opt = _mlp_chain(engine, max_norm, weight_decay=0.1)
         state = opt.init(params)
         g = torch.Generator(device="cuda").manual_seed(1)
         committed = []
         for _ in range(3):
-            x = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
-            loss = model(x).float().square().mean()
-            if streamed:
+            loss = model(torch.randn(64, 256, device="cuda", generator=g).bfloat16()).float()
+            if not streamed:
+                loss.square().mean().backward()
+                params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+            else:  # the grads fed to the step as backward makes them
                 with fo.stream(opt, state, params=model) as s:
-                    loss.backward()
+                    loss.square().mean().backward()
                 params, state = s.finish()
                 committed.append(s.committed)
-            else:
-                loss.backward()
-                params, state = opt.update({k: p.grad for k, p in params.items()}, state)
             model.zero_grad(set_to_none=True)
         if streamed:  # kept where the clip holds, redone where it scales
             assert all(c is not (max_norm < 1) for c in committed), committed
