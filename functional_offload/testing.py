@@ -60,9 +60,8 @@ def fail_host_kernel(after: int = 0, exc: Union[BaseException, type[BaseExceptio
     def hook(_: int, paths: list[str]) -> None:
         with lock:
             ran[0] += 1
-        if named is not None and named.isdisjoint(paths):
-            return
-        with lock:
+            if named is not None and named.isdisjoint(paths):
+                return
             k = seen[0]
             seen[0] += 1
         if after <= k < after + times:

@@ -224,10 +224,6 @@ class HostExecutor:
         with self._reserving:
             if device in self._busy:
                 return
-            if self.engine != "cpu" and device.type != "cuda":
-                raise ValueError(f"HostExecutor(engine={self.engine!r}) steps host-resident state "
-                                 f"on its params' GPU, but a param is on {device}; use "
-                                 "engine='cpu' (the default) for params off a GPU")
             staged = device.type != "cpu" or self.stage_host_grads
             self._slot_events[device] = [None] * self.slots
             self._transports[device] = transport_for(device)
