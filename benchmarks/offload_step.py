@@ -60,6 +60,7 @@ floor)`` for delayed, ``fwd + bwd`` for the all-on-GPU systems. Ratios use the m
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -266,7 +267,15 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+        stats0 = torch.cuda.memory_stats(device)
+    pauses: list[float] = []  # the interpreter's garbage collections in the timed steps, s
+
+    def collected(phase: str, _: dict, began: list = [0.0]) -> None:  # noqa: B006 - the start
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - began[0])
+    gc.callbacks.append(collected)
     # Per step: until the training stream's work is done (what a loop reading the loss waits
     # for; a delayed step's host part may still run). Mean: wall time of all timed steps with the
     # final flush and a device-wide sync, so nothing in flight is left out.
@@ -282,6 +291,8 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         times.append(time.perf_counter() - t0)
+    gc.callbacks.remove(collected)
+    info.update(gc_count=len(pauses), gc_s=round(sum(pauses), 4), gc_max_s=round(max(pauses, default=0.0), 4))
     t0 = time.perf_counter()
     flush()
     sync(device)
@@ -291,12 +302,16 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
                 times_s=[round(t, 4) for t in times])
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
+        stats = torch.cuda.memory_stats(device)
         info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30,
                     reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
                     # the caching allocator's frees of cached blocks to retry an allocation
                     # (each synchronizes the device) in the timed steps
-                    alloc_retries=torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-                    - retries)
+                    alloc_retries=stats.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
+                    # the device allocations and frees (cudaMalloc, cudaFree) in the timed steps
+                    # and the final flush
+                    device_allocs=stats.get("num_device_alloc", 0) - stats0.get("num_device_alloc", 0),
+                    device_frees=stats.get("num_device_free", 0) - stats0.get("num_device_free", 0))
     if timeline is not None:
         os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))

@@ -258,20 +258,10 @@ class HostExecutor:
     def engine_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The stream of the GPU engine's math in delayed steps (one per device, kept): the
         caching allocator reuses a freed block on the stream it was allocated on, so its
-        buffers and temporaries, allocated on it, are reused step after step. Of a higher
-        priority than the training loop's streams (0): the engine's short kernels are scheduled
-        between the next forward's and backward's blocks instead of queueing behind them, so
-        that its copies, which wait for each chunk's math, keep flowing."""
+        buffers and temporaries, allocated on it, are reused step after step."""
         if device not in self._engine_streams:
-            self._engine_streams[device] = torch.cuda.Stream(device=device, priority=-1)
+            self._engine_streams[device] = torch.cuda.Stream(device=device)
         return self._engine_streams[device]
-
-    def engine_transport(self, device: torch.device) -> Transport:
-        """The GPU engine's copies' transport: with ``engine="both"`` a second pair of streams
-        of the device, so that its state copies and the CPU kernel's grad and param copies do not
-        queue behind each other; else :meth:`transport`."""
-        self.reserve(device)
-        return transport_for(device, lane=1) if self.engine == "both" else self._transports[device]
 
     def ring(self, device: torch.device) -> Optional[torch.Tensor]:
         self.reserve(device)

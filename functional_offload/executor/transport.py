@@ -119,14 +119,14 @@ class CudaTransport(Transport):
         torch.cuda.current_stream(self.device).wait_stream(self.stream_out)
 
 
-_transports: dict[tuple[torch.device, int], CudaTransport] = {}
+_transports: dict[torch.device, CudaTransport] = {}
 _making = threading.Lock()
 
 
-def transport_for(device: torch.device, lane: int = 0) -> Transport:
-    """The transport for params on ``device``: on a GPU, the process's one of ``lane`` (made on
-    first use), so that every user of the device copies on its one pair of streams (lane 1: a
-    second pair, for the GPU engine beside the CPU kernel's copies); on the CPU, a local one."""
+def transport_for(device: torch.device) -> Transport:
+    """The transport for params on ``device``: on a GPU, the process's one (made on first use),
+    so that every user of the device copies on its one pair of streams; on the CPU, a local
+    one."""
     if device.type == "cpu":
         return LocalTransport()
     if device.type != "cuda":
@@ -134,6 +134,6 @@ def transport_for(device: torch.device, lane: int = 0) -> Transport:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     with _making:
-        if (device, lane) not in _transports:
-            _transports[(device, lane)] = CudaTransport(device)
-        return _transports[(device, lane)]
+        if device not in _transports:
+            _transports[device] = CudaTransport(device)
+        return _transports[device]

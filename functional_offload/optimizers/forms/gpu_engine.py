@@ -207,7 +207,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             todo = chunks(self.work.leaves, on, ex.engine_chunk_bytes)
             bufs = [torch.empty(ex.engine_chunk_bytes, dtype=torch.uint8, device=device)
                     for _ in range(min(ex.slots, len(todo)))]
-            out.append(Prepared(ex.engine_transport(device), todo,
+            out.append(Prepared(ex.transport(device), todo,
                                 {i: gs[i].reshape(-1) for i in on}, bufs))
         return out
 
