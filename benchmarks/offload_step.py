@@ -268,6 +268,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         stats0 = torch.cuda.memory_stats(device)
+        host0 = torch.cuda.host_memory_stats()
     pauses: list[float] = []  # the interpreter's garbage collections in the timed steps, s
 
     def collected(phase: str, _: dict, began: list = [0.0]) -> None:  # noqa: B006 - the start
@@ -303,6 +304,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         stats = torch.cuda.memory_stats(device)
+        host = torch.cuda.host_memory_stats()
         info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30,
                     reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
                     # the caching allocator's frees of cached blocks to retry an allocation
@@ -311,7 +313,11 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
                     # the device allocations and frees (cudaMalloc, cudaFree) in the timed steps
                     # and the final flush
                     device_allocs=stats.get("num_device_alloc", 0) - stats0.get("num_device_alloc", 0),
-                    device_frees=stats.get("num_device_free", 0) - stats0.get("num_device_free", 0))
+                    device_frees=stats.get("num_device_free", 0) - stats0.get("num_device_free", 0),
+                    # the pinned allocator's new blocks (cudaHostAlloc) and their time, ms
+                    host_allocs=host.get("num_host_alloc", 0) - host0.get("num_host_alloc", 0),
+                    host_alloc_ms=(host.get("host_alloc_time.total", 0)
+                                   - host0.get("host_alloc_time.total", 0)) / 1e3)
     if timeline is not None:
         os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))
