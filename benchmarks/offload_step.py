@@ -270,8 +270,9 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         stats0 = torch.cuda.memory_stats(device)
         host0 = torch.cuda.host_memory_stats()
     pauses: list[float] = []  # the interpreter's garbage collections in the timed steps, s
+    began = [0.0]
 
-    def collected(phase: str, _: dict, began: list = [0.0]) -> None:  # noqa: B006 - the start
+    def collected(phase: str, _: dict) -> None:
         if phase == "start":
             began[0] = time.perf_counter()
         else:
@@ -284,15 +285,17 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     # a delayed step's host part runs during the next step: keep both in the timeline
     kept = 2 if name.startswith(("delayed", "stale", "land")) else 1
-    for i in range(args.steps):
-        if timeline is not None and i == args.steps - kept:
-            timeline.clear()  # keep the last step(s) only
-        t0 = time.perf_counter()
-        step(loss_fn)
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        times.append(time.perf_counter() - t0)
-    gc.callbacks.remove(collected)
+    try:
+        for i in range(args.steps):
+            if timeline is not None and i == args.steps - kept:
+                timeline.clear()  # keep the last step(s) only
+            t0 = time.perf_counter()
+            step(loss_fn)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            times.append(time.perf_counter() - t0)
+    finally:
+        gc.callbacks.remove(collected)
     info.update(gc_count=len(pauses), gc_s=round(sum(pauses), 4), gc_max_s=round(max(pauses, default=0.0), 4))
     t0 = time.perf_counter()
     flush()
@@ -303,21 +306,20 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
                 times_s=[round(t, 4) for t in times])
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
-        stats = torch.cuda.memory_stats(device)
-        host = torch.cuda.host_memory_stats()
+        stats, host = torch.cuda.memory_stats(device), torch.cuda.host_memory_stats()
+        grew = lambda now, then, key: now.get(key, 0) - then.get(key, 0)  # noqa: E731
         info.update(peak_gib=peak / 2**30, peak_extra_gib=(peak - gpt.model_bytes(model)) / 2**30,
                     reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
                     # the caching allocator's frees of cached blocks to retry an allocation
                     # (each synchronizes the device) in the timed steps
-                    alloc_retries=stats.get("num_alloc_retries", 0) - stats0.get("num_alloc_retries", 0),
+                    alloc_retries=grew(stats, stats0, "num_alloc_retries"),
                     # the device allocations and frees (cudaMalloc, cudaFree) in the timed steps
                     # and the final flush
-                    device_allocs=stats.get("num_device_alloc", 0) - stats0.get("num_device_alloc", 0),
-                    device_frees=stats.get("num_device_free", 0) - stats0.get("num_device_free", 0),
+                    device_allocs=grew(stats, stats0, "num_device_alloc"),
+                    device_frees=grew(stats, stats0, "num_device_free"),
                     # the pinned allocator's new blocks (cudaHostAlloc) and their time, ms
-                    host_allocs=host.get("num_host_alloc", 0) - host0.get("num_host_alloc", 0),
-                    host_alloc_ms=(host.get("host_alloc_time.total", 0)
-                                   - host0.get("host_alloc_time.total", 0)) / 1e3)
+                    host_allocs=grew(host, host0, "num_host_alloc"),
+                    host_alloc_ms=grew(host, host0, "host_alloc_time.total") / 1e3)
     if timeline is not None:
         os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))
