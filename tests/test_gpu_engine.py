@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from functional_offload.executor import HostExecutor, SplitStep, Timeline
+from functional_offload.executor import HostExecutor, SplitStep, Timeline, faults
 from functional_offload.executor.pinned import pin_all
 from functional_offload.kernels import blockwise
 from functional_offload.optimizers.forms.gpu_engine import chunks, state_of, steppable, takes
@@ -756,6 +756,32 @@ def test_a_delayed_engine_step_that_fails_marks_the_state(engine):
             opt.update(grads[2], state)
     with pytest.raises(fo.StateError, match="failed"):
         opt.update(grads[2], state)
+
+
+@pytest.mark.cuda
+def test_a_delayed_step_queues_the_engines_math_on_its_stream_off_the_copy_streams():
+    """A delayed step's engine queues each chunk's math on the executor's engine stream: not on
+    a copy stream, where it would wait behind the next chunk's copies (and they behind it)."""
+    params = split_params()
+    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine="gpu", engine_chunk_bytes=1 << 16)
+    opt = fo.adamw(1e-2, placement=on_host(), executor=ex, delayed=STALE)
+    state = opt.init(params)
+    device = next(iter(params.values())).device
+    seen = []
+
+    def hook(_: int, __: list[str]) -> None:
+        seen.append(torch.cuda.current_stream(device))
+
+    faults.add(hook)
+    try:
+        for g in grad_seq(params, 2):
+            params, state = opt.update(g, state)
+        fo.flush(state)
+    finally:
+        faults.remove(hook)
+    t = ex.transport(device)
+    assert ex.engine_stream(device) in seen
+    assert not {s for s in (t.stream_in, t.stream_out) if s is not None} & set(seen)
 
 
 @pytest.mark.cuda

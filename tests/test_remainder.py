@@ -49,20 +49,47 @@ def test_a_base_and_its_residual_join_within_a_256th_of_a_bf16_step():
 
 
 def test_split_holds_every_fp32_bit_pattern():
+    """Every value but a NaN comes back bit for bit; a NaN (whatever its payload: the GPU's
+    canonical ``0x7fffffff`` included) as a quiet NaN of its sign, with a NaN high half."""
     torch.manual_seed(0)
     bits = torch.randint(-2**31, 2**31 - 1, (1 << 18,), dtype=torch.int32)
-    bits[:6] = torch.tensor([0, -2**31, 0x7F800000, 0x7FC00000, 0x3F808000, 0x3F818000])
+    bits[:9] = torch.tensor([0, -2**31, 0x7F800000, 0x7FC00000, 0x3F808000, 0x3F818000,
+                             0x7FFFFFFF, -1, 0x7F80FFFF])
     values = bits.view(torch.float32)
     m = remainder.split_(torch.empty((2, values.numel()), dtype=torch.int16), values)
-    assert torch.equal(_bits(remainder.join(m)), bits)
+    joined, nan = remainder.join(m), values.isnan()
+    assert torch.equal(_bits(joined)[~nan], bits[~nan])
+    assert joined[nan].isnan().all() and torch.equal(joined[nan].signbit(), values[nan].signbit())
+    assert (m[1][nan] == 0).all() and int(nan.sum()) > 1000
     hi = remainder.high(m).float()
+    assert torch.equal(hi.isnan(), nan)  # a NaN master's param is a NaN, and only then
     finite = torch.isfinite(values) & torch.isfinite(values.to(torch.bfloat16).float())
     tie = (bits & 0xFFFF) == 0x8000
     # to nearest, as the fp32 format's cast, except at exact ties: away from zero
     assert torch.equal(hi[finite & ~tie], values.to(torch.bfloat16).float()[finite & ~tie])
     up = values[finite & tie].abs() < hi[finite & tie].abs()
     assert up.all() and int((finite & tie).sum()) >= 2
-    assert hi[2] == float("inf") and hi[3].isnan()
+    assert hi[2] == float("inf")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_nan_master_keeps_a_nan_param_whatever_its_payload(kernel):
+    """A step whose update is a NaN of a payload with bit 15 set (from a NaN ``nu`` of bits
+    ``0x7fffffff``, the GPU's canonical NaN, loaded from a checkpoint) leaves a NaN param, not
+    the ``-0.0`` the rounded high half would carry into; the other elements step on."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(N).bfloat16()}
+    opt = fo.adamw(1e-2, store_param_remainders=True, cpu_kernel=kernel)
+    state = opt.init(params)
+    sd = fo.state_dict(state)
+    bad = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
+    sd["nu.w"][:2] = bad
+    state = fo.load_state_dict(sd, state)
+    params, state = opt.update({"w": torch.ones(N).bfloat16()}, state)
+    w = params["w"].detach()
+    assert w[:2].isnan().all() and not w[2:].isnan().any()
+    assert remainder.join(state.master["w"])[:2].isnan().all()
+    assert torch.equal(w.view(torch.int16), state.master["w"][0])  # the param is the high half
 
 
 def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int = 6):

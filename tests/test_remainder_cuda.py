@@ -67,3 +67,22 @@ def test_host_split_masters_are_pinned_and_copied_up_from_there():
     params = {"w": torch.randn(100_000, device=DEV).bfloat16()}
     state = fo.adamw(store_param_remainders=True).init(params)
     assert remainder.is_split(state.master["w"]) and state.master["w"].is_pinned()
+
+
+@pytest.mark.parametrize("where", ["device", "engine"])
+def test_a_nan_update_on_the_gpu_gives_a_nan_param(where):
+    """A NaN grad makes a NaN update: CUDA's AdamW writes the canonical NaN ``0x7fffffff``, whose
+    low half is negative; the split master keeps it a NaN param (not the ``-0.0`` that rounding
+    it would carry into), on the device path and on the GPU engine, and the rest steps on."""
+    torch.manual_seed(0)
+    params = {"v": torch.randn(90_001, device=DEV).bfloat16()}
+    placement = fo.placement.on_device() if where == "device" else fo.placement.on_host()
+    ex = HostExecutor(engine="gpu", engine_chunk_bytes=1 << 17) if where == "engine" else None
+    opt = fo.adamw(1e-2, placement=placement, executor=ex, store_param_remainders=True)
+    state = opt.init(params)
+    g = torch.ones(90_001, device=DEV).bfloat16()
+    g[:3] = float("nan")
+    params, state = opt.update({"v": g}, state)
+    v = params["v"].detach().cpu()
+    assert v[:3].isnan().all() and not v[3:].isnan().any()
+    assert remainder.join(state.master["v"].cpu())[:3].isnan().all()

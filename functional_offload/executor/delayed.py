@@ -185,9 +185,9 @@ class Landing:
             buf.record_stream(stream)  # its math reads the grads and writes the params there
         self.began = time.perf_counter()
         t = executor.transport(self.device)
-        for stream in (t.stream_in, t.stream_out):
-            if stream is not None:  # the run reads and writes ``buf`` on the copy streams
-                buf.record_stream(stream)
+        for copies in (t.stream_in, t.stream_out):
+            if copies is not None:  # the run reads and writes ``buf`` on the copy streams
+                buf.record_stream(copies)
         self._done: list[Segment] = []  # segments whose new params are copied up (or in place)
         self._lock = threading.Lock()
         self._landed = False

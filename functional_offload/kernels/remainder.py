@@ -18,8 +18,10 @@ The high half is the master rounded to bf16 to nearest with ties away from zero 
 format rounds ties to even: the params of the two formats differ by one bf16 ulp where the
 master lies exactly halfway, about one element in :math:`2^{17}` per step; no 16-bit remainder
 can give ties to even, which needs :math:`2^{16}+1` codes for an even high half). A NaN master
-keeps a NaN param except for payloads no arithmetic produces (high bits ``0x7fff``/``0xffff``
-with bit 15 set). The library keeps no other ``int16`` state: an ``int16`` master is a split one.
+is kept as a quiet NaN of its sign and top bits with remainder 0, so its param is a NaN whatever
+its payload (rounding the canonical NaN ``0x7fffffff`` a GPU writes would carry into the sign
+and give a param of ``-0.0``). The library keeps no other ``int16`` state: an ``int16`` master
+is a split one.
 
 Checkpoints hold the fp32 master in either format (:func:`join` on save, :func:`split_` on
 load), so a checkpoint of one format loads into the other.
@@ -93,11 +95,13 @@ def join_halves(hi: torch.Tensor, lo: torch.Tensor,
 
 
 def split_halves(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
-    """Write the fp32 ``value`` into high halves ``hi`` and remainders ``lo``."""
+    """Write the fp32 ``value`` into high halves ``hi`` and remainders ``lo`` (a NaN as a quiet
+    NaN of its sign and top bits, remainder 0)."""
     pairs = value.contiguous().view(torch.int16).view(*value.shape, 2)
-    low = pairs[..., 0]
-    torch.add(pairs[..., 1], (low < 0).to(torch.int16), out=hi)
-    lo.copy_(low)
+    low, top = pairs[..., 0], pairs[..., 1]
+    nan = value.isnan()
+    torch.where(nan, top | 0x40, top + (low < 0).to(torch.int16), out=hi)  # wraps mod 2**16
+    torch.where(nan, torch.zeros((), dtype=torch.int16, device=lo.device), low, out=lo)
 
 
 def split_base(base: torch.Tensor, hi: torch.Tensor, residual: torch.Tensor) -> None:

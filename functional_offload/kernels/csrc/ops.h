@@ -89,8 +89,10 @@ inline float join_value(uint16_t hi, int16_t lo) {
 inline void split_value(float v, uint16_t& hi, int16_t& lo) {
   uint32_t u;
   std::memcpy(&u, &v, 4);
-  lo = int16_t(uint16_t(u));
-  hi = uint16_t((u >> 16) + uint32_t(lo < 0));
+  const uint32_t nan = 0u - uint32_t((u & 0x7fffffffu) > 0x7f800000u);  // all ones for a NaN
+  const uint32_t low = u & 0xffffu & ~nan;  // a NaN: a quiet NaN of its top bits, remainder 0
+  hi = uint16_t((((u >> 16) + (low >> 15)) & ~nan) | (((u >> 16) | 0x40u) & nan));
+  lo = int16_t(uint16_t(low));
 }
 
 void register_op(const std::string& name, const Op& op);
