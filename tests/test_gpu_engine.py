@@ -5,6 +5,7 @@ GPU; the option's checks and the chunking run everywhere."""
 import os
 import subprocess
 import sys
+import threading
 
 import optree
 import pytest
@@ -759,29 +760,33 @@ def test_a_delayed_engine_step_that_fails_marks_the_state(engine):
 
 
 @pytest.mark.cuda
-def test_a_delayed_step_queues_the_engines_math_on_its_stream_off_the_copy_streams():
-    """A delayed step's engine queues each chunk's math on the executor's engine stream: not on
-    a copy stream, where it would wait behind the next chunk's copies (and they behind it)."""
-    params = split_params()
-    ex = HostExecutor(chunk_bytes=1 << 16, slots=2, engine="gpu", engine_chunk_bytes=1 << 16)
-    opt = fo.adamw(1e-2, placement=on_host(), executor=ex, delayed=STALE)
-    state = opt.init(params)
-    device = next(iter(params.values())).device
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_the_engines_chunks_run_their_math_on_its_math_streams_off_the_copy_streams(delayed):
+    """Chunk ``k``'s math is queued on the executor's math stream ``k mod slots`` (beside the
+    chunks before it), never on a copy stream, where it would wait behind the next chunk's
+    copies (and they behind it); the steps give the bits of the device placement."""
+    device = torch.device("cuda", torch.cuda.current_device())
     seen = []
 
-    def hook(_: int, __: list[str]) -> None:
-        seen.append(torch.cuda.current_stream(device))
+    def hook(k: int, __: list[str]) -> None:  # the engine's chunks: in the caller's thread
+        here = threading.current_thread()  # (plain) or the engine's (delayed)
+        if here is threading.main_thread() or here.name == "functional_offload GPU engine":
+            seen.append((k, torch.cuda.current_stream(device)))
 
     faults.add(hook)
     try:
-        for g in grad_seq(params, 2):
-            params, state = opt.update(g, state)
-        fo.flush(state)
+        got = run_split("gpu", delayed=STALE if delayed else False)
     finally:
         faults.remove(hook)
-    t = ex.transport(device)
-    assert ex.engine_stream(device) in seen
-    assert not {s for s in (t.stream_in, t.stream_out) if s is not None} & set(seen)
+    t = HostExecutor().transport(device)  # the process's copy streams
+    engine = [(k, s) for k, s in seen if s != torch.cuda.default_stream(device)]
+    by_slot = [{s for k, s in engine if k % 2 == slot} for slot in (0, 1)]  # slots=2
+    assert len({k for k, _ in engine}) > 2  # several chunks a step
+    assert all(len(on) == 1 for on in by_slot) and by_slot[0] != by_slot[1]
+    assert not {s for s in (t.stream_in, t.stream_out) if s is not None} & {s for _, s in engine}
+    want = run_split("gpu", placement=on_device())
+    for k in ("emb", "w1", "w2"):  # the engine's leaves
+        assert_leaf_same(k, *got[:2], *want[:2])
 
 
 @pytest.mark.cuda

@@ -57,8 +57,8 @@ class EngineJob(Protocol):
     leaves (each with params to write). :meth:`prepare` runs in the caller's thread, before
     anything starts (what can fail before a byte is written: its device buffers); :meth:`run`
     in a thread of its own, on a stream of its own that waits for the grads, calling ``done``
-    after each chunk's math is queued on it with the pieces of leaves whose new params it
-    writes."""
+    once that stream is ordered after each chunk's math (on the executor's math streams), with
+    the pieces of leaves whose new params it writes."""
 
     leaves: Sequence[int]
 
@@ -182,7 +182,8 @@ class Landing:
             with torch.cuda.stream(stream):
                 engine.prepare({j: grads[j] for j in on_engine},
                                {j: self._up[j] for j in on_engine})
-            buf.record_stream(stream)  # its math reads the grads and writes the params there
+            for on in (stream, *executor.engine_math_streams(self.device)):
+                buf.record_stream(on)  # its math reads the grads and writes the params there
         self.began = time.perf_counter()
         t = executor.transport(self.device)
         for copies in (t.stream_in, t.stream_out):

@@ -201,6 +201,7 @@ class HostExecutor:
         self._slot_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Transport] = {}
         self._engine_streams: dict[torch.device, Any] = {}
+        self._math_streams: dict[torch.device, list] = {}
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
@@ -256,12 +257,23 @@ class HostExecutor:
         return self._transports[device]
 
     def engine_stream(self, device: torch.device) -> "torch.cuda.Stream":
-        """The stream of the GPU engine's math in delayed steps (one per device, kept): the
-        caching allocator reuses a freed block on the stream it was allocated on, so its
-        buffers and temporaries, allocated on it, are reused step after step."""
-        if device not in self._engine_streams:
-            self._engine_streams[device] = torch.cuda.Stream(device=device)
-        return self._engine_streams[device]
+        """The stream a delayed step's GPU engine runs on (one per device, kept): the caching
+        allocator reuses a freed block on the stream it was allocated on, so its buffers,
+        allocated on it, are reused step after step."""
+        with self._reserving:
+            if device not in self._engine_streams:
+                self._engine_streams[device] = torch.cuda.Stream(device=device)
+            return self._engine_streams[device]
+
+    def engine_math_streams(self, device: torch.device) -> list["torch.cuda.Stream"]:
+        """The GPU engine's math streams on ``device`` (``slots`` of them, kept): chunk ``k``'s
+        math runs on stream ``k mod slots``, beside the chunks before it, in the buffer that
+        chunk ``k - slots`` used on the same stream."""
+        with self._reserving:
+            if device not in self._math_streams:
+                self._math_streams[device] = [torch.cuda.Stream(device=device)
+                                              for _ in range(self.slots)]
+            return self._math_streams[device]
 
     def ring(self, device: torch.device) -> Optional[torch.Tensor]:
         self.reserve(device)

@@ -203,7 +203,10 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         ex = self.work.ex
         for device, on in by_device(idx, gs).items():
             for i in on:
-                self.work.leaf(i)  # the host views made anew where a storage was replaced
+                leaf = self.work.leaf(i)  # the host views made anew where a storage was replaced
+                if i not in self.outs and not leaf.param.is_contiguous():  # its new values'
+                    self.strided[i] = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype,
+                                                  device=leaf.param.device)
             todo = chunks(self.work.leaves, on, ex.engine_chunk_bytes)
             bufs = [torch.empty(ex.engine_chunk_bytes, dtype=torch.uint8, device=device)
                     for _ in range(min(ex.slots, len(todo)))]
@@ -221,28 +224,44 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
 
     def _run(self, p: "Prepared", done: Optional[Callable[[Chunk], None]]) -> None:
         ex, t, todo, bufs, grads = self.work.ex, p.transport, p.chunks, p.buffers, p.grads
-        t.wait_out(t.ready())  # the buffers' memory is free where the caller's stream is
+        device = bufs[0].device if bufs else None
+        home = torch.cuda.current_stream(device) if device is not None else None
+        maths = ex.engine_math_streams(device) if device is not None else []
+        for m in maths:  # the grads, params and buffers are ready where the caller's stream is
+            m.wait_stream(home)
+        t.wait_out(t.ready())
         landing: deque[object] = deque()
         k = 0
         try:
             for k, chunk in enumerate(todo):
                 if k >= ex.slots:
                     t.wait_host(landing.popleft())  # the buffer's last chunk is back on the host
-                landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done))
+                landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done,
+                                           maths[k % len(maths)], home))
             while landing:
                 t.wait_host(landing.popleft())
         except Exception as e:
             raise HostStepError(tuple(dict.fromkeys(self.work.leaves[q.index].path
                                                     for q in todo[k].pieces)), e) from e
         finally:  # nothing in flight reads or writes the state or the buffers once this returns
+            for m in maths:
+                home.wait_stream(m)
             t.wait_in(t.ready())
             t.wait_host(t.mark_in())
             t.wait_host(t.mark_out())
 
     def _chunk(self, t: Transport, k: int, chunk: Chunk, buf: torch.Tensor,
-               grads: dict[int, torch.Tensor], done: Optional[Callable[[Chunk], None]]) -> object:
-        """Copy chunk ``k``'s state up, queue its math on the caller's stream and its copies
-        down into the host state; the event of the copies down."""
+               grads: dict[int, torch.Tensor], done: Optional[Callable[[Chunk], None]],
+               math: "torch.cuda.Stream", home: "torch.cuda.Stream") -> object:
+        """Copy chunk ``k``'s state up, queue its math on the stream ``math`` and its copies
+        down into the host state; ``done`` is called on the caller's stream ``home`` once it
+        waits for the math (so for every chunk's before it); the event of the copies down."""
+        with torch.cuda.stream(math):
+            return self._chunk_on(t, k, chunk, buf, grads, done, home)
+
+    def _chunk_on(self, t: Transport, k: int, chunk: Chunk, buf: torch.Tensor,
+                  grads: dict[int, torch.Tensor], done: Optional[Callable[[Chunk], None]],
+                  home: "torch.cuda.Stream") -> object:
         leaves, work = self.work.leaves, self.work
         if faults.active():
             faults.before_chunk(k, list(dict.fromkeys(leaves[p.index].path for p in chunk.pieces)))
@@ -261,7 +280,9 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
                    spec.device or spec.reference, [m.signed for m in spec.moments], work.hyper,
                    work.hyper_no_decay, work.t.ema_decay, tl, [])
         if done is not None:
-            done(chunk)
+            home.wait_stream(torch.cuda.current_stream(buf.device))
+            with torch.cuda.stream(home):
+                done(chunk)
         t.wait_in(t.ready())
         s0 = tl.stamp(buf.device, t.stream_in) if tl else None
         for p in chunk.pieces:
@@ -286,9 +307,6 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         elif leaf.param.is_contiguous():
             param = leaf.param.view(-1)[p.lo:p.hi]
         else:
-            if p.index not in self.strided:
-                self.strided[p.index] = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype,
-                                                    device=leaf.param.device)
             param = self.strided[p.index][p.lo:p.hi]
         return Leaf(leaf.path, leaf.live, param, state[0], tuple(state[1:k]),
                     state[k] if leaf.ema is not None else None, True, leaf.decay)
