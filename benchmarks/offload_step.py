@@ -48,7 +48,9 @@ as unavailable. FSDP2's own CPU offload is in ``fsdp2_step.py``.
 Reported per system: step (median, the training stream synced after each step), mean wall per
 step over all timed steps including the final flush (``fo.flush(state)``) and a device sync,
 peak GPU memory and its part above the bf16 model, pinned host memory (the CUDA caching host
-allocator's bytes; it rounds blocks up to powers of two), host state. The floor process (first,
+allocator's bytes; it rounds blocks up to powers of two), host state, and the host memory a
+system took per param (the process's resident set grown from before the system was built to
+after its flush: state, staging and pinned buffers; the ``fwdbwd`` row gives the rest). The floor process (first,
 fresh) times our CPU kernel through the public API on the model's leaf shapes and the host DRAM
 bandwidth (``host_floor.py``); a system's floor = its offloaded params / the kernel rate of its
 moments' format (fp32, bf16 or 8-bit moments, fp32 masters; torchao, whose CPU step is torch's
@@ -229,6 +231,12 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
     raise SystemExit(f"unknown system {name!r}")
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (pinned pages included), bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def run_one(spec: str, args: argparse.Namespace) -> dict:
     """Build the model, run ``spec``'s warm-up and timed steps; the row of results."""
     if spec == "floor":
@@ -243,6 +251,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     name, _, frac = spec.partition(":")
     info: dict = {"system": spec, "params": gpt.count_params(model), "leaves": gpt.count_leaves(model)}
     timeline = Timeline() if args.timeline and name in OURS else None
+    rss0 = resident_bytes()
     try:
         step, flush = system(name, float(frac or 0), model, args, info, timeline)
     except Unavailable as e:
@@ -302,6 +311,8 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     sync(device)
     info["flush_s"] = time.perf_counter() - t0
     info["mean_s"] = (time.perf_counter() - start) / args.steps
+    # host memory the system took (its state, staging, pinned buffers), per param of the model
+    info["host_bytes_per_param"] = (resident_bytes() - rss0) / info["params"]
     info.update(step_s=statistics.median(times), step_min_s=min(times), pinned_bytes=pinned_bytes(device),
                 times_s=[round(t, 4) for t in times])
     if device.type == "cuda":
@@ -371,7 +382,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                    f"{fb['step_s']:.3f} s")
     out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'mean s':>7} {'flush s':>7} {'x fb':>6} {'host s':>7} "
                f"{'x plain':>7} {'floor s':>8} {'ovh/flr':>7} {'bound s':>8} {'x bound':>7} {'peak GiB':>9} "
-               f"{'extra':>6} {'pin MiB':>8}")
+               f"{'extra':>6} {'pin MiB':>8} {'host B/p':>8}")
     # the host step: a system's mean less the fwdbwd row's; x plain: over plain:F's, same F
     host_of = {r["system"]: r["mean_s"] - fb["mean_s"] for r in rows
                if fb and "mean_s" in r and r["system"] != "floor"}
@@ -396,12 +407,15 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                    f"{host / plain if plain > 0 else nan:>7.2f} "
                    f"{floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
                    f"{b:>8.3f} {r['mean_s'] / b:>7.2f} {r.get('peak_gib', nan):>9.2f} "
-                   f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8}"
+                   f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8} "
+                   f"{r.get('host_bytes_per_param', nan):>8.2f}"
                    + (f"  ahead {r['ahead']}" if name.startswith("stream") and r.get("ahead") else ""))
     out.append("mean = (timed steps + final flush) / steps; flush s = the final flush alone; "
                "x fb = mean / (fwd+bwd); host s = mean - fwdbwd's mean; x plain = host s / plain:F's "
                "(same F, same run); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
-               "extra = peak GiB above the bf16 model; no* = cannot clip")
+               "extra = peak GiB above the bf16 model; host B/p = the process's resident memory "
+               "grown from before the system was built to after the flush, per param; "
+               "no* = cannot clip")
     return out
 
 
