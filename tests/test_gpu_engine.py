@@ -762,8 +762,8 @@ def test_a_delayed_engine_step_that_fails_marks_the_state(engine):
 @pytest.mark.cuda
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
 def test_the_engines_chunks_run_their_math_on_its_math_streams_off_the_copy_streams(delayed):
-    """Chunk ``k``'s math is queued on the executor's math stream ``k mod slots`` (beside the
-    chunks before it), never on a copy stream, where it would wait behind the next chunk's
+    """Chunk ``k``'s math is queued on the executor's math stream ``k mod 2`` (beside the
+    chunk before it), never on a copy stream, where it would wait behind the next chunk's
     copies (and they behind it); the steps give the bits of the device placement."""
     device = torch.device("cuda", torch.cuda.current_device())
     seen = []
@@ -780,7 +780,7 @@ def test_the_engines_chunks_run_their_math_on_its_math_streams_off_the_copy_stre
         faults.remove(hook)
     t = HostExecutor().transport(device)  # the process's copy streams
     engine = [(k, s) for k, s in seen if s != torch.cuda.default_stream(device)]
-    by_slot = [{s for k, s in engine if k % 2 == slot} for slot in (0, 1)]  # slots=2
+    by_slot = [{s for k, s in engine if k % 2 == slot} for slot in (0, 1)]
     assert len({k for k, _ in engine}) > 2  # several chunks a step
     assert all(len(on) == 1 for on in by_slot) and by_slot[0] != by_slot[1]
     assert not {s for s in (t.stream_in, t.stream_out) if s is not None} & {s for _, s in engine}

@@ -266,13 +266,12 @@ class HostExecutor:
             return self._engine_streams[device]
 
     def engine_math_streams(self, device: torch.device) -> list["torch.cuda.Stream"]:
-        """The GPU engine's math streams on ``device`` (``slots`` of them, kept): chunk ``k``'s
-        math runs on stream ``k mod slots``, beside the chunks before it, in the buffer that
-        chunk ``k - slots`` used on the same stream."""
+        """The GPU engine's two math streams on ``device`` (kept): chunk ``k``'s math runs on
+        stream ``k mod 2``, beside the previous chunk's. (Two, not one a slot: the caching
+        allocator keeps each stream's temporaries for that stream alone.)"""
         with self._reserving:
             if device not in self._math_streams:
-                self._math_streams[device] = [torch.cuda.Stream(device=device)
-                                              for _ in range(self.slots)]
+                self._math_streams[device] = [torch.cuda.Stream(device=device) for _ in range(2)]
             return self._math_streams[device]
 
     def ring(self, device: torch.device) -> Optional[torch.Tensor]:

@@ -2,8 +2,9 @@
 
 Attach one to an executor (``HostExecutor(timeline=Timeline())``); each update then records
 spans on lanes ``D2H`` and ``H2D`` (CUDA events with timing on the copy streams), ``D2H engine``
-and ``H2D engine`` (the GPU engine's state going up and down, on its own streams), ``GPU update``
-(the device kernels, on the compute stream) and one lane per CPU worker thread (``kernel c<k>``:
+and ``H2D engine`` (the GPU engine's state going up and down, on the same copy streams),
+``GPU update`` (the device kernels, on the stream they run on: the GPU engine's chunks on its
+math streams, so their spans may overlap) and one lane per CPU worker thread (``kernel c<k>``:
 a piece of chunk ``k``). The training loop may record lanes of its own with
 :meth:`stamp` and :meth:`span` (e.g. the forward and backward on the compute stream); they are
 drawn first. Recording costs two events or two clock reads per span; the CUDA times are

@@ -7,9 +7,12 @@ and the new state comes back down. Grads and params never cross PCIe; the state 
 The engine's host state is pinned (:class:`~functional_offload.optimizers.terminal.Terminal`
 allocates it so), so each piece of a chunk is copied up from it and back into it in place, on
 the transport's streams, into and out of one of ``S`` device buffers of the executor's
-``engine_chunk_bytes``: the device memory taken is ``engine_chunk_bytes × slots``. Host DRAM sees each state byte read once (up)
+``engine_chunk_bytes``: the device memory taken is ``engine_chunk_bytes × slots``, and the
+temporaries of the math of the chunks in flight, each cached for its math stream (two). Host DRAM sees each state byte read once (up)
 and written once (down). Chunk ``k + S`` reuses the buffer of chunk ``k`` once chunk ``k``'s
-state is back in host memory. Every copy down has landed when :meth:`GpuEngine.finish`
+state is back in host memory. Chunk ``k``'s math runs on the executor's math stream ``k mod 2``
+(:meth:`~functional_offload.executor.HostExecutor.engine_math_streams`), beside the previous
+chunk's. Every copy down has landed when :meth:`GpuEngine.finish`
 returns. (A state tensor that is not pinned — replaced by the caller — is still copied right,
 synchronously.)
 """
@@ -217,7 +220,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
     def run_prepared(self, prepared: list["Prepared"],
                      done: Optional[Callable[[Chunk], None]] = None) -> None:
         """Step what :meth:`prepare` made, chunk by chunk, calling ``done`` with each chunk once
-        its math is queued on this thread's stream; every copy down has landed when it
+        this thread's stream is ordered after its math; every copy down has landed when it
         returns."""
         for p in prepared:
             self._run(p, done)
