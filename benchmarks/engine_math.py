@@ -4,6 +4,11 @@ by CUDA events (the least of five), and pinned copies of the chunk's bytes each 
 
     python benchmarks/engine_math.py                  # 22 M elements: a 128 MiB chunk
     python benchmarks/engine_math.py --numel 5500000  # a 32 MiB one
+    python benchmarks/engine_math.py --beside-gemm    # also beside bf16 matmuls on another stream
+
+``--beside-gemm`` times the phases again while a train of bf16 matmuls of the 6.7 B model's MLP
+shape (8,192 tokens, d=4,096) runs on a second stream, as the engine's math of a delayed step
+runs beside the next forward and backward.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ PHASES = ["join the split master", "dequantize both moments", "cast the grads",
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=22_000_000)
-    n = ap.parse_args().numel
+    ap.add_argument("--beside-gemm", action="store_true",
+                    help="also time the phases beside matmuls on a second stream")
+    args = ap.parse_args()
+    n = args.numel
     dev = "cuda"
     g = torch.randn(n, device=dev).bfloat16()
     p = torch.randn(n, device=dev).bfloat16()
@@ -35,7 +43,17 @@ def main() -> None:
     nu = blockwise.quantize(torch.rand(n, device=dev) * 1e-6, False)
     h = AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, 10, True)
 
-    def once() -> list[float]:
+    a = torch.randn(8192, 4096, device=dev).bfloat16()
+    b = torch.randn(4096, 16384, device=dev).bfloat16()
+    c = torch.empty(8192, 16384, device=dev, dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+
+    def once(beside: bool = False) -> list[float]:
+        if beside:  # ~20 ms of matmuls queued first on the other stream: they cover the phases
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(20):
+                    torch.mm(a, b, out=c)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(7)]
         ev[0].record()
         v = join(master)
@@ -55,12 +73,14 @@ def main() -> None:
         torch.cuda.synchronize()
         return [ev[i].elapsed_time(ev[i + 1]) for i in range(6)]
 
-    for _ in range(3):
-        once()
-    runs = [once() for _ in range(5)]
-    for k, name in enumerate(PHASES):
-        print(f"{name:<36} {min(r[k] for r in runs):7.3f} ms")
-    print(f"{'total':<36} {min(sum(r) for r in runs):7.3f} ms for {n / 1e6:.1f} M elements")
+    for beside in (False, True) if args.beside_gemm else (False,):
+        for _ in range(3):
+            once(beside)
+        runs = [once(beside) for _ in range(5)]
+        print("beside matmuls on another stream:" if beside else "alone:")
+        for k, name in enumerate(PHASES):
+            print(f"  {name:<36} {min(r[k] for r in runs):7.3f} ms")
+        print(f"  {'total':<36} {min(sum(r) for r in runs):7.3f} ms for {n / 1e6:.1f} M elements")
     nbytes = master.numel() * 2 + mu.numel() + nu.numel()
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
