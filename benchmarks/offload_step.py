@@ -39,8 +39,11 @@ Systems (``F``: offload fraction, Megatron's semantics):
                    engine's leaves stepped on the device in the background).
   ``hdo:F``        Megatron-core's ``HybridDeviceOptimizer`` (fp32 update, D2H/H2D overlap on).
   ``torchao``      torchao's ``CPUOffloadOptimizer`` (fused AdamW; bf16 states, no master).
+  ``zero``         DeepSpeed's ZeRO-Offload on one GPU (ZeRO stage 2, ``offload_optimizer`` to
+                   the CPU, pinned; bf16; its CPUAdam on fp32 masters; its own clipping).
 Clipping at 1.0 is on for every system (ours: ``fo.clip_by_global_norm(1.0)`` in a chain in front
-of the optimizer; torch and Megatron: ``torch.nn.utils.clip_grad_norm_`` before ``step``) except
+of the optimizer; torch and Megatron: ``torch.nn.utils.clip_grad_norm_`` before ``step``;
+DeepSpeed: its ``gradient_clipping``) except
 torchao, whose CPU steps start during backward and so cannot clip: it runs unclipped, marked
 ``no*``. ``--no-clip`` turns clipping off everywhere. Peers that are not installed are reported
 as unavailable. FSDP2's own CPU offload is in ``fsdp2_step.py``.
@@ -227,6 +230,28 @@ def system(name: str, frac: float, model: torch.nn.Module, args: argparse.Namesp
             loss_fn().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        return step, lambda: None
+    if name == "zero":
+        try:
+            import deepspeed
+        except Exception as e:  # noqa: BLE001
+            raise Unavailable(f"deepspeed: {type(e).__name__}: {e}") from e
+        if args.device == "cpu" or not torch.cuda.is_available():
+            raise Unavailable("DeepSpeed's ZeRO-Offload needs CUDA")
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
+                           ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=ps, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_clipping": MAX_NORM[0] if clip else 0.0,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {**HYPER, "betas": list(HYPER["betas"])}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                    "pin_memory": True}}})
+        info["offloaded"] = sum(p.numel() for p in ps)
+
+        def step(loss_fn: LossFn) -> None:  # (the loss from the module the engine wraps)
+            engine.backward(loss_fn())
+            engine.step()
         return step, lambda: None
     raise SystemExit(f"unknown system {name!r}")
 
