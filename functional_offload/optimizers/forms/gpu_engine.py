@@ -8,13 +8,13 @@ The engine's host state is pinned (:class:`~functional_offload.optimizers.termin
 allocates it so), so each piece of a chunk is copied up from it and back into it in place, on
 the transport's streams, into and out of one of ``S`` device buffers of the executor's
 ``engine_chunk_bytes``: the device memory taken is ``engine_chunk_bytes × slots``, and the
-temporaries of the math of the chunks in flight, each cached for its math stream (two). Host DRAM sees each state byte read once (up)
-and written once (down). Chunk ``k + S`` reuses the buffer of chunk ``k`` once chunk ``k``'s
-state is back in host memory. Chunk ``k``'s math runs on the executor's math stream ``k mod 2``
+temporaries of the math of the chunks in flight, each cached for its math stream (two). Host
+DRAM sees each state byte read once (up) and written once (down). Chunk ``k + S`` reuses the
+buffer of chunk ``k`` once chunk ``k``'s state is back in host memory. Chunk ``k``'s math runs
+on the executor's math stream ``k mod 2``
 (:meth:`~functional_offload.executor.HostExecutor.engine_math_streams`), beside the previous
-chunk's. Every copy down has landed when :meth:`GpuEngine.finish`
-returns. (A state tensor that is not pinned — replaced by the caller — is still copied right,
-synchronously.)
+chunk's. Every copy down has landed when :meth:`GpuEngine.finish` returns. (A state tensor that
+is not pinned — replaced by the caller — is still copied right, synchronously.)
 """
 
 from __future__ import annotations
