@@ -777,10 +777,11 @@ def hook(k, paths):  # the engine's chunks: in the caller's thread (plain) or it
         seen.append((k, torch.cuda.current_stream(device).cuda_stream))
 faults.add(hook)
 state = opt.init(params)
+t = ex.transport(device)
+drawn = [torch.cuda.Stream(device) for _ in range(30)]  # torch's next draws: its copy streams
 for _ in range(2):
     params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
 fo.flush(state)
-t = ex.transport(device)
 copies = {t.stream_in.cuda_stream, t.stream_out.cuda_stream}
 by_slot = [{s for k, s in seen if k % 2 == slot} for slot in (0, 1)]
 assert len({k for k, _ in seen}) > 2, seen  # several chunks a step
@@ -795,9 +796,9 @@ print("OK")
 def test_the_engines_chunks_run_their_math_on_its_math_streams_off_the_copy_streams(mode):
     """Chunk ``k``'s math is queued on the executor's math stream ``k mod 2`` (beside the
     chunk before it), never on a copy stream, where it would wait behind the next chunk's
-    copies (and they behind it). In a fresh process: ``torch.cuda.Stream()`` hands out a
-    process-wide pool of 32 streams in turn, so in a process that made many executors a new
-    stream can be a copy stream again."""
+    copies (and they behind it) — even where the process drew so many streams that torch's
+    pool of 32 (handed out in turn) comes round to the copy streams again. In a fresh process,
+    to know where the pool stands."""
     out = subprocess.run([sys.executable, "-c", ENGINE_STREAMS, mode], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

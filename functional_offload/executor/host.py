@@ -24,7 +24,7 @@ from functional_offload.executor.chunking import ALIGN, HostLeaf, Segment
 from functional_offload.executor.run import Run
 from functional_offload.executor.shield import shielding
 from functional_offload.executor.timeline import Timeline
-from functional_offload.executor.transport import Transport, transport_for
+from functional_offload.executor.transport import Transport, streams_apart, transport_for
 from functional_offload.kernels.work import Kernel
 
 __all__ = ["HostExecutor", "SplitStep", "default_executor", "physical_cores", "node_share"]
@@ -200,7 +200,7 @@ class HostExecutor:
         self._rings: dict[torch.device, Optional[torch.Tensor]] = {}
         self._slot_events: dict[torch.device, list] = {}
         self._transports: dict[torch.device, Transport] = {}
-        self._engine_streams: dict[torch.device, Any] = {}
+        self._engine_streams: dict[torch.device, list] = {}
         self._math_streams: dict[torch.device, list] = {}
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
@@ -260,19 +260,24 @@ class HostExecutor:
         """The stream a delayed step's GPU engine runs on (one per device, kept): the caching
         allocator reuses a freed block on the stream it was allocated on, so its buffers,
         allocated on it, are reused step after step."""
-        with self._reserving:
-            if device not in self._engine_streams:
-                self._engine_streams[device] = torch.cuda.Stream(device=device)
-            return self._engine_streams[device]
+        return self._own_streams(self._engine_streams, device, 1)[0]
 
     def engine_math_streams(self, device: torch.device) -> list["torch.cuda.Stream"]:
         """The GPU engine's two math streams on ``device`` (kept): chunk ``k``'s math runs on
         stream ``k mod 2``, beside the previous chunk's. (Two, not one a slot: the caching
         allocator keeps each stream's temporaries for that stream alone.)"""
+        return self._own_streams(self._math_streams, device, 2)
+
+    def _own_streams(self, kept: dict, device: torch.device, n: int) -> list["torch.cuda.Stream"]:
+        """``kept[device]``, drawn on first use apart from the transport's copy streams and
+        this executor's other streams (:func:`~functional_offload.executor.transport.streams_apart`)."""
+        t = self.transport(device)
         with self._reserving:
-            if device not in self._math_streams:
-                self._math_streams[device] = [torch.cuda.Stream(device=device) for _ in range(2)]
-            return self._math_streams[device]
+            if device not in kept:
+                taken = [t.stream_in, t.stream_out, *self._engine_streams.get(device, ()),
+                         *self._math_streams.get(device, ())]
+                kept[device] = streams_apart(device, n, taken)
+            return kept[device]
 
     def ring(self, device: torch.device) -> Optional[torch.Tensor]:
         self.reserve(device)

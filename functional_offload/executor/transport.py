@@ -119,6 +119,25 @@ class CudaTransport(Transport):
         torch.cuda.current_stream(self.device).wait_stream(self.stream_out)
 
 
+def streams_apart(device: torch.device, n: int,
+                  taken: list["torch.cuda.Stream"]) -> list["torch.cuda.Stream"]:
+    """``n`` streams of ``device`` that are none of ``taken`` nor one another. torch hands out
+    a device's pooled streams in turn (32 a priority), so a process's 33rd
+    ``torch.cuda.Stream()`` is its first again: work meant to overlap would queue on one
+    stream. (Where every pooled stream is taken, the last drawn is kept: still right, not
+    overlapped.)"""
+    ids = {s.cuda_stream for s in taken}
+    out = []
+    for _ in range(n):
+        for _ in range(64):
+            stream = torch.cuda.Stream(device=device)
+            if stream.cuda_stream not in ids:
+                break
+        ids.add(stream.cuda_stream)
+        out.append(stream)
+    return out
+
+
 _transports: dict[torch.device, CudaTransport] = {}
 _making = threading.Lock()
 

@@ -227,9 +227,11 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
 
     def _run(self, p: "Prepared", done: Optional[Callable[[Chunk], None]]) -> None:
         ex, t, todo, bufs, grads = self.work.ex, p.transport, p.chunks, p.buffers, p.grads
-        device = bufs[0].device if bufs else None
-        home = torch.cuda.current_stream(device) if device is not None else None
-        maths = ex.engine_math_streams(device) if device is not None else []
+        if not todo:
+            return
+        device = bufs[0].device
+        home = torch.cuda.current_stream(device)
+        maths = ex.engine_math_streams(device)
         for m in maths:  # the grads, params and buffers are ready where the caller's stream is
             m.wait_stream(home)
         t.wait_out(t.ready())
@@ -239,8 +241,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             for k, chunk in enumerate(todo):
                 if k >= ex.slots:
                     t.wait_host(landing.popleft())  # the buffer's last chunk is back on the host
-                landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done,
-                                           maths[k % len(maths)], home))
+                with torch.cuda.stream(maths[k % len(maths)]):
+                    landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done, home))
             while landing:
                 t.wait_host(landing.popleft())
         except Exception as e:
@@ -255,16 +257,11 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
 
     def _chunk(self, t: Transport, k: int, chunk: Chunk, buf: torch.Tensor,
                grads: dict[int, torch.Tensor], done: Optional[Callable[[Chunk], None]],
-               math: "torch.cuda.Stream", home: "torch.cuda.Stream") -> object:
-        """Copy chunk ``k``'s state up, queue its math on the stream ``math`` and its copies
-        down into the host state; ``done`` is called on the caller's stream ``home`` once it
-        waits for the math (so for every chunk's before it); the event of the copies down."""
-        with torch.cuda.stream(math):
-            return self._chunk_on(t, k, chunk, buf, grads, done, home)
-
-    def _chunk_on(self, t: Transport, k: int, chunk: Chunk, buf: torch.Tensor,
-                  grads: dict[int, torch.Tensor], done: Optional[Callable[[Chunk], None]],
-                  home: "torch.cuda.Stream") -> object:
+               home: "torch.cuda.Stream") -> object:
+        """Copy chunk ``k``'s state up, queue its math on the current (math) stream and its
+        copies down into the host state; ``done`` is called on the caller's stream ``home``
+        once it waits for the math (so for every chunk's before it); the event of the copies
+        down."""
         leaves, work = self.work.leaves, self.work
         if faults.active():
             faults.before_chunk(k, list(dict.fromkeys(leaves[p.index].path for p in chunk.pieces)))
