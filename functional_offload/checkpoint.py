@@ -7,7 +7,10 @@ safetensors with a CRC-32 per tensor, written atomically and read whole
 dtype must match ``like`` — a fp32 master is never silently cast — and the values are copied
 into ``like``'s tensors, so they keep ``like``'s placement (re-placement on load). A split
 master (``store_param_remainders``) is saved as its fp32 value, so either format of the master
-loads into the other, exactly.
+loads into the other, exactly. A remainder-only split master (host state of a bf16 param on a
+GPU, whose high half is the param itself) is saved joined with its param's bits, and loading it
+writes the param's bits too: load the model's params before the optimizer's state, or from the
+same step (they are then the same bits).
 
 Any mode loads into any other of the same optimizer (plain, streamed, delayed, any placement).
 The one difference between their states is the master of an fp32 (or fp64) param, which some
@@ -33,7 +36,7 @@ from functional_offload.state import (FAILED, check_loadable, check_recoverable,
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.blockwise import is_blockwise
-from functional_offload.kernels.remainder import is_split, join, split_
+from functional_offload.kernels.remainder import is_lean, is_split, join, split_
 from functional_offload.quantized import write_params
 from functional_offload.tree import check_unique_paths, flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
@@ -172,7 +175,29 @@ def state_tensors(state: OptState) -> dict[str, torch.Tensor]:
     """:func:`state_dict` without its checks and without landing work in flight."""
     paths, leaves = _state_leaves(state)
     check_unique_paths(paths, "state", "a checkpoint names each state tensor by its path")
-    return {p: join(x) if is_split(x) else x for p, x in zip(paths, leaves)}
+    highs = _high_params(state)
+    return {p: join(x, highs.get(id(x))) if is_split(x) else x for p, x in zip(paths, leaves)}
+
+
+def _high_params(state: OptState) -> dict[int, torch.Tensor]:
+    """By ``id`` of each remainder-only split master in ``state``, its param (the high half);
+    :class:`CheckpointError` naming the leaf where the param cannot be it any more."""
+    out = {}
+    for s in terminal_states(state):
+        if "master" not in s._fields:
+            continue
+        names, params, _ = leaves_with_paths(s.params.tree)
+        for name, p, m in zip(names, params, flatten_like(s.master, s.params.tree, "state.master")):
+            if m is None or not is_lean(m):
+                continue
+            p = local(p)
+            if p.dtype != torch.bfloat16 or p.shape != m.shape[1:]:
+                raise CheckpointError(
+                    f"leaf {name!r}: its split master keeps the remainder alone, its bf16 param "
+                    f"of shape {tuple(m.shape[1:])} being the high half, but the param is now "
+                    f"{p.dtype} of shape {tuple(p.shape)}; put the param back as it was")
+            out[id(m)] = p
+    return out
 
 
 def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
@@ -185,6 +210,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     """
     check_state(like, "like")
     paths, leaves = _state_leaves(like)
+    highs = _high_params(like)
     known = set(paths)
     mirrors = _mirrors(like)
     shaped = _param_shapes(like)  # a checkpoint of 8-bit moments holds their params' shapes
@@ -246,7 +272,7 @@ def load_state_dict(sd: dict[str, torch.Tensor], like: OptState) -> OptState:
     def copy_all() -> None:
         for p, x in loaded:
             if is_split(x):
-                split_(x, sd[p])
+                split_(x, sd[p], highs.get(id(x)))  # (a remainder-only one's param: its high half)
             else:
                 x.copy_(sd[p])
         restore_params(like)

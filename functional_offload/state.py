@@ -18,7 +18,7 @@ import optree
 import torch
 
 from functional_offload.base import ParamRefs, StateError, StepCache
-from functional_offload.kernels.remainder import high, is_split
+from functional_offload.kernels.remainder import high, is_lean, is_split
 from functional_offload.quantized import is_quantized, write_params
 from functional_offload.tree import check_grads, flatten_like, local, paths_of
 from functional_offload.typing import OptState, Params, Updates
@@ -207,7 +207,8 @@ def restore_params(state: OptState) -> None:
             p = local(p)
             if is_quantized(p) and m.device.type == "cpu":  # as a host step writes it: from
                 m = m.to(p.dtype)  # the value copied up in the param's nominal dtype
-            write_params([p], [high(m) if is_split(m) else m])
+            if not is_lean(m):  # (a remainder-only one's param was written with it)
+                write_params([p], [high(m) if is_split(m) else m])
 
 
 @torch.no_grad()

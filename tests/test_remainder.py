@@ -190,3 +190,70 @@ def test_a_param_whose_dtype_changed_is_refused_naming_it():
     params["w"].data = params["w"].data.float()  # module.float()
     with pytest.raises(TypeError, match="'w'.*split master"):
         opt.update({"w": torch.ones(N)}, state)
+
+
+def test_a_remainder_only_master_is_its_param_and_its_remainder():
+    """A remainder-only split master (``(1, *shape)``) holds the low 16 bits; its param holds
+    the high half: joined with the param it is the fp32 value, and writing a value into it
+    writes the param's bits too, as the two-row master holds them."""
+    g = torch.Generator().manual_seed(0)
+    value = torch.randn(3, 500, generator=g) * torch.logspace(-30, 30, 500)
+    value[0, :4] = torch.tensor([float("nan"), float("inf"), -0.0, 0.0])
+    full = remainder.split_(torch.empty((2, 3, 500), dtype=torch.int16), value)
+    param = torch.zeros(3, 500, dtype=torch.bfloat16)
+    lean = remainder.split_(torch.empty((1, 3, 500), dtype=torch.int16), value, param)
+    assert remainder.is_lean(lean) and not remainder.is_lean(full)
+    assert torch.equal(param.view(torch.int16), full[0]) and torch.equal(lean[0], full[1])
+    assert torch.equal(remainder.join(lean, param).view(torch.int32),
+                       remainder.join(full).view(torch.int32))
+    hi, lo = remainder.flat_halves(lean, param)
+    assert hi.data_ptr() == param.data_ptr() and lo.data_ptr() == lean.data_ptr()
+    fresh = remainder.new_split(param, torch.full((1, 3, 500), 7, dtype=torch.int16))
+    assert not fresh.any()  # the master equals the param: remainder zero
+    with pytest.raises(ValueError, match="needs its bf16 param"):
+        remainder.join(lean)
+    with pytest.raises(ValueError, match="needs its bf16 param"):
+        remainder.join(lean, param.float())
+    with pytest.raises(ValueError, match="holds no high half"):
+        remainder.high(lean)
+
+
+def test_cpu_params_keep_both_halves_on_the_host():
+    """Only a GPU param's bits can stand for the host master's high half (a CPU param's host
+    step writes the param where the run's forms expect it unchanged): CPU params keep both."""
+    params = {"w": torch.randn(300, 700).bfloat16()}
+    for mode in ("plain", "delayed"):
+        state = fo.adamw(store_param_remainders=True, delayed=delay_of(mode)).init(params)
+        assert state.master["w"].shape == (2, 300, 700), mode
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_high_half_set_to_zero_in_place_joins_to_about_zero_not_a_nan(kernel):
+    """No split gives a high half of +-0 with a negative remainder; a param zeroed in place
+    (pruning) over a remainder-only master's remainder does: the master joins to within the
+    remainder of zero, not to the NaN that borrowing from the high half would wrap to, in the
+    torch ops and the native kernel, and steps on."""
+    lo = torch.tensor([-5, -1, 7, -32768], dtype=torch.int16)
+    for zero in (0, -32768):  # +0, -0
+        hi = torch.full((4,), zero, dtype=torch.int16)
+        v = remainder.join_halves(hi, lo)
+        assert torch.isfinite(v).all() and (v.abs() < 1e-38).all(), (zero, v)
+    params = {"w": torch.randn(100_000).bfloat16()}  # (a small leaf keeps an fp32 master)
+    opt = fo.adamw(1e-3, weight_decay=0.1, store_param_remainders=True, cpu_kernel=kernel)
+    state = opt.init(params)
+    state.master["w"][0, :64] = 0  # as a lean master's param zeroed, its remainder kept
+    state.master["w"][1, :64] = -3
+    params, state = opt.update({"w": torch.ones(100_000).bfloat16()}, state)
+    assert torch.isfinite(params["w"]).all() and torch.isfinite(remainder.join(state.master["w"])).all()
+    assert (params["w"][:64].float().abs() <= 2e-3).all()
+
+
+def test_plan_counts_the_remainder_alone_for_gpu_params_and_both_halves_for_cpu_params():
+    """``fo.plan``'s host bytes: the split master of a GPU param (a plan's meta param stands for
+    one) keeps the remainder alone, 2 bytes an element; with 8-bit moments 4.03 in all."""
+    def host(device, **kw):
+        params = {"w": torch.zeros(1024, 1024, dtype=torch.bfloat16, device=device)}
+        opt = fo.adamw(1e-3, placement=fo.placement.on_host(), store_param_remainders=True, **kw)
+        return fo.plan(opt, params).host_bytes / (1 << 20)
+    assert host("meta") == 10 and host("cpu") == 12
+    assert host("meta", mu_dtype=torch.uint8, nu_dtype=torch.uint8) == pytest.approx(4.03, abs=0.01)

@@ -17,9 +17,9 @@ DEV = torch.device("cuda")
 SHAPES = {"w": (300, 700), "v": (90_001,), "b": (37,)}  # "b" is packed on the host: fp32 master
 
 
-def _master(state, key: str) -> torch.Tensor:
+def _master(state, params, key: str) -> torch.Tensor:
     m = state.master[key]
-    return (remainder.join(m) if remainder.is_split(m) else m).cpu().view(torch.int32)
+    return (remainder.join(m, params[key]) if remainder.is_split(m) else m).cpu().view(torch.int32)
 
 
 def _train(rem: bool, placement, mode: str, max_norm: float, steps: int = 8):
@@ -35,8 +35,8 @@ def _train(rem: bool, placement, mode: str, max_norm: float, steps: int = 8):
     for _ in range(steps):
         grads = {k: torch.randn(v.shape, generator=g, device=DEV).bfloat16() for k, v in params.items()}
         state = step_by(opt, state, params, grads, mode)
-        if rem and mode not in ("delayed", "ahead"):
-            m = state[-1].master["w"]
+        m = state[-1].master["w"]
+        if rem and mode not in ("delayed", "ahead") and not remainder.is_lean(m):
             highs_match &= torch.equal(params["w"].detach(), remainder.high(m).to(DEV))
     fo.flush(state)
     return params, state[-1], highs_match
@@ -55,18 +55,71 @@ def test_split_master_on_gpu_params_is_bit_identical(where, mode, max_norm):
     assert highs  # after every step the GPU param is the high half
     assert any(m is not None and remainder.is_split(m) for m in s16.master.values())
     for k in SHAPES:
-        assert torch.equal(_master(s16, k), _master(s32, k)), k
+        assert torch.equal(_master(s16, p16, k), _master(s32, p32, k)), k
         assert torch.equal(s16.mu[k].cpu(), s32.mu[k].cpu()) and torch.equal(s16.nu[k].cpu(), s32.nu[k].cpu())
         assert torch.equal(s16.ema[k].cpu(), s32.ema[k].cpu()), k
-        tie = (_master(s32, k) & 0xFFFF) == 0x8000
+        tie = (_master(s32, p32, k) & 0xFFFF) == 0x8000
         differ = (p16[k].detach() != p32[k].detach()).cpu()
         assert not (differ & ~tie).any(), k
 
 
-def test_host_split_masters_are_pinned_and_copied_up_from_there():
-    params = {"w": torch.randn(100_000, device=DEV).bfloat16()}
-    state = fo.adamw(store_param_remainders=True).init(params)
-    assert remainder.is_split(state.master["w"]) and state.master["w"].is_pinned()
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed", "ahead"])
+@pytest.mark.parametrize("where", list(PLACEMENTS))
+def test_host_split_masters_of_gpu_params_keep_the_remainder_alone(where, mode):
+    """The host state of a GPU bf16 param keeps the remainder alone (pinned, 2 bytes an element):
+    its param is the high half. A delayed update with a look-ahead keeps both halves (its
+    landing reads the new values apart from the params); the device keeps both."""
+    _, state, _ = _train(True, PLACEMENTS[where](), mode, 1e9, steps=1)
+    m = state.master["w"]
+    assert remainder.is_split(m)
+    if m.device.type == "cuda" or mode == "ahead":
+        assert m.shape == (2, *SHAPES["w"]) and not remainder.is_lean(m)
+    else:
+        assert m.shape == (1, *SHAPES["w"]) and remainder.is_lean(m) and m.is_pinned()
+    assert state.master["b"].dtype == torch.float32  # packed: an fp32 master
+
+
+@pytest.mark.parametrize("engine", ["cpu", "gpu", "both"])
+@pytest.mark.parametrize("into", ["lean", "device", "fp32"])
+def test_a_remainder_only_master_checkpoints_its_fp32_value(engine, into, tmp_path):
+    """Saved, a remainder-only master is its fp32 value (joined with its param's bits); loaded
+    into a fresh state of fresh params, it writes their bits (the high half) with its remainder,
+    and training goes on bit for bit as if never saved; loaded into the device's split master
+    or an fp32 master, it is the same value."""
+    def make(into_, seed):
+        torch.manual_seed(seed)
+        params = {k: torch.randn(s, device=DEV).bfloat16() for k, s in SHAPES.items()}
+        ex = HostExecutor(chunk_bytes=1 << 17, slots=3, engine=engine, engine_chunk_bytes=1 << 21,
+                          gpu_share=0.5 if engine == "both" else None)
+        placement = fo.placement.on_device() if into_ == "device" else fo.placement.on_host()
+        opt = fo.adamw(1e-2, weight_decay=0.1, placement=placement,
+                       executor=ex if into_ != "device" else None,
+                       store_param_remainders=into_ != "fp32")
+        return params, opt, opt.init(params)
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    grads = [{k: torch.randn(s, generator=g, device=DEV).bfloat16() for k, s in SHAPES.items()}
+             for _ in range(4)]
+    params, opt, state = make("lean", 0)
+    assert remainder.is_lean(state.master["w"])
+    for gr in grads[:2]:
+        params, state = opt.update(gr, state)
+    fo.save(state, tmp_path / "s.fo")
+    saved = fo.state_dict(state)
+    p2, opt2, like = make(into, 7)  # other params: the load sets the lean one's high halves
+    loaded = fo.load(tmp_path / "s.fo", like=like)
+    back = fo.state_dict(loaded)
+    for k in saved:
+        assert torch.equal(back[k].cpu(), saved[k].cpu()), k
+    if into == "lean":
+        assert torch.equal(p2["w"], params["w"]) and torch.equal(p2["v"], params["v"])
+        for gr in grads[2:]:
+            params, state = opt.update(gr, state)
+            p2, loaded = opt2.update(gr, loaded)
+        for k in SHAPES:
+            assert torch.equal(p2[k], params[k]), k
+        after, want = fo.state_dict(loaded), fo.state_dict(state)
+        assert all(torch.equal(after[k].cpu(), want[k].cpu()) for k in want)
 
 
 @pytest.mark.parametrize("where", ["device", "engine"])
@@ -85,4 +138,38 @@ def test_a_nan_update_on_the_gpu_gives_a_nan_param(where):
     params, state = opt.update({"v": g}, state)
     v = params["v"].detach().cpu()
     assert v[:3].isnan().all() and not v[3:].isnan().any()
-    assert remainder.join(state.master["v"].cpu())[:3].isnan().all()
+    assert remainder.join(state.master["v"].cpu(), params["v"].cpu())[:3].isnan().all()
+
+
+def test_a_gpu_param_zeroed_in_place_is_followed_by_its_remainder_only_master():
+    """The param is the high half: zeroed in place between steps (pruning), its master is zero
+    within its remainder, and the next step starts from there (not from a NaN)."""
+    params, state, _ = _train(True, PLACEMENTS["host"](), "plain", 1e9, steps=2)
+    assert remainder.is_lean(state.master["w"])
+    with torch.no_grad():
+        params["w"][:100].zero_()
+    assert (remainder.join(state.master["w"], params["w"])[:100].abs() < 1e-38).all()
+    opt = fo.adamw(lr=1e-3, placement=fo.placement.on_host(), store_param_remainders=True)
+    state = opt.init(params)
+    with torch.no_grad():
+        params["w"][:100].zero_()
+    params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
+    assert torch.isfinite(params["w"]).all() and (params["w"][:100].float().abs() <= 2e-3).all()
+
+
+def test_a_remainder_only_master_whose_param_changed_is_refused_by_save_and_load(tmp_path):
+    """Saving or loading needs the param as the high half: a param cast since is refused,
+    naming the leaf, before anything is copied (the state stays usable)."""
+    params = {"w": torch.randn(300, 700, device=DEV).bfloat16()}
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), store_param_remainders=True)
+    state = opt.init(params)
+    params, state = opt.update({"w": torch.ones_like(params["w"])}, state)
+    fo.save(state, tmp_path / "s.fo")
+    w = params["w"]
+    w.data = w.data.float()
+    with pytest.raises(fo.CheckpointError, match="'w'.*remainder alone"):
+        fo.save(state, tmp_path / "t.fo")
+    with pytest.raises(fo.CheckpointError, match="'w'.*remainder alone"):
+        fo.load(tmp_path / "s.fo", like=state)
+    w.data = w.data.bfloat16()
+    params, state = opt.update({"w": torch.ones_like(params["w"])}, state)  # still usable

@@ -46,6 +46,9 @@ class HostLeaf(NamedTuple):
     ahead_hyper: Any = None  # the next step's hyperparameters, for the look-ahead
     residual: Optional[torch.Tensor] = None  # 1-D int8, with ``ahead`` for bf16 grads: the byte
     #   of each base's fp32 bits below its bf16 (kernels/remainder.py, ``split_base``)
+    param_high: bool = False  # ``state[0]`` is the param's own bits on its device (the high half
+    #   of a remainder-only split master, kernels/remainder.py): copied down into the slot's
+    #   new-params half with the grad, stepped there in place, and copied up from there to ``out``
     members: tuple[str, ...] = ()  # the paths of the params tree's leaves it holds, where more
     #   than one (a packed run of small leaves); () for one leaf, ``path``
 

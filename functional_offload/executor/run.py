@@ -233,18 +233,20 @@ class _Pipeline:
         return self.slot_bytes(k, which, self.at(seg, region),
                                (seg.stop - seg.start) * dtype.itemsize).view(dtype)
 
-    def spans(self, k: int, which: int, segs: list[Segment],
-              region: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def spans(self, k: int, which: int, segs: list[Segment], region: int = 0,
+              high: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(device tensor, slot tensor)`` pairs to copy for ``segs`` of chunk ``k``: their
         grads (``which`` 0) or new params (1; ``region`` 1 and 2: their look-ahead's rates and
-        residuals). Segments that lie end to end in one storage as they do in the slot (a
+        residuals; ``high``: the params' own bits, ``HostLeaf.param_high``, where the new
+        params go). Segments that lie end to end in one storage as they do in the slot (a
         delayed step's buffer) are copied as one range of bytes: a copy per small leaf costs a
         call each, and a small copy up waits behind a long kernel."""
         out: list[tuple[torch.Tensor, torch.Tensor]] = []
         last = None  # (storage address, byte after the last span there, byte after it in the slot)
         for seg in segs:
             leaf = self.leaves[seg.leaf]
-            x = leaf.grad if which == 0 else (leaf.out, leaf.ahead, leaf.residual)[region]
+            x = (leaf.state[0] if high else leaf.grad if which == 0
+                 else (leaf.out, leaf.ahead, leaf.residual)[region])
             if x.stride(0) != 1:  # a strided 1-D view: copied as itself
                 out.append((x[seg.start:seg.stop], self.view(k, which, seg, x.dtype, region)))
                 last = None
@@ -304,7 +306,15 @@ class _Pipeline:
                 t.copy_in(host, dev)
             if tl:
                 tl.span("D2H", f"grads c{k}", s0, tl.stamp(self.device, t.stream_in))
-        self.in_events.append(t.mark_in() if copied else None)
+        highs = [seg for seg in chunk if self.leaves[seg.leaf].param_high]
+        if highs:  # into the slot's new-params half, once its last copy up has read it
+            t.wait_in(self.slot_events[k % self.S])
+            s0 = tl.stamp(self.device, t.stream_in) if tl else None
+            for dev, host in self.spans(k, 1, highs, high=True):
+                t.copy_in(host, dev)
+            if tl:
+                tl.span("D2H", f"params c{k}", s0, tl.stamp(self.device, t.stream_in))
+        self.in_events.append(t.mark_in() if copied or highs else None)
         pieces = []
         for seg in chunk:
             leaf = self.leaves[seg.leaf]
@@ -325,8 +335,13 @@ class _Pipeline:
                 out, rate, residual = part(leaf.out), part(leaf.ahead), part(leaf.residual)
 
             def state(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                return xs if whole else tuple(blockwise.part(x, seg.start, seg.stop) for x in xs)
+                xs = xs if whole else tuple(blockwise.part(x, seg.start, seg.stop) for x in xs)
+                if leaf.param_high and xs:  # the high half: the param's bits, copied down
+                    return (self.view(k, 1, seg, torch.int16), *xs[1:])
+                return xs
 
+            if leaf.param_high:  # the new param is the new high half, stepped in the slot
+                out = None
             pieces.append(Piece(grads.get(id(seg), part(leaf.grad)), state(leaf.state), out,
                                 leaf.hyper, state(leaf.targets), part(leaf.ema), leaf.ema_decay,
                                 part(leaf.ema_target), rate, leaf.ahead_hyper, residual))

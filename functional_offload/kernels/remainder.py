@@ -14,6 +14,10 @@ With :math:`b` the master's bits, :math:`h` its high and :math:`l` its low 16 bi
     \text{high} = h + [l < 0] \pmod{2^{16}}, \qquad \text{remainder} = l,
     \qquad h = \text{high} - [\text{remainder} < 0] \pmod{2^{16}}
 
+(a high half of :math:`\pm 0` with a negative remainder, which no split makes, joins without
+the borrow: a param set to zero in place is followed within its remainder, not wrapped into a
+NaN).
+
 The high half is the master rounded to bf16 to nearest with ties away from zero (the fp32
 format rounds ties to even: the params of the two formats differ by one bf16 ulp where the
 master lies exactly halfway, about one element in :math:`2^{17}` per step; no 16-bit remainder
@@ -22,6 +26,14 @@ is kept as a quiet NaN of its sign and top bits with remainder 0, so its param i
 its payload (rounding the canonical NaN ``0x7fffffff`` a GPU writes would carry into the sign
 and give a param of ``-0.0``). The library keeps no other ``int16`` state: an ``int16`` master
 is a split one.
+
+A host-resident master of a bf16 param on a GPU keeps the remainder alone, ``(1, *param.shape)``
+(:func:`is_lean`): its high half is the param itself. The host holds 2 bytes of master per
+element, not 4; the CPU kernel's step copies the param's bits down beside the grad (2 bytes an
+element more down over PCIe), steps them and copies them back up as the new param; the GPU
+engine reads them where they are (2 bytes an element fewer each way). A param changed in place
+between steps changes its master (followed within the remainder). Reading such a master takes
+its param (:func:`join`, :func:`split_`): loading one writes the param's bits too.
 
 Checkpoints hold the fp32 master in either format (:func:`join` on save, :func:`split_` on
 load), so a checkpoint of one format loads into the other.
@@ -40,7 +52,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["is_split", "new_split", "join", "split_", "join_halves", "split_halves", "high",
+__all__ = ["is_split", "is_lean", "new_split", "join", "split_", "join_halves", "split_halves", "high",
            "flat_halves", "split_base", "join_base"]
 
 assert sys.byteorder == "little", "the split master reads fp32 bits as little-endian int16 pairs"
@@ -51,33 +63,65 @@ def is_split(master: torch.Tensor) -> bool:
     return master.dtype == torch.int16
 
 
+def is_lean(master: torch.Tensor) -> bool:
+    """Whether ``master`` is a split master of the remainder alone (``(1, *param.shape)``): its
+    high half is its param's bits."""
+    return is_split(master) and master.shape[0] == 1
+
+
 def new_split(param: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (``int16``, of shape ``(2, *param.shape)``) made a split master of the bf16
-    ``param``: the param's bits as the high half, a zero remainder (the master equals the
-    param); returns ``out``."""
-    out[0].copy_(param.detach().contiguous().view(torch.int16))
-    out[1].zero_()
+    """``out`` (``int16``, of shape ``(2, *param.shape)``, or ``(1, *param.shape)`` for the
+    remainder alone) made a split master of the bf16 ``param``: the param's bits as the high
+    half, a zero remainder (the master equals the param); returns ``out``."""
+    if not is_lean(out):
+        out[0].copy_(param.detach().contiguous().view(torch.int16))
+    out[-1].zero_()
     return out
 
 
 def high(master: torch.Tensor) -> torch.Tensor:
-    """The high half of a split master as bf16 (a view): the param's value."""
+    """The high half of a split master that holds it as bf16 (a view): the param's value."""
+    if is_lean(master):
+        raise ValueError("a remainder-only split master holds no high half: its param is it")
     return master[0].view(torch.bfloat16)
 
 
-def flat_halves(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The high half and the remainder as 1-D ``int16`` views."""
-    return master[0].view(-1), master[1].view(-1)
+def flat_halves(master: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high half and the remainder as 1-D ``int16`` views (of a remainder-only master the
+    high half is ``param``'s bits, on its device)."""
+    hi = param.view(torch.int16).view(-1) if is_lean(master) else master[0].view(-1)
+    return hi, master[-1].view(-1)
 
 
-def join(master: torch.Tensor) -> torch.Tensor:
-    """The fp32 master of a split master (a new tensor of the param's shape)."""
+def _param_bits(master: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
+    if param is None or param.dtype != torch.bfloat16 or param.shape != master.shape[1:]:
+        raise ValueError(f"a remainder-only split master of shape {tuple(master.shape[1:])} "
+                         "needs its bf16 param of that shape (its high half), got "
+                         f"{None if param is None else (param.dtype, tuple(param.shape))}")
+    return param.detach().view(torch.int16)
+
+
+def join(master: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 master of a split master (a new tensor of the param's shape, on the master's
+    device); ``param``: the bf16 param, the high half of a remainder-only one."""
+    if is_lean(master):
+        return join_halves(_param_bits(master, param).to(master.device), master[0])
     return join_halves(master[0], master[1])
 
 
-def split_(master: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Write ``value`` (any float dtype, the param's shape) as fp32 into the split ``master``;
-    returns ``master``."""
+def split_(master: torch.Tensor, value: torch.Tensor,
+           param: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Write ``value`` (any float dtype, the param's shape) as fp32 into the split ``master``
+    (of a remainder-only one: its high half into ``param``, the bf16 param); returns
+    ``master``."""
+    if is_lean(master):
+        bits = _param_bits(master, param)
+        hi = torch.empty(value.shape, dtype=torch.int16, device=bits.device)
+        lo = torch.empty(value.shape, dtype=torch.int16, device=bits.device)
+        split_halves(value.to(device=bits.device, dtype=torch.float32), hi, lo)
+        bits.copy_(hi)
+        master[0].copy_(lo)
+        return master
     split_halves(value.to(device=master.device, dtype=torch.float32), master[0], master[1])
     return master
 
@@ -90,7 +134,8 @@ def join_halves(hi: torch.Tensor, lo: torch.Tensor,
         out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
     pairs = out.view(torch.int16).view(*hi.shape, 2)  # (low, high) 16 bits of each fp32
     pairs[..., 0].copy_(lo)
-    torch.sub(hi, (lo < 0).to(torch.int16), out=pairs[..., 1])  # wraps mod 2**16
+    borrow = (lo < 0) & ((hi & 0x7FFF) != 0)  # (+-0 never: a param zeroed in place, not a NaN)
+    torch.sub(hi, borrow.to(torch.int16), out=pairs[..., 1])  # wraps mod 2**16
     return out
 
 

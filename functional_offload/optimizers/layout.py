@@ -13,7 +13,7 @@ import optree
 import torch
 
 from functional_offload.executor import HostExecutor
-from functional_offload.kernels.remainder import flat_halves, is_split
+from functional_offload.kernels.remainder import flat_halves, is_lean, is_split
 from functional_offload.optimizers.device_math import Group, device_groups
 from functional_offload.optimizers.packing import Pack
 from functional_offload.optimizers.packing import runs as runs_of
@@ -60,7 +60,8 @@ class Leaf(NamedTuple):
     has_master: bool
     decay: bool  # weight decay applies
     flat: tuple[torch.Tensor, ...] = ()  # host leaves of element-wise math: (value, moments...)
-    #   1-D; a split value as its two halves (kernels/remainder.py)
+    #   1-D; a split value as its two halves (kernels/remainder.py; a remainder-only one's high
+    #   half is the param's bits, on its device)
     ema_flat: Optional[torch.Tensor] = None  # and the EMA, 1-D
 
     @property
@@ -71,14 +72,15 @@ class Leaf(NamedTuple):
 def with_flat_views(leaf: Leaf) -> Leaf:
     """``leaf`` with its 1-D host views (``flat``, ``ema_flat``) made from its tensors (views do
     not follow a tensor whose storage is replaced: they are made anew when that happened)."""
-    return leaf._replace(flat=flat_state(leaf.value, leaf.moments),
+    return leaf._replace(flat=flat_state(leaf.value, leaf.moments, leaf.param),
                          ema_flat=None if leaf.ema is None else leaf.ema.view(-1))
 
 
-def flat_state(value: torch.Tensor, moments: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def flat_state(value: torch.Tensor, moments: Sequence[torch.Tensor],
+               param: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A leaf's host state as the kernels take it: 1-D views of the value (a split value's
-    halves) and the moments."""
-    values = flat_halves(value) if is_split(value) else (value.view(-1),)
+    halves: of a remainder-only one, ``param``'s bits first) and the moments."""
+    values = flat_halves(value, param) if is_split(value) else (value.view(-1),)
     return (*values, *(m.view(-1) for m in moments))
 
 
@@ -175,7 +177,11 @@ def viewed(leaves: list[Leaf]) -> tuple[list[tuple[int, torch.Tensor]], list[int
     for i, leaf in enumerate(leaves):
         if leaf.flat:
             views = (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
-            values = (leaf.value,) * (len(leaf.flat) - len(leaf.moments))  # a split one: 2 views
+            values: tuple[torch.Tensor, ...] = (leaf.value,)
+            if is_lean(leaf.value):  # a split one's views: of the param, then the remainder
+                values = (leaf.param, leaf.value)
+            elif is_split(leaf.value):  # of its rows (the first follows the storage)
+                values = (leaf.value, leaf.value[1])
             tensors = (*values, *leaf.moments, *(() if leaf.ema is None else (leaf.ema,)))
             pairs += [(i, x) for x in tensors]
             ptrs += [v.data_ptr() for v in views]

@@ -206,6 +206,15 @@ class Terminal:
         return (self.store_param_remainders and p.dtype == torch.bfloat16 and not is_quantized(p)
                 and not (host and self.spec.elementwise and self._small(p)))
 
+    def _lean(self, p: torch.Tensor, host: bool) -> bool:
+        """Whether the leaf's split master is its remainder alone (kernels/remainder.py): host
+        state of a contiguous bf16 param on a GPU, whose bits are the high half (copied down
+        with the grad, stepped, copied back up), but for delayed updates with a look-ahead
+        (whose landing reads the new values apart from the params)."""
+        return (host and p.device.type != "cpu" and p.is_contiguous()  # (meta: a plan's preview)
+                and self._needs_master(p, host) and self._split(p, host)
+                and not (self.delay is not None and self.delay.lookahead))
+
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
         """State bytes of a leaf as init makes them: moments, master (if it gets one), EMA."""
         total = 0
@@ -215,6 +224,8 @@ class Terminal:
                 total += math.prod(shape) * self._moment_dtype(m.name, p).itemsize
         value = self._value_dtype(p)
         per = value.itemsize if self._needs_master(p, host) else 0
+        if self._lean(p, host):  # the remainder; the param holds the high half
+            per = torch.int16.itemsize
         if self.ema_decay is not None:
             per += torch.promote_types(value, torch.float32).itemsize
         return total + p.numel() * per
@@ -296,7 +307,7 @@ class Terminal:
         out: list[tuple[tuple[int, ...], torch.dtype]] = []
         split = self._needs_master(p, True) and self._split(p, True)
         if split:
-            out.append(((2, *p.shape), torch.int16))
+            out.append(((1 if self._lean(p, True) else 2, *p.shape), torch.int16))
         elif self._needs_master(p, True):
             out.append((tuple(p.shape), self._value_dtype(p)))
         for m in self.spec.moments:
@@ -315,8 +326,8 @@ class Terminal:
         specs = self._specs(p)
         split = bool(specs) and specs[0][1] == torch.int16  # a split master's halves, first
         sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
-        if split:  # its halves apart, as the engine copies them
-            sizes[:1] = [sizes[0] // 2] * 2
+        if split:  # its halves apart, as the engine takes them (the param's own bits first)
+            sizes[:1] = [sizes[0] // specs[0][0][0]] * 2
         return takes(p.numel(), split, any(dtype == torch.uint8 for _, dtype in specs), sizes,
                      self.executor.engine_chunk_bytes)
 
@@ -343,7 +354,8 @@ class Terminal:
 
             master = None
             if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
-                master = new_split(p, new((2, *p.shape), torch.int16,
+                rows = 1 if self._lean(p, host) else 2
+                master = new_split(p, new((rows, *p.shape), torch.int16,
                                           not preview and host and p.device.type == "cuda"))
             elif is_quantized(p) and preview:
                 master = torch.empty(p.shape, dtype=self._value_dtype(p), device=where)

@@ -78,9 +78,11 @@ struct Op {
 };
 
 // A split master's fp32 value from its high half and remainder, and back (ties away from zero):
-// integer arithmetic mod 2^16 (kernels/remainder.py).
+// integer arithmetic mod 2^16 (kernels/remainder.py). A high half of +-0 never borrows (no split
+// makes one with a negative remainder; a param zeroed in place would wrap to a NaN).
 inline float join_value(uint16_t hi, int16_t lo) {
-  const uint32_t u = (uint32_t(uint16_t(hi - uint16_t(lo < 0))) << 16) | uint16_t(lo);
+  const uint16_t borrow = uint16_t((lo < 0) & ((hi & 0x7fffu) != 0));
+  const uint32_t u = (uint32_t(uint16_t(hi - borrow)) << 16) | uint16_t(lo);
   float f;
   std::memcpy(&f, &u, 4);
   return f;

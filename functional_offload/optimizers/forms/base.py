@@ -8,7 +8,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from functional_offload.executor import HostLeaf, Run
-from functional_offload.kernels.remainder import is_split
+from functional_offload.kernels.remainder import is_lean, is_split
 from functional_offload.kernels.host import host_kernel
 from functional_offload.kernels.work import Kernel
 from functional_offload.base import StepCache
@@ -190,8 +190,10 @@ class HostWork:
         grad = (g.detach() if g.requires_grad else g).reshape(-1)
         if grad.device.type == "cpu" and not grad.is_contiguous():
             grad = grad.contiguous()  # read where it is by the kernel, which takes dense grads
-        split = is_split(leaf.value)  # the new param is the new high half: copied up from there
-        ahead = None if self.ahead is None else self.ahead[0 if leaf.decay else 1]
+        lean = is_lean(leaf.value)  # the high half is the param's: stepped in the ring's slot
+        split = is_split(leaf.value) and not lean  # the new param is the new high half: copied
+        ahead = None if self.ahead is None else self.ahead[0 if leaf.decay else 1]  # up from there
         return HostLeaf(leaf.path, grad, out, leaf.flat, self.hyper_of(leaf), targets,
                         leaf.ema_flat, self.t.ema_decay or 0.0, ema_target, settled,
-                        (targets or leaf.flat)[0] if split else None, ahead_hyper=ahead)
+                        (targets or leaf.flat)[0] if split else None, ahead_hyper=ahead,
+                        param_high=lean)

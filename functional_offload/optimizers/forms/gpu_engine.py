@@ -64,8 +64,9 @@ class Prepared(NamedTuple):
 
 
 def state_of(leaf: Leaf) -> tuple[torch.Tensor, ...]:
-    """A host leaf's state, 1-D: value (a split master's high half and remainder), moments
-    (a block-wise 8-bit one's bytes), EMA."""
+    """A host leaf's state, 1-D: value (a split master's high half and remainder; of a
+    remainder-only one, the high half is the param's bits, copied into the chunk on the device
+    and written back as the param), moments (a block-wise 8-bit one's bytes), EMA."""
     return (*leaf.flat, *(() if leaf.ema_flat is None else (leaf.ema_flat,)))
 
 
@@ -287,7 +288,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         s0 = tl.stamp(buf.device, t.stream_in) if tl else None
         for p in chunk.pieces:
             for x, offset in zip(state_of(leaves[p.index]), p.offsets):
-                t.copy_in(_span(x, p.lo, p.hi), _view(buf, offset, x, p.lo, p.hi))
+                if x.device.type == "cpu":  # (a param's own bits, a high half: written above)
+                    t.copy_in(_span(x, p.lo, p.hi), _view(buf, offset, x, p.lo, p.hi))
         if tl:
             tl.span("D2H engine", f"state down c{k}", s0, tl.stamp(buf.device, t.stream_in))
         return t.mark_in()

@@ -57,7 +57,7 @@ class Speculative(InPlace):
             out.record_stream(self.work.ex.transport(out.device).stream_out)
         # once the step is known to commit: in place
         settled = self.in_place_leaf(index, g) if writes_in_place(leaf.param) else None
-        form = self.work.host_leaf(index, g, out, flat_state(spare[0], spare[1:k]),
+        form = self.work.host_leaf(index, g, out, flat_state(spare[0], spare[1:k], leaf.param),
                                    spare[k].view(-1) if leaf.ema is not None else None, settled)
         self.forms[id(form)] = index
         return form
