@@ -76,6 +76,12 @@ class PlacementPlan(NamedTuple):
     def device_bytes(self) -> int:
         return sum(b for b, h in zip(self.state_bytes, self.on_host) if not h)
 
+    @property
+    def host_bytes_per_param(self) -> float:
+        """Host state bytes per element of the host-resident leaves (0.0 when there are none)."""
+        n = sum(k for k, h in zip(self.numels, self.on_host) if h)
+        return self.host_bytes / n if n else 0.0
+
     def host_mask(self) -> list[bool]:
         """``on_host`` in the params' flatten order."""
         out = [False] * len(self.index)
@@ -99,12 +105,14 @@ class PlacementPlan(NamedTuple):
         if kept == len(self.paths):
             rows.append("every param is in host memory, so all state is in host memory with it "
                         "(a placement decides only for params on a device); state bytes on host "
-                        f"{self.host_bytes:,}, on device {self.device_bytes:,}")
+                        f"{self.host_bytes:,} ({self.host_bytes_per_param:.2f} per element there), "
+                        f"on device {self.device_bytes:,}")
         else:
             also = (f"; {kept} of {len(self.paths)} leaves have their param in host memory and "
                     "keep their state there" if kept else "")
             rows.append(f"offloaded fraction {self.fraction:.4f} of the device params' elements"
-                        f"{also}; state bytes on host {self.host_bytes:,}, on device "
+                        f"{also}; state bytes on host {self.host_bytes:,} "
+                        f"({self.host_bytes_per_param:.2f} per element there), on device "
                         f"{self.device_bytes:,}")
         return "\n".join(rows)
 

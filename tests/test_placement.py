@@ -217,7 +217,7 @@ def test_summary_says_all_state_is_in_host_memory_when_every_param_is():
     text = plan.summary()
     assert "offloaded fraction" not in text and "host (param)" in text.splitlines()[1]
     assert "every param is in host memory, so all state is in host memory with it" in text
-    assert text.endswith("state bytes on host 128, on device 0")  # mu and nu (fp32 params)
+    assert text.endswith("state bytes on host 128 (8.00 per element there), on device 0")  # mu, nu
 
 
 def test_summary_counts_the_leaves_whose_params_are_in_host_memory_apart():

@@ -254,6 +254,9 @@ def test_plan_counts_the_remainder_alone_for_gpu_params_and_both_halves_for_cpu_
     def host(device, **kw):
         params = {"w": torch.zeros(1024, 1024, dtype=torch.bfloat16, device=device)}
         opt = fo.adamw(1e-3, placement=fo.placement.on_host(), store_param_remainders=True, **kw)
-        return fo.plan(opt, params).host_bytes / (1 << 20)
+        plan = fo.plan(opt, params)
+        assert plan.host_bytes_per_param == plan.host_bytes / (1 << 20)
+        assert f"({plan.host_bytes_per_param:.2f} per element there)" in plan.summary()
+        return plan.host_bytes_per_param
     assert host("meta") == 10 and host("cpu") == 12
     assert host("meta", mu_dtype=torch.uint8, nu_dtype=torch.uint8) == pytest.approx(4.03, abs=0.01)
