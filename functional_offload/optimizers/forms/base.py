@@ -191,8 +191,8 @@ class HostWork:
         if grad.device.type == "cpu" and not grad.is_contiguous():
             grad = grad.contiguous()  # read where it is by the kernel, which takes dense grads
         lean = is_lean(leaf.value)  # the high half is the param's: stepped in the ring's slot
-        split = is_split(leaf.value) and not lean  # the new param is the new high half: copied
-        ahead = None if self.ahead is None else self.ahead[0 if leaf.decay else 1]  # up from there
+        split = is_split(leaf.value) and not lean  # the new param: the high half, copied up
+        ahead = None if self.ahead is None else self.ahead[0 if leaf.decay else 1]
         return HostLeaf(leaf.path, grad, out, leaf.flat, self.hyper_of(leaf), targets,
                         leaf.ema_flat, self.t.ema_decay or 0.0, ema_target, settled,
                         (targets or leaf.flat)[0] if split else None, ahead_hyper=ahead,
