@@ -115,11 +115,9 @@ def split_(master: torch.Tensor, value: torch.Tensor,
     (of a remainder-only one: its high half into ``param``, the bf16 param); returns
     ``master``."""
     if is_lean(master):
-        bits = _param_bits(master, param)
-        hi = torch.empty(value.shape, dtype=torch.int16, device=bits.device)
+        bits = _param_bits(master, param)  # the high halves written there, in place
         lo = torch.empty(value.shape, dtype=torch.int16, device=bits.device)
-        split_halves(value.to(device=bits.device, dtype=torch.float32), hi, lo)
-        bits.copy_(hi)
+        split_halves(value.to(device=bits.device, dtype=torch.float32), bits, lo)
         master[0].copy_(lo)
         return master
     split_halves(value.to(device=master.device, dtype=torch.float32), master[0], master[1])
