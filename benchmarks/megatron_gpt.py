@@ -32,7 +32,8 @@ weight decay 0.1 (none on biases and norms), clipping at 1.0. TransformerEngine'
 runs deterministically (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The table: per system, the
 median and mean step (after ``--warmup`` steps), the peak GPU memory over the timed steps, the
 final loss, and the largest |loss - reference loss| over all steps (ours against ``megatron`` of
-the same fraction; ``megatron:F`` against ``megatron-gpu``). Each system's JSON also holds its
+the same fraction; ``megatron:F`` against ``megatron-gpu``; a system named again, run again in
+a fresh process as ``S#2``..., against its first run: the run-to-run spread of one stack). Each system's JSON also holds its
 losses, and with ``--norms`` the grads' global norm in fp32 at every step (the one Megatron's
 clip uses; ours: computed apart, which costs time and memory; not for ``stream``).
 """
@@ -229,6 +230,10 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
 
 
 def reference(spec: str) -> str:
+    """The system a row's losses are compared with: a repeat's first run (``S#2``: ``S``), else
+    ``megatron`` of the same fraction for ours, ``megatron-gpu`` for ``megatron:F``."""
+    if "#" in spec:
+        return spec.partition("#")[0]
     name, _, frac = spec.partition(":")
     return "megatron-gpu" if name == "megatron" else f"megatron:{frac}"
 
@@ -285,7 +290,10 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     rows = []
+    named: dict[str, int] = {}
     for spec in args.systems.split(","):
+        named[spec] = named.get(spec, 0) + 1
+        label = spec if named[spec] == 1 else f"{spec}#{named[spec]}"
         try:
             proc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:],
                                    "--one", spec], capture_output=True, text=True,
@@ -295,11 +303,12 @@ def main() -> None:
                    else {"system": spec, "error": (proc.stdout + proc.stderr)[-3000:]})
         except subprocess.TimeoutExpired:
             row = {"system": spec, "error": f"timed out after {args.timeout} s"}
+        row["system"] = label
         rows.append(row)
         brief = {k: v for k, v in row.items() if k != "losses"}
         print(json.dumps(brief)[:3000], flush=True)
         if args.out:
-            with open(os.path.join(args.out, spec.replace(":", "-") + ".json"), "w") as f:
+            with open(os.path.join(args.out, label.replace(":", "-") + ".json"), "w") as f:
                 json.dump(row, f)
     lines = table(rows)
     print("\n".join(lines))
