@@ -33,9 +33,10 @@ runs deterministically (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The table: per 
 median and mean step (after ``--warmup`` steps), the peak GPU memory over the timed steps, the
 final loss, and the largest |loss - reference loss| over all steps (ours against ``megatron`` of
 the same fraction; ``megatron:F`` against ``megatron-gpu``; a system named again, run again in
-a fresh process as ``S#2``..., against its first run: the run-to-run spread of one stack). Each system's JSON also holds its
-losses, and with ``--norms`` the grads' global norm in fp32 at every step (the one Megatron's
-clip uses; ours: computed apart, which costs time and memory; not for ``stream``).
+a fresh process as ``S#2``..., against its first run: the run-to-run spread of one stack).
+Each system's JSON also holds its losses, and with ``--norms`` the grads' global norm in fp32
+at every step (the one Megatron's clip uses; ours: computed apart, which costs time and memory;
+not for ``stream``).
 """
 
 from __future__ import annotations
