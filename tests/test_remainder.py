@@ -260,3 +260,17 @@ def test_plan_counts_the_remainder_alone_for_gpu_params_and_both_halves_for_cpu_
         return plan.host_bytes_per_param
     assert host("meta") == 10 and host("cpu") == 12
     assert host("meta", mu_dtype=torch.uint8, nu_dtype=torch.uint8) == pytest.approx(4.03, abs=0.01)
+
+
+def test_plan_counts_the_remainder_alone_for_a_gpu_params_state_on_the_device():
+    """Kept on the device, a GPU bf16 param's split master is its remainder alone too (2 bytes
+    an element where both halves took as many as an fp32 master's 4): ``fo.plan``'s device
+    bytes (a meta param stands for a GPU one)."""
+    params = {"w": torch.zeros(1024, 1024, dtype=torch.bfloat16, device="meta")}
+    for rem, moments, per in [(True, {}, 10), (False, {}, 12),
+                              (True, dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8), 4.03)]:
+        opt = fo.adamw(1e-3, placement=fo.placement.on_device(), store_param_remainders=rem,
+                       **moments)
+        plan = fo.plan(opt, params)
+        assert plan.host_bytes == 0
+        assert plan.device_bytes / (1 << 20) == pytest.approx(per, abs=0.01), (rem, moments)

@@ -27,9 +27,11 @@ its payload (rounding the canonical NaN ``0x7fffffff`` a GPU writes would carry 
 and give a param of ``-0.0``). The library keeps no other ``int16`` state: an ``int16`` master
 is a split one.
 
-A host-resident master of a bf16 param on a GPU keeps the remainder alone, ``(1, *param.shape)``
-(:func:`is_lean`): its high half is the param itself. The host holds 2 bytes of master per
-element, not 4; the CPU kernel's step copies the param's bits down beside the grad (2 bytes an
+The master of a contiguous bf16 param on a GPU keeps the remainder alone, ``(1, *param.shape)``
+(:func:`is_lean`): its high half is the param itself. It holds 2 bytes of master per element,
+not 4 (on the device, where both halves took as many as an fp32 master, the format now saves
+2 bytes a param: the device math joins and splits with the param's bits in place); on the
+host, the CPU kernel's step copies the param's bits down beside the grad (2 bytes an
 element more down over PCIe), steps them and copies them back up as the new param; the GPU
 engine reads them where they are (2 bytes an element fewer each way). A param changed in place
 between steps changes its master (followed within the remainder). Reading such a master takes

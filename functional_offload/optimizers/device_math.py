@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 import torch
 
 from functional_offload.kernels import blockwise
-from functional_offload.kernels.remainder import high, is_split, join, split_
+from functional_offload.kernels.remainder import high, is_lean, is_split, join, split_
 from functional_offload.optimizers.spec import batches
 from functional_offload.quantized import write_params
 
@@ -65,6 +65,9 @@ class Group(NamedTuple):
     cast: Optional[Cast]  # their grads in the math's dtype
     split: bool = False  # the values are split masters (kernels/remainder.py): the math runs on
     #                      their fp32 values, joined per batch, and ``news`` are their high halves
+    highs: tuple[Optional[torch.Tensor], ...] = ()  # with ``split``, per leaf: the param of a
+    #                      remainder-only master (its high half, written by the split itself;
+    #                      not in ``written``), else None
     eight: tuple[bool, ...] = ()  # per moment, block-wise 8-bit (kernels/blockwise.py): the math
     #                               runs on its fp32 values, dequantized per batch
     fusable: bool = False  # a kernel that writes the params can step it (spec.device_writes):
@@ -94,7 +97,8 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
     for (device, dtype, moments, decay), idx in keyed.items():
         split = is_split(leaves[idx[0]].value)
         dtype = _math_dtype(leaves[idx[0]].value)
-        written = [k for k, i in enumerate(idx) if leaves[i].has_master]
+        written = [k for k, i in enumerate(idx) if leaves[i].has_master
+                   and not is_lean(leaves[i].value)]
         cast_at = [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype]
         groups.append(Group(
             idx, [leaves[i].value for i in idx],
@@ -103,7 +107,9 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             [high(leaves[idx[k]].value) if split else leaves[idx[k]].value for k in written],
             [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
             Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None,
-            split, tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments),
+            split, tuple(leaves[i].param if is_lean(leaves[i].value) else None for i in idx)
+            if split else (),
+            tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments),
             device.type == "cuda" and dtype == torch.float32 and not split
             and all(m == torch.float32 for m in moments)
             and all(_fusable(leaves[i]) for i in idx)))
@@ -133,7 +139,8 @@ def _with_grads(grp: Group, grads: list) -> Optional[tuple]:
             [[m[k] for k in keep] for m in grp.moments],
             [p for k, p in zip(grp.written, grp.params) if k in kept],
             [v for k, v in zip(grp.written, grp.news) if k in kept],
-            [grp.emas[k] for k in keep] if grp.emas else [])
+            [grp.emas[k] for k in keep] if grp.emas else [],
+            [grp.highs[k] for k in keep] if grp.highs else [])
 
 
 def _cast(grp: Group, grads: list) -> list:
@@ -148,12 +155,13 @@ def _cast(grp: Group, grads: list) -> list:
 
 def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], values: list,
                   grads: list, moments: list, hyper: Any, emas: list,
-                  ema_decay: Optional[float]) -> None:
+                  ema_decay: Optional[float], highs: list) -> None:
     """``math`` on stored formats: in batches of about ``spec.BATCH`` elements, the fp32 values of
-    split masters joined and of 8-bit moments dequantized, stepped (a split master's EMA moved),
-    written back (split, quantized)."""
+    split masters joined (``highs``: per value, the param of a remainder-only one, else None)
+    and of 8-bit moments dequantized, stepped (a split master's EMA moved), written back (split,
+    quantized; a remainder-only master's high half into its param)."""
     for part in batches(grads):  # the fp32 copies a batch needs
-        vs = [join(v) for v in values[part]] if grp.split else values[part]
+        vs = [join(v, h) for v, h in zip(values[part], highs[part])] if grp.split else values[part]
         ms = [[blockwise.dequantize(q, g.numel(), sg).view(g.shape)
                for q, g in zip(m[part], grads[part])] if eight else m[part]
               for m, eight, sg in zip(moments, grp.eight, signed)]
@@ -163,8 +171,8 @@ def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], val
                 for q, x in zip(m[part], temps):
                     blockwise.quantize_into(x, q, sg)
         if grp.split:
-            for v, x in zip(values[part], vs):
-                split_(v, x)
+            for v, x, h in zip(values[part], vs, highs[part]):
+                split_(v, x, h)
             if emas:
                 torch._foreach_lerp_(emas[part], vs, 1 - (ema_decay or 0.0))
 
@@ -214,13 +222,14 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
                 timeline.span("GPU update", f"{len(stepped)} leaves", s0, timeline.stamp(grp.device))
             continue
         values, moments, params, news, emas = grp.values, grp.moments, grp.params, grp.news, grp.emas
+        highs = list(grp.highs)
         cast = grp.cast
         if not every_grad and any(g is None for g in grads):
             cut = _with_grads(grp, grads)  # leaves without a grad left out, the others cast
             if cut is None:
                 continue
             cast = None
-            grads, values, moments, params, news, emas = cut
+            grads, values, moments, params, news, emas, highs = cut
         touched.append(grp.device)
         s0 = timeline.stamp(grp.device) if timeline else None
         h = hyper if grp.decay else hyper_no_decay
@@ -228,7 +237,7 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
             if cast is not None:
                 grads = _cast(grp, grads)
             if grp.decoded:
-                _decoded_math(math, grp, signed, values, grads, moments, h, emas, ema_decay)
+                _decoded_math(math, grp, signed, values, grads, moments, h, emas, ema_decay, highs)
             else:
                 math(values, grads, moments, h)
         finally:

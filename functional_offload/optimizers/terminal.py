@@ -207,13 +207,16 @@ class Terminal:
                 and not (host and self.spec.elementwise and self._small(p)))
 
     def _lean(self, p: torch.Tensor, host: bool) -> bool:
-        """Whether the leaf's split master is its remainder alone (kernels/remainder.py): host
-        state of a contiguous bf16 param on a GPU, whose bits are the high half (copied down
-        with the grad, stepped, copied back up), but for delayed updates with a look-ahead
-        (whose landing reads the new values apart from the params)."""
-        return (host and p.device.type != "cpu" and p.is_contiguous()  # (meta: a plan's preview)
-                and self._needs_master(p, host) and self._split(p, host)
-                and not (self.delay is not None and self.delay.lookahead))
+        """Whether the leaf's split master is its remainder alone (kernels/remainder.py), the
+        param's bits being the high half: the state of a contiguous bf16 param kept where the
+        param is (the device math reads and writes those bits in place), and the host state of
+        one on a GPU (its bits copied down with the grad, stepped, copied back up) but for
+        delayed updates with a look-ahead (whose landing reads the new values apart from the
+        params). A CPU param's host state keeps both halves."""
+        if not (p.is_contiguous() and self._needs_master(p, host) and self._split(p, host)):
+            return False
+        return not host or (p.device.type != "cpu"  # (meta: a plan's preview)
+                            and not (self.delay is not None and self.delay.lookahead))
 
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:
         """State bytes of a leaf as init makes them: moments, master (if it gets one), EMA."""
