@@ -218,6 +218,17 @@ def test_a_remainder_only_master_is_its_param_and_its_remainder():
         remainder.high(lean)
 
 
+def test_a_scalar_master_splits_and_joins():
+    """A 0-dim param's split master (both forms) holds its fp32 value exactly."""
+    for value in (torch.tensor(1.2345678), torch.tensor(-3.5e-3), torch.tensor(float("inf"))):
+        full = remainder.split_(torch.empty((2,), dtype=torch.int16), value)
+        assert torch.equal(_bits(remainder.join(full)), _bits(value))
+        param = torch.tensor(0.5).bfloat16()
+        lean = remainder.split_(torch.empty((1,), dtype=torch.int16), value, param)
+        assert torch.equal(_bits(remainder.join(lean, param)), _bits(value))
+        assert torch.equal(param.view(torch.int16), full[0])
+
+
 def test_cpu_params_keep_both_halves_on_the_host():
     """Only a GPU param's bits can stand for the host master's high half (a CPU param's host
     step writes the param where the run's forms expect it unchanged): CPU params keep both."""

@@ -177,3 +177,21 @@ def test_a_remainder_only_master_whose_param_changed_is_refused_by_save_and_load
         fo.load(tmp_path / "s.fo", like=state)
     w.data = w.data.bfloat16()
     params, state = opt.update({"w": torch.ones_like(params["w"])}, state)  # still usable
+
+
+def test_a_scalar_bf16_param_on_the_device_steps_with_a_split_master():
+    """A 0-dim bf16 GPU param (a learnable scale) with its state on the device: its split
+    master is its remainder alone and steps as the fp32 master does."""
+    outs = []
+    for rem in (False, True):
+        params = {"s": torch.tensor(0.75, device=DEV).bfloat16(),
+                  "w": torch.randn(300, 700, device=DEV).bfloat16()}
+        opt = fo.adamw(1e-2, placement=fo.placement.on_device(), store_param_remainders=rem)
+        state = opt.init(params)
+        for _ in range(3):
+            params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
+        outs.append((params, state))
+    (p32, s32), (p16, s16) = outs
+    assert remainder.is_lean(s16.master["s"]) and s16.master["s"].shape == (1,)
+    for k in ("s", "w"):
+        assert torch.equal(_master(s16, p16, k), _master(s32, p32, k)), k

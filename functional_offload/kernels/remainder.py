@@ -31,7 +31,8 @@ The master of a contiguous bf16 param on a GPU keeps the remainder alone, ``(1, 
 (:func:`is_lean`): its high half is the param itself. It holds 2 bytes of master per element,
 not 4 (on the device, where both halves took as many as an fp32 master, the format now saves
 2 bytes a param: the device math joins and splits with the param's bits in place); on the
-host, the CPU kernel's step copies the param's bits down beside the grad (2 bytes an
+host (but for a delayed update's look-ahead, which keeps both halves there), the CPU
+kernel's step copies the param's bits down beside the grad (2 bytes an
 element more down over PCIe), steps them and copies them back up as the new param; the GPU
 engine reads them where they are (2 bytes an element fewer each way). A param changed in place
 between steps changes its master (followed within the remainder). Reading such a master takes
@@ -118,9 +119,12 @@ def split_(master: torch.Tensor, value: torch.Tensor,
     ``master``."""
     if is_lean(master):
         bits = _param_bits(master, param)  # the high halves written there, in place
-        lo = torch.empty(value.shape, dtype=torch.int16, device=bits.device)
+        rest = master[0]  # written in place where it is on the param's device
+        lo = rest if rest.device == bits.device else torch.empty(
+            value.shape, dtype=torch.int16, device=bits.device)
         split_halves(value.to(device=bits.device, dtype=torch.float32), bits, lo)
-        master[0].copy_(lo)
+        if lo is not rest:
+            rest.copy_(lo)
         return master
     split_halves(value.to(device=master.device, dtype=torch.float32), master[0], master[1])
     return master
@@ -132,7 +136,8 @@ def join_halves(hi: torch.Tensor, lo: torch.Tensor,
     ``out`` (fp32, that shape) if given."""
     if out is None:
         out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
-    pairs = out.view(torch.int16).view(*hi.shape, 2)  # (low, high) 16 bits of each fp32
+    # (low, high) 16 bits of each fp32 (1-D views: a 0-dim tensor cannot change dtype in place)
+    pairs = out.view(-1).view(torch.int16).view(*hi.shape, 2)
     pairs[..., 0].copy_(lo)
     borrow = (lo < 0) & ((hi & 0x7FFF) != 0)  # (+-0 never: a param zeroed in place, not a NaN)
     torch.sub(hi, borrow.to(torch.int16), out=pairs[..., 1])  # wraps mod 2**16
@@ -142,7 +147,7 @@ def join_halves(hi: torch.Tensor, lo: torch.Tensor,
 def split_halves(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """Write the fp32 ``value`` into high halves ``hi`` and remainders ``lo`` (a NaN as a quiet
     NaN of its sign and top bits, remainder 0)."""
-    pairs = value.contiguous().view(torch.int16).view(*value.shape, 2)
+    pairs = value.contiguous().view(-1).view(torch.int16).view(*value.shape, 2)
     low, top = pairs[..., 0], pairs[..., 1]
     nan = value.isnan()
     torch.where(nan, top | 0x40, top + (low < 0).to(torch.int16), out=hi)  # wraps mod 2**16

@@ -2,7 +2,8 @@
 
 A :class:`Group` is the leaves one call updates (one device, one dtype of values and of each
 moment, one weight decay); :func:`run_groups` casts their grads where the values' dtype
-differs, runs the math, writes the params of leaves with a master and moves the EMAs, all
+differs, runs the math, writes the params of leaves with a master (a remainder-only split
+master's as it is split, batch by batch; the others' after the math) and moves the EMAs, all
 queued on the caller's current streams.
 """
 
