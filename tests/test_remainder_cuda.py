@@ -196,3 +196,26 @@ def test_a_scalar_bf16_param_on_the_device_steps_with_a_split_master():
     assert remainder.is_lean(s16.master["s"]) and s16.master["s"].shape == (1,)
     for k in ("s", "w"):
         assert torch.equal(_master(s16, p16, k), _master(s32, p32, k)), k
+
+
+@pytest.mark.parametrize("rem, moments", [(True, torch.uint8), (True, torch.float32),
+                                          (False, torch.uint8)], ids=["r8", "r32", "8bit"])
+def test_decoded_device_math_casts_the_grads_batch_by_batch(rem, moments):
+    """The device math on stored formats (split masters, 8-bit moments) takes fp32 copies of a
+    batch of leaves at a time, the bf16 grads' included: the step's memory above the state is
+    bounded by the batch, not by an fp32 copy of all the grads."""
+    from functional_offload.optimizers.spec import BATCH
+    n = BATCH  # 8 leaves of a batch each: 4 B a grad element would be 8 batches' worth
+    params = {f"w{i}": torch.zeros(n, device=DEV, dtype=torch.bfloat16) for i in range(8)}
+    formats = {} if moments == torch.float32 else {"mu_dtype": moments, "nu_dtype": moments}
+    opt = fo.adamw(1e-3, placement=fo.placement.on_device(), store_param_remainders=rem, **formats)
+    state = opt.init(params)
+    grads = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    params, state = opt.update(grads, state)
+    torch.cuda.synchronize()
+    grown = torch.cuda.max_memory_allocated() - base
+    assert grown < 4 * 8 * n, (grown, 4 * 8 * n)  # less than one fp32 copy of the grads
+    assert all(torch.all(p == p.flatten()[0]) and p.flatten()[0] < 0 for p in params.values())

@@ -98,9 +98,11 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
     for (device, dtype, moments, decay), idx in keyed.items():
         split = is_split(leaves[idx[0]].value)
         dtype = _math_dtype(leaves[idx[0]].value)
+        eight = tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments)
         written = [k for k, i in enumerate(idx) if leaves[i].has_master
                    and not is_lean(leaves[i].value)]
-        cast_at = [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype]
+        cast_at = ([] if split or any(eight) else  # decoded math casts batch by batch
+                   [k for k, i in enumerate(idx) if leaves[i].param.dtype != dtype])
         groups.append(Group(
             idx, [leaves[i].value for i in idx],
             [[leaves[i].moments[j] for i in idx] for j in range(len(leaves[idx[0]].moments))],
@@ -109,8 +111,7 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
             Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None,
             split, tuple(leaves[i].param if is_lean(leaves[i].value) else None for i in idx)
-            if split else (),
-            tuple(m is not None and blockwise.is_blockwise(m) for m in leaves[idx[0]].moments),
+            if split else (), eight,
             device.type == "cuda" and dtype == torch.float32 and not split
             and all(m == torch.float32 for m in moments)
             and all(_fusable(leaves[i]) for i in idx)))
@@ -128,10 +129,11 @@ def _fusable(leaf: "Leaf") -> bool:
 
 
 def _with_grads(grp: Group, grads: list) -> Optional[tuple]:
-    """The group's lists cut to the leaves with a grad this step (their grads cast one by one),
-    or None if no leaf has one."""
-    grads = [g if g is None or g.dtype == _math_dtype(v) else g.to(_math_dtype(v))
-             for g, v in zip(grads, grp.values)]
+    """The group's lists cut to the leaves with a grad this step (their grads cast one by one,
+    but a decoded group's, which its math casts batch by batch), or None if no leaf has one."""
+    if not grp.decoded:
+        grads = [g if g is None or g.dtype == _math_dtype(v) else g.to(_math_dtype(v))
+                 for g, v in zip(grads, grp.values)]
     keep = [k for k, g in enumerate(grads) if g is not None]
     if not keep:
         return None
@@ -159,14 +161,16 @@ def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], val
                   ema_decay: Optional[float], highs: list) -> None:
     """``math`` on stored formats: in batches of about ``spec.BATCH`` elements, the fp32 values of
     split masters joined (``highs``: per value, the param of a remainder-only one, else None)
-    and of 8-bit moments dequantized, stepped (a split master's EMA moved), written back (split,
-    quantized; a remainder-only master's high half into its param)."""
+    and of 8-bit moments dequantized, and grads in the values' dtype, stepped (a split master's
+    EMA moved), written back (split, quantized; a remainder-only master's high half into its
+    param)."""
     for part in batches(grads):  # the fp32 copies a batch needs
         vs = [join(v, h) for v, h in zip(values[part], highs[part])] if grp.split else values[part]
+        gs = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads[part], vs)]
         ms = [[blockwise.dequantize(q, g.numel(), sg).view(g.shape)
                for q, g in zip(m[part], grads[part])] if eight else m[part]
               for m, eight, sg in zip(moments, grp.eight, signed)]
-        math(vs, grads[part], ms, hyper)
+        math(vs, gs, ms, hyper)
         for m, temps, eight, sg in zip(moments, ms, grp.eight, signed):
             if eight:
                 for q, x in zip(m[part], temps):
