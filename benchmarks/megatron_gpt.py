@@ -31,10 +31,11 @@ AdamW at ``--lr`` after a linear warm-up from 0 over ``--lr-warmup`` steps, beta
 weight decay 0.1 (none on biases and norms), clipping at 1.0. TransformerEngine's attention
 runs deterministically (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). The table: per system, the
 median and mean step (after ``--warmup`` steps), the peak GPU memory over the timed steps, the
-final loss, and the largest |loss - reference loss| over all steps (ours against ``megatron`` of
-the same fraction; ``megatron:F`` against ``megatron-gpu``; a system named again, run again in
-a fresh process as ``S#2``..., against its first run: the run-to-run spread of one stack).
-Each system's JSON also holds its losses, and with ``--norms`` the grads' global norm in fp32
+final loss, the largest |loss - reference loss| over all steps and the first step where it
+passes 1e-3 (ours against ``megatron`` of the same fraction; ``megatron:F`` against
+``megatron-gpu``; a system named again, run again in a fresh process as ``S#2``..., against its
+first run: the run-to-run spread of one stack). Each system's JSON (``S#2``'s as
+``S-run2.json``) also holds its losses, and with ``--norms`` the grads' global norm in fp32
 at every step (the one Megatron's clip uses; ours: computed apart, which costs time and memory;
 not for ``stream``).
 """
@@ -242,20 +243,22 @@ def reference(spec: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     by = {r["system"]: r for r in rows}
     out = ["| system | median step (s) | mean step (s) | peak GPU (GiB) | final loss | "
-           "reference | max abs loss diff (step) |", "|---|---|---|---|---|---|---|"]
+           "reference | max abs loss diff (step) | first step over 1e-3 |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['system']} | error: {r['error'].splitlines()[-1][:120]} |||||")
+            out.append(f"| {r['system']} | error: {r['error'].splitlines()[-1][:120]} ||||||")
             continue
         ref = by.get(reference(r["system"]))
-        diff = "—"
+        diff = over = "—"
         if ref is not None and "losses" in ref and r is not ref:
             d = [abs(a - b) for a, b in zip(r["losses"], ref["losses"])]
             k = max(range(len(d)), key=d.__getitem__)
             diff = f"{d[k]:.2e} ({k})"
+            over = next((str(i) for i, x in enumerate(d) if x > 1e-3), "none")
         named = reference(r["system"]) if ref else "—"
         out.append(f"| {r['system']} | {r['step_s']:.3f} | {r['mean_s']:.3f} | {r['peak_gib']:.2f} "
-                   f"| {r['losses'][-1]:.4f} | {named} | {diff} |")
+                   f"| {r['losses'][-1]:.4f} | {named} | {diff} | {over} |")
     return out
 
 
@@ -309,7 +312,8 @@ def main() -> None:
         brief = {k: v for k, v in row.items() if k != "losses"}
         print(json.dumps(brief)[:3000], flush=True)
         if args.out:
-            with open(os.path.join(args.out, label.replace(":", "-") + ".json"), "w") as f:
+            name = label.replace(":", "-").replace("#", "-run")  # megatron-1.0-run2.json
+            with open(os.path.join(args.out, name + ".json"), "w") as f:
                 json.dump(row, f)
     lines = table(rows)
     print("\n".join(lines))
