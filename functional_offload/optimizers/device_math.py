@@ -230,7 +230,7 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
         highs = list(grp.highs)
         cast = grp.cast
         if not every_grad and any(g is None for g in grads):
-            cut = _with_grads(grp, grads)  # leaves without a grad left out, the others cast
+            cut = _with_grads(grp, grads)  # leaves without a grad left out (see _with_grads)
             if cut is None:
                 continue
             cast = None
