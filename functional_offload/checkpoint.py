@@ -191,11 +191,14 @@ def _high_params(state: OptState) -> dict[int, torch.Tensor]:
             if m is None or not is_lean(m):
                 continue
             p = local(p)
-            if p.dtype != torch.bfloat16 or p.shape != m.shape[1:]:
+            if (p.dtype != torch.bfloat16 or p.numel() != m[0].numel()
+                    or not p.is_contiguous()):
                 raise CheckpointError(
-                    f"leaf {name!r}: its split master keeps the remainder alone, its bf16 param "
-                    f"of shape {tuple(m.shape[1:])} being the high half, but the param is now "
-                    f"{p.dtype} of shape {tuple(p.shape)}; put the param back as it was")
+                    f"leaf {name!r}: its split master keeps the remainder alone, its contiguous "
+                    f"bf16 param of {m[0].numel()} elements being the high half, but the param "
+                    f"is now {p.dtype} of shape {tuple(p.shape)}"
+                    f"{'' if p.is_contiguous() else ', not contiguous'}; put the param back as "
+                    "it was")
             out[id(m)] = p
     return out
 

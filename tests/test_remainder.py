@@ -210,10 +210,30 @@ def test_a_remainder_only_master_is_its_param_and_its_remainder():
     assert hi.data_ptr() == param.data_ptr() and lo.data_ptr() == lean.data_ptr()
     fresh = remainder.new_split(param, torch.full((1, 3, 500), 7, dtype=torch.int16))
     assert not fresh.any()  # the master equals the param: remainder zero
-    with pytest.raises(ValueError, match="needs its bf16 param"):
+    with pytest.raises(ValueError, match="needs its contiguous bf16 param"):
         remainder.join(lean)
-    with pytest.raises(ValueError, match="needs its bf16 param"):
+    with pytest.raises(ValueError, match="needs its contiguous bf16 param"):
         remainder.join(lean, param.float())
+    with pytest.raises(ValueError, match="needs its contiguous bf16 param"):
+        remainder.join(lean, param[:, :400])
+    with pytest.raises(ValueError, match="needs its contiguous bf16 param"):
+        remainder.join(lean, torch.zeros(500, 3, dtype=torch.bfloat16).t())
+
+
+def test_a_remainder_only_master_follows_its_param_reshaped():
+    """A param reshaped in place (its elements and their order kept, as ``param.data =
+    param.data.view(...)``) still is the high half of its remainder-only master, element for
+    element: joined and split in the master's shape."""
+    value = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    full = remainder.split_(torch.empty((2, 6, 8), dtype=torch.int16), value)
+    param = torch.zeros(6, 8, dtype=torch.bfloat16)
+    lean = remainder.split_(torch.empty((1, 6, 8), dtype=torch.int16), value, param)
+    turned = param.view(8, 6)
+    assert torch.equal(_bits(remainder.join(lean, turned)), _bits(value))
+    remainder.split_(lean, value * 3, turned)
+    remainder.split_(full, value * 3)
+    assert torch.equal(turned.view(torch.int16).view(6, 8), full[0])
+    assert torch.equal(_bits(remainder.join(lean, turned)), _bits(value * 3))
     with pytest.raises(ValueError, match="holds no high half"):
         remainder.high(lean)
 

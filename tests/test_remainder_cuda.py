@@ -219,3 +219,29 @@ def test_decoded_device_math_casts_the_grads_batch_by_batch(rem, moments):
     grown = torch.cuda.max_memory_allocated() - base
     assert grown < 4 * 8 * n, (grown, 4 * 8 * n)  # less than one fp32 copy of the grads
     assert all(torch.all(p == p.flatten()[0]) and p.flatten()[0] < 0 for p in params.values())
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.uint8], ids=["fp32", "8bit"])
+def test_a_gpu_param_reshaped_in_place_is_followed_by_its_split_master(where, moments, tmp_path):
+    """``param.data = param.data.view(...)`` between steps (the elements and their order kept):
+    the split master (remainder-only on the device) steps on as the fp32 master does, nothing
+    marked failed, and the state saves and loads."""
+    outs = []
+    formats = {} if moments == torch.float32 else {"mu_dtype": moments, "nu_dtype": moments}
+    for rem in (False, True):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(48, 64, device=DEV).bfloat16()}
+        opt = fo.adamw(1e-2, placement=PLACEMENTS[where](), store_param_remainders=rem, **formats)
+        state = opt.init(params)
+        for shape in ((48, 64), (64, 48), (64, 48), (3072,)):
+            params["w"].data = params["w"].data.view(shape)
+            params, state = opt.update({"w": torch.full(shape, 0.5, device=DEV).bfloat16()}, state)
+        outs.append((params, state))
+    (p32, s32), (p16, s16) = outs
+    assert remainder.is_lean(s16.master["w"]) == (where == "device")  # host: both halves kept
+    assert torch.equal(p16["w"], p32["w"]) and p16["w"].shape == (3072,)
+    assert torch.equal(_master(s16, p16, "w"), _master(s32, p32, "w"))
+    fo.save(s16, tmp_path / "s.fo")
+    loaded = fo.load(tmp_path / "s.fo", like=s16)
+    assert torch.equal(_master(loaded, p16, "w"), _master(s32, p32, "w"))

@@ -97,11 +97,14 @@ def flat_halves(master: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _param_bits(master: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
-    if param is None or param.dtype != torch.bfloat16 or param.shape != master.shape[1:]:
+    """The bits of a remainder-only master's param (its high half) in the master's shape (a
+    param reshaped since, keeping its elements and its memory in order, is followed)."""
+    if (param is None or param.dtype != torch.bfloat16 or param.numel() != master[0].numel()
+            or not param.is_contiguous()):
         raise ValueError(f"a remainder-only split master of shape {tuple(master.shape[1:])} "
-                         "needs its bf16 param of that shape (its high half), got "
-                         f"{None if param is None else (param.dtype, tuple(param.shape))}")
-    return param.detach().view(torch.int16)
+                         "needs its contiguous bf16 param of as many elements (its high half), "
+                         f"got {None if param is None else (param.dtype, tuple(param.shape))}")
+    return param.detach().view(torch.int16).view(master.shape[1:])
 
 
 def join(master: torch.Tensor, param: Optional[torch.Tensor] = None) -> torch.Tensor:

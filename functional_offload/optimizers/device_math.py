@@ -81,6 +81,18 @@ class Group(NamedTuple):
         return self.split or any(self.eight)
 
 
+def _state_shape(value: torch.Tensor) -> torch.Size:
+    """The shape a leaf's state was laid out with: its param's then (a split master's rows')."""
+    return value.shape[1:] if is_split(value) else value.shape
+
+
+def _in_state_shapes(xs: list, values: list) -> list:
+    """Grads or params (``None`` kept) viewed in the shapes of their leaves' state: a param
+    reshaped in place since keeps its elements, in order, and its state steps them so."""
+    return [x if x is None or x.shape == _state_shape(v) else x.detach().reshape(_state_shape(v))
+            for x, v in zip(xs, values)]
+
+
 def _math_dtype(value: torch.Tensor) -> torch.dtype:
     """The dtype the math runs in for a leaf's value: fp32 for a split master, else its own."""
     return torch.float32 if is_split(value) else value.dtype
@@ -109,7 +121,7 @@ def device_groups(leaves: list["Leaf"]) -> list[Group]:
             decay, device, written, [leaves[idx[k]].param for k in written],
             [high(leaves[idx[k]].value) if split else leaves[idx[k]].value for k in written],
             [leaves[i].ema for i in idx if leaves[i].ema is not None], cast_at,
-            Cast([leaves[idx[k]].param for k in cast_at], dtype, device) if cast_at else None,
+            Cast([leaves[idx[k]].value for k in cast_at], dtype, device) if cast_at else None,
             split, tuple(leaves[i].param if is_lean(leaves[i].value) else None for i in idx)
             if split else (), eight,
             device.type == "cuda" and dtype == torch.float32 and not split
@@ -215,7 +227,7 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
     ``device_writes``, run on the groups it takes (``Group.fusable``) in place of ``math``
     and the params' write."""
     for grp in groups:
-        grads = [gs[i] for i in grp.idx]
+        grads = _in_state_shapes([gs[i] for i in grp.idx], grp.values)
         if writes is not None and grp.fusable:
             touched.append(grp.device)
             s0 = timeline.stamp(grp.device) if timeline else None
@@ -249,7 +261,7 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
             if cast is not None:
                 cast.release()  # after the math is queued: the stream orders its reuse
         if params:
-            write_params(params, news)
+            write_params(_in_state_shapes(params, news), news)
         if emas and not grp.split:
             torch._foreach_lerp_(emas, [v if v.dtype == e.dtype else v.to(e.dtype)
                                         for v, e in zip(values, emas)], 1 - (ema_decay or 0.0))
