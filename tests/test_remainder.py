@@ -4,7 +4,10 @@ two formats, and the errors for what it does not support."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -236,6 +239,18 @@ def test_a_remainder_only_master_follows_its_param_reshaped():
     assert torch.equal(_bits(remainder.join(lean, turned)), _bits(value * 3))
     with pytest.raises(ValueError, match="holds no high half"):
         remainder.high(lean)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_the_triton_kernels_join_and_split_as_the_torch_ops_in_triton_s_interpreter():
+    """The one-pass GPU kernels of the halves, run by Triton's interpreter on the CPU (a fresh
+    process: the interpreter is chosen when the kernels are defined)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, os.path.join(here, "halves_cases.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "halves ok" in run.stdout, run.stderr[-3000:]
 
 
 def test_a_scalar_master_splits_and_joins():

@@ -10,7 +10,8 @@ import torch
 import functional_offload as fo
 from conftest import delay_of, step_by
 from functional_offload.executor import HostExecutor
-from functional_offload.kernels import remainder
+from functional_offload.kernels import remainder, remainder_cuda
+from halves_cases import check as check_halves
 
 pytestmark = pytest.mark.cuda
 DEV = torch.device("cuda")
@@ -245,3 +246,18 @@ def test_a_gpu_param_reshaped_in_place_is_followed_by_its_split_master(where, mo
     fo.save(s16, tmp_path / "s.fo")
     loaded = fo.load(tmp_path / "s.fo", like=s16)
     assert torch.equal(_master(loaded, p16, "w"), _master(s32, p32, "w"))
+
+
+def test_the_gpu_kernels_join_and_split_as_the_torch_ops():
+    """On a CUDA device the split master's halves are joined and split by the one-pass Triton
+    kernels (where Triton imports), with the torch ops' bits."""
+    pytest.importorskip("triton")
+    assert remainder_cuda.available(torch.zeros(1, device=DEV))
+    check_halves("cuda")
+    hi = torch.tensor([0x3F80, 0x4000, -0x4080, 0x1234], dtype=torch.int16, device=DEV)
+    buf = torch.zeros(8, dtype=torch.bfloat16, device=DEV)
+    for out in (buf[:4], torch.zeros(4, dtype=torch.float64, device=DEV),
+                torch.zeros(6, device=DEV)):  # not the halves' fp32 values: refused, as the
+        with pytest.raises(RuntimeError):    # torch ops refuse them, nothing written
+            remainder.join_halves(hi, hi.clone(), out)
+    assert not buf.any()

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except Exception:  # noqa: BLE001 - not installed (a CPU-only torch), or failing to import
-    triton = None
+from functional_offload.kernels.triton_gpu import takes, tl, triton
 
 __all__ = ["available", "quantize_into", "dequantize_into"]
 
@@ -29,9 +25,8 @@ ROWS = 8  # blocks a program takes
 def available(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: Triton imports, every tensor is contiguous on
     one CUDA device, and the float ones are fp32."""
-    return (triton is not None and len({t.device for t in tensors}) == 1
-            and all(t.is_cuda and t.is_contiguous() for t in tensors)
-            and all(t.dtype == torch.float32 for t in tensors if t.is_floating_point()))
+    return takes(*tensors) and all(t.dtype == torch.float32 for t in tensors
+                                   if t.is_floating_point())
 
 
 if triton is not None:

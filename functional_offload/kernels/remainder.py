@@ -55,6 +55,8 @@ from typing import Optional
 
 import torch
 
+from functional_offload.kernels import remainder_cuda
+
 __all__ = ["is_split", "is_lean", "new_split", "join", "split_", "join_halves", "split_halves", "high",
            "flat_halves", "split_base", "join_base"]
 
@@ -133,12 +135,22 @@ def split_(master: torch.Tensor, value: torch.Tensor,
     return master
 
 
+def _halves_of(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> bool:
+    """Whether ``hi`` and ``lo`` are int16 halves of the fp32 ``value``, one element each (the
+    one-pass kernels' arguments; the torch ops raise for others)."""
+    return (value.dtype == torch.float32 and hi.dtype == lo.dtype == torch.int16
+            and value.numel() == hi.numel() == lo.numel())
+
+
 def join_halves(hi: torch.Tensor, lo: torch.Tensor,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The fp32 values of high halves ``hi`` and remainders ``lo`` (``int16``, one shape), into
     ``out`` (fp32, that shape) if given."""
     if out is None:
         out = torch.empty(hi.shape, dtype=torch.float32, device=hi.device)
+    if _halves_of(out, hi, lo) and remainder_cuda.available(hi, lo, out):  # one pass
+        remainder_cuda.join_into(hi, lo, out)
+        return out
     # (low, high) 16 bits of each fp32 (1-D views: a 0-dim tensor cannot change dtype in place)
     pairs = out.view(-1).view(torch.int16).view(*hi.shape, 2)
     pairs[..., 0].copy_(lo)
@@ -150,6 +162,9 @@ def join_halves(hi: torch.Tensor, lo: torch.Tensor,
 def split_halves(value: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> None:
     """Write the fp32 ``value`` into high halves ``hi`` and remainders ``lo`` (a NaN as a quiet
     NaN of its sign and top bits, remainder 0)."""
+    if _halves_of(value, hi, lo) and remainder_cuda.available(value, hi, lo):  # one pass
+        remainder_cuda.split_into(value, hi, lo)
+        return
     pairs = value.contiguous().view(-1).view(torch.int16).view(*value.shape, 2)
     low, top = pairs[..., 0], pairs[..., 1]
     nan = value.isnan()
