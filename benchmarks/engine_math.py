@@ -6,6 +6,10 @@ by CUDA events (the least of five), and pinned copies of the chunk's bytes each 
     python benchmarks/engine_math.py --numel 5500000  # a 32 MiB one
     python benchmarks/engine_math.py --beside-gemm    # also beside bf16 matmuls on another stream
 
+Where the checkout has it, the same step by the one-pass kernel (``kernels/adam_cuda.py``) is
+timed after the phases, alone, on a remainder-only master (the param its high half, written in
+place).
+
 ``--beside-gemm`` times the phases again while a train of bf16 matmuls of the 6.7 B model's MLP
 shape (8,192 tokens, d=4,096) runs on a second stream, as the engine's math of a delayed step
 runs beside the next forward and backward.
@@ -14,6 +18,7 @@ runs beside the next forward and backward.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 
 import torch
 
@@ -73,6 +78,22 @@ def main() -> None:
         torch.cuda.synchronize()
         return [ev[i].elapsed_time(ev[i + 1]) for i in range(6)]
 
+    def one_pass() -> Optional[float]:
+        """The same step by the one-pass kernel (where the checkout has it and Triton runs)."""
+        try:
+            from functional_offload.kernels import adam_cuda
+        except ImportError:
+            return None
+        if not adam_cuda.available(p, master, g, mu, nu):
+            return None
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        adam_cuda.adamw_split_q8(p.view(torch.int16), master[1], g, mu, nu, h.lr, h.beta1,
+                                 h.beta2, h.eps, h.weight_decay, h.step)  # the param its high half
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b)
+
     for beside in (False, True) if args.beside_gemm else (False,):
         for _ in range(3):
             once(beside)
@@ -81,6 +102,10 @@ def main() -> None:
         for k, name in enumerate(PHASES):
             print(f"  {name:<36} {min(r[k] for r in runs):7.3f} ms")
         print(f"  {'total':<36} {min(sum(r) for r in runs):7.3f} ms for {n / 1e6:.1f} M elements")
+        if not beside:
+            times = [one_pass() for _ in range(8)]
+            if times[0] is not None:
+                print(f"  {'one pass (kernels/adam_cuda.py)':<36} {min(times[3:]):7.3f} ms")
     nbytes = master.numel() * 2 + mu.numel() + nu.numel()
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     device = torch.empty(nbytes, dtype=torch.uint8, device=dev)

@@ -242,15 +242,36 @@ def test_a_remainder_only_master_follows_its_param_reshaped():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_the_triton_kernels_join_and_split_as_the_torch_ops_in_triton_s_interpreter():
-    """The one-pass GPU kernels of the halves, run by Triton's interpreter on the CPU (a fresh
-    process: the interpreter is chosen when the kernels are defined)."""
+@pytest.mark.parametrize("cases, ok", [("halves_cases.py", "halves ok"),
+                                       ("adam_stored_cases.py", "adam stored ok")],
+                         ids=["halves", "adamw-one-pass"])
+def test_the_triton_kernels_give_the_torch_ops_bits_in_triton_s_interpreter(cases, ok):
+    """The one-pass GPU kernels of the split master (its halves joined and split; AdamW on it
+    with 8-bit moments), run by Triton's interpreter on the CPU (a fresh process: the
+    interpreter is chosen when the kernels are defined)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, os.path.join(here, "halves_cases.py")], env=env,
+    run = subprocess.run([sys.executable, os.path.join(here, cases)], env=env,
                          capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "halves ok" in run.stdout, run.stderr[-3000:]
+    assert run.returncode == 0 and ok in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("bad", ["hi", "lo", "mu", "nu", "grad"])
+def test_the_one_pass_adamw_refuses_tensors_of_other_sizes(bad):
+    """Halves, moments or a grad of another element count than the grad's are refused, naming
+    the sizes, before anything is written (the kernel would read and write past them)."""
+    from functional_offload.kernels import adam_cuda, blockwise
+    n = 1000
+    t = {"hi": torch.zeros(n, dtype=torch.int16), "lo": torch.zeros(n, dtype=torch.int16),
+         "grad": torch.ones(n), "mu": blockwise.quantize(torch.ones(n), True),
+         "nu": blockwise.quantize(torch.ones(n), False)}
+    t[bad] = torch.cat([t[bad], t[bad][:260]])  # one more block's bytes, or 260 more elements
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match=r"adamw_split_q8: a grad of \d+ elements needs halves"):
+        adam_cuda.adamw_split_q8(t["hi"], t["lo"], t["grad"], t["mu"], t["nu"], 1e-3, 0.9, 0.999,
+                                 1e-8, 0.1, 1)
+    assert all(torch.equal(t[k], before[k]) for k in t)
 
 
 def test_a_scalar_master_splits_and_joins():

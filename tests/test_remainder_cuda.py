@@ -261,3 +261,62 @@ def test_the_gpu_kernels_join_and_split_as_the_torch_ops():
         with pytest.raises(RuntimeError):    # torch ops refuse them, nothing written
             remainder.join_halves(hi, hi.clone(), out)
     assert not buf.any()
+
+
+def _one_pass_against_the_fp32_master(engine: str, opt, wd: float, monkeypatch) -> list:
+    """A split master with 8-bit moments and an fp32 master with the same 8-bit moments, each
+    stepped 6 times on the GPU (device resident, or the GPU engine's host state): their masters
+    and moments the same bits, their params too but at the master's ties. Returns the one-pass
+    kernel's calls."""
+    from functional_offload.kernels import adam_cuda
+    calls = []
+    one_pass = adam_cuda.adamw_split_q8
+    monkeypatch.setattr(adam_cuda, "adamw_split_q8",
+                        lambda *a, **k: calls.append(1) or one_pass(*a, **k))
+    outs = []
+    for rem in (False, True):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(300, 700, device=DEV).bfloat16(),
+                  "v": (torch.randn(90_001, device=DEV) * 1e3).bfloat16()}
+        where = (fo.placement.on_device() if engine == "device" else fo.placement.on_host())
+        ex = HostExecutor(engine="gpu") if engine == "gpu-engine" else None
+        o = opt(1e-2, weight_decay=wd, placement=where, executor=ex, store_param_remainders=rem,
+                mu_dtype=torch.uint8, nu_dtype=torch.uint8)
+        state = o.init(params)
+        g = torch.Generator(device=DEV).manual_seed(1)
+        for _ in range(6):
+            grads = {k: torch.randn(v.shape, generator=g, device=DEV).bfloat16()
+                     for k, v in params.items()}
+            params, state = o.update(grads, state)
+        fo.flush(state)
+        outs.append((params, state))
+    (p32, s32), (p16, s16) = outs
+    for k in ("w", "v"):
+        assert torch.equal(_master(s16, p16, k), _master(s32, p32, k)), k
+        assert torch.equal(s16.mu[k].cpu(), s32.mu[k].cpu()), k
+        assert torch.equal(s16.nu[k].cpu(), s32.nu[k].cpu()), k
+        tie = (_master(s32, p32, k) & 0xFFFF) == 0x8000  # the split's param rounds ties otherwise
+        assert not ((p16[k] != p32[k]).cpu() & ~tie).any(), k
+    return calls
+
+
+@pytest.mark.parametrize("engine", ["device", "gpu-engine"])
+@pytest.mark.parametrize("opt, wd", [(fo.adamw, 0.1), (fo.adamw, 0.0), (fo.adam, 0.0)],
+                         ids=["adamw", "adamw-no-decay", "adam"])
+def test_adamw_in_one_pass_on_stored_formats_steps_as_the_fp32_master(engine, opt, wd, monkeypatch):
+    """The one-pass kernel (which this torch's fused AdamW agrees with) steps a split master
+    with 8-bit moments bit for bit as torch's fused AdamW steps the fp32 master between the
+    formats' decoding and encoding."""
+    pytest.importorskip("triton")
+    from functional_offload.kernels import adam_cuda
+    assert adam_cuda.agrees(DEV), "this torch's fused AdamW rounds otherwise than the kernel"
+    assert _one_pass_against_the_fp32_master(engine, opt, wd, monkeypatch)
+
+
+@pytest.mark.parametrize("engine", ["device", "gpu-engine"])
+def test_where_torch_rounds_otherwise_the_six_passes_step_the_stored_formats(engine, monkeypatch):
+    """Where the probe finds torch's fused AdamW rounding otherwise than the one-pass kernel,
+    the kernel is not used and the stored formats still step as the fp32 master."""
+    from functional_offload.kernels import adam_cuda
+    monkeypatch.setattr(adam_cuda, "agrees", lambda device: False)
+    assert not _one_pass_against_the_fp32_master(engine, fo.adamw, 0.1, monkeypatch)

@@ -53,7 +53,7 @@ import torch
 
 from functional_offload.kernels import blockwise_cuda
 
-__all__ = ["BLOCK", "Map", "dynamic_map", "is_blockwise", "nbytes", "elements", "part",
+__all__ = ["BLOCK", "Map", "map_on", "dynamic_map", "is_blockwise", "nbytes", "elements", "part",
            "quantize", "dequantize", "quantize_into", "dequantize_into", "table"]
 
 assert sys.byteorder == "little", "a block's absmax is read as a little-endian fp32"
@@ -96,7 +96,8 @@ def _map(signed: bool) -> Map:
 
 
 @functools.lru_cache(maxsize=None)
-def _on(signed: bool, device: torch.device) -> Map:
+def map_on(signed: bool, device: torch.device) -> Map:
+    """The map of a signed or unsigned moment, its tensors on ``device`` (made once)."""
     m = _map(signed)
     return Map(m.values.to(device), m.mids.to(device), m.zero)
 
@@ -189,7 +190,7 @@ def dequantize_into(q: torch.Tensor, out: torch.Tensor, signed: bool) -> torch.T
     its element count)."""
     n = out.numel()
     codes, absmax = _rows(q, n)
-    m = _on(signed, q.device)
+    m = map_on(signed, q.device)
     if blockwise_cuda.available(q, out):  # one pass, the same bits
         blockwise_cuda.dequantize_into(q, m.values, out)
         return out
@@ -208,7 +209,7 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, signed: bool) -> torch.Tenso
     x = x.reshape(-1).to(torch.float32)
     n = x.numel()
     codes, absmax = _rows(q, n)
-    m = _on(signed, q.device)
+    m = map_on(signed, q.device)
     if blockwise_cuda.available(x, q):  # one pass, the same bits
         blockwise_cuda.quantize_into(x, q, m.mids, m.zero)
         return q

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from functional_offload.kernels.triton_gpu import takes, tl, triton
+from functional_offload.kernels.triton_gpu import launch, takes, tl, triton
 
-__all__ = ["available", "quantize_into", "dequantize_into"]
+__all__ = ["available", "quantize_into", "dequantize_into", "quantize_rows", "dequantized_rows"]
 
 ROWS = 8  # blocks a program takes
 
@@ -31,11 +31,9 @@ def available(*tensors: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _quantize(x, q, mids, n, blocks, zero, ROWS: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, 256)
-        at = rows[:, None] * 256 + cols[None, :]
-        v = tl.load(x + at, mask=at < n, other=0.0)
+    def quantize_rows(v, q, mids, zero, rows, cols, blocks):
+        """The blocks ``rows`` (of ``blocks``) of fp32 values ``v`` (ROWS x 256, zero past the
+        moment's end) into the moment ``q``: codes and absmax."""
         a = tl.max(tl.abs(v), axis=1)
         nan = tl.max((v != v).to(tl.int32), axis=1) > 0
         a = tl.where(nan, float("nan"), a)
@@ -51,15 +49,28 @@ if triton is not None:
         tl.store((q + rows * 260 + 256).to(tl.pointer_type(tl.float32)), a, mask=live)
 
     @triton.jit
+    def dequantized_rows(q, values, rows, cols, n):
+        """The fp32 values of the blocks ``rows`` of the moment ``q`` of ``n`` elements (ROWS x
+        256; zero past its end)."""
+        at = rows[:, None] * 256 + cols[None, :]
+        code = tl.load(q + rows[:, None] * 260 + cols[None, :], mask=at < n, other=0)
+        a = tl.load((q + rows * 260 + 256).to(tl.pointer_type(tl.float32)), mask=rows * 256 < n,
+                    other=0.0)
+        return tl.load(values + code.to(tl.int32)) * a[:, None]
+
+    @triton.jit
+    def _quantize(x, q, mids, n, blocks, zero, ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, 256)
+        at = rows[:, None] * 256 + cols[None, :]
+        quantize_rows(tl.load(x + at, mask=at < n, other=0.0), q, mids, zero, rows, cols, blocks)
+
+    @triton.jit
     def _dequantize(q, values, out, n, ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, 256)
         at = rows[:, None] * 256 + cols[None, :]
-        inside = at < n
-        code = tl.load(q + rows[:, None] * 260 + cols[None, :], mask=inside, other=0)
-        a = tl.load((q + rows * 260 + 256).to(tl.pointer_type(tl.float32)), mask=rows * 256 < n,
-                    other=0.0)
-        tl.store(out + at, tl.load(values + code.to(tl.int32)) * a[:, None], mask=inside)
+        tl.store(out + at, dequantized_rows(q, values, rows, cols, n), mask=at < n)
 
 
 def quantize_into(x: torch.Tensor, q: torch.Tensor, mids: torch.Tensor, zero: int) -> None:
@@ -67,15 +78,12 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, mids: torch.Tensor, zero: in
     bytes, on the same device), with the map's midpoints ``mids`` (256, fp32, the last +inf)
     and its zero index ``zero``."""
     blocks = q.numel() // 260
-    with torch.cuda.device(q.device):  # (Triton launches on the current device)
-        _quantize[(triton.cdiv(blocks, ROWS),)](x, q, mids, x.numel(), blocks, zero, ROWS=ROWS,
-                                                num_warps=4)
+    launch(_quantize, (triton.cdiv(blocks, ROWS),), q.device, x, q, mids, x.numel(), blocks, zero,
+           ROWS=ROWS, num_warps=4)
 
 
 def dequantize_into(q: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> None:
     """The fp32 values of the block-wise moment ``q`` into ``out`` (contiguous, CUDA), with the
     map's values by stored byte ``values`` (256, fp32)."""
-    n = out.numel()
-    with torch.cuda.device(q.device):  # (Triton launches on the current device)
-        _dequantize[(triton.cdiv(q.numel() // 260, ROWS),)](q, values, out, n, ROWS=ROWS,
-                                                            num_warps=4)
+    launch(_dequantize, (triton.cdiv(q.numel() // 260, ROWS),), q.device, q, values, out,
+           out.numel(), ROWS=ROWS, num_warps=4)

@@ -8,7 +8,8 @@ import torch
 
 from functional_offload.base import Optimizer, ParamRefs
 from functional_offload.executor import HostExecutor
-from functional_offload.kernels import te_adam
+from functional_offload.kernels import adam_cuda, remainder, te_adam
+from functional_offload.kernels.blockwise import is_blockwise
 from functional_offload.optimizers.delay import Delay
 from functional_offload.optimizers.spec import (Moment, OptimizerSpec, as_dtypes_of,
                                                 check_beta, check_nonneg, check_schedule)
@@ -98,6 +99,29 @@ def fused(params: list, grads: list, moments: list, h: AdamHyper) -> None:
             grads = l2
     fn(params, grads, mus, nus, [], [step] * len(params), lr=h.lr, beta1=h.beta1,
        beta2=h.beta2, weight_decay=wd, eps=h.eps, amsgrad=False, maximize=False)
+
+
+def fused_stored(value: torch.Tensor, param: Optional[torch.Tensor], grad: torch.Tensor,
+                 moments: list, h: AdamHyper) -> bool:
+    """A device-resident leaf's step in one pass on a CUDA device where its master is split
+    and both moments are block-wise 8-bit (:mod:`~functional_offload.kernels.adam_cuda`): the
+    bits of :func:`fused` between the formats' decoding and encoding. ``param``: the param of a
+    remainder-only master (its high half), else None. False (nothing done) where the kernel
+    does not take the leaf: Adam with weight decay, other formats, other devices, strided
+    tensors, no Triton, a torch whose fused AdamW rounds otherwise (:func:`adam_cuda.agrees`)."""
+    mu, nu = moments
+    if (not remainder.is_split(value) or not (is_blockwise(mu) and is_blockwise(nu))
+            or not (h.decoupled or h.weight_decay == 0)):
+        return False
+    if not (grad.is_contiguous() and (param is None or param.is_contiguous())):
+        return False
+    hi, lo = remainder.flat_halves(value, param)
+    if not (adam_cuda.available(hi, lo, grad, mu, nu)
+            and adam_cuda.agrees(grad.device)):
+        return False
+    adam_cuda.adamw_split_q8(hi, lo, grad.view(-1), mu, nu, h.lr, h.beta1, h.beta2, h.eps,
+                             h.weight_decay, h.step)
+    return True
 
 
 def ahead(params: list, moments: list, h: AdamHyper, h2: AdamHyper) -> tuple[list, list]:
@@ -216,7 +240,7 @@ def _spec(decoupled: bool) -> OptimizerSpec:
         hyper=hyper, reference=reference, device=fused, native="adam", scalars=scalars,
         ahead=ahead, ahead_scalars=ahead_scalars, land_ahead=land_ahead,
         ahead_dtypes=(torch.float32, torch.bfloat16, torch.float64),  # fp16: eps and q underflow
-        device_writes=te_step,
+        device_writes=te_step, device_stored=fused_stored,
     ).check()
 
 

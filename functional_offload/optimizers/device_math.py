@@ -170,12 +170,20 @@ def _cast(grp: Group, grads: list) -> list:
 
 def _decoded_math(math: Callable[..., None], grp: Group, signed: list[bool], values: list,
                   grads: list, moments: list, hyper: Any, emas: list,
-                  ema_decay: Optional[float], highs: list) -> None:
+                  ema_decay: Optional[float], highs: list,
+                  stored: Optional[Callable[..., bool]]) -> None:
     """``math`` on stored formats: in batches of about ``spec.BATCH`` elements, the fp32 values of
     split masters joined (``highs``: per value, the param of a remainder-only one, else None)
     and of 8-bit moments dequantized, and grads in the values' dtype, stepped (a split master's
     EMA moved), written back (split, quantized; a remainder-only master's high half into its
-    param)."""
+    param). ``stored``: the spec's ``device_stored``, which steps each split master's leaf
+    it takes in one pass (no EMA: that needs the fp32 values); the batches take the rest."""
+    if stored is not None and grp.split and not emas:
+        left = [k for k, (v, g) in enumerate(zip(values, grads))
+                if not stored(v, highs[k], g, [m[k] for m in moments], hyper)]
+        if len(left) < len(values):
+            values, grads, highs = ([x[k] for k in left] for x in (values, grads, highs))
+            moments = [[m[k] for k in left] for m in moments]
     for part in batches(grads):  # the fp32 copies a batch needs
         vs = [join(v, h) for v, h in zip(values[part], highs[part])] if grp.split else values[part]
         gs = [g if g.dtype == v.dtype else g.to(v.dtype) for g, v in zip(grads[part], vs)]
@@ -218,14 +226,16 @@ def _run_fused(writes: Callable[..., None], grp: Group, grads: list, h: Any) -> 
 def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[..., None],
                signed: list[bool], hyper: Any, hyper_no_decay: Any, ema_decay: Optional[float],
                timeline: Optional["Timeline"], touched: list,
-               writes: Optional[Callable[..., None]] = None) -> None:
+               writes: Optional[Callable[..., None]] = None,
+               stored: Optional[Callable[..., bool]] = None) -> None:
     """Update each group's leaves that have a grad in ``gs`` (per leaf; ``every_grad``: the
     grads check found every leaf with one). ``signed``: per moment, whether it may be negative
     (its block-wise 8-bit map). ``touched`` gets the group's device before a group's state is
     first changed in place, so that a caller catching an error (a quantized param's write
     failing after its math ran) knows whether the state changed. ``writes``: the spec's
     ``device_writes``, run on the groups it takes (``Group.fusable``) in place of ``math``
-    and the params' write."""
+    and the params' write; ``stored``: the spec's ``device_stored``, run on the leaves of
+    stored formats it takes in place of their decoded math."""
     for grp in groups:
         grads = _in_state_shapes([gs[i] for i in grp.idx], grp.values)
         if writes is not None and grp.fusable:
@@ -254,7 +264,8 @@ def run_groups(groups: list[Group], gs: list, every_grad: bool, math: Callable[.
             if cast is not None:
                 grads = _cast(grp, grads)
             if grp.decoded:
-                _decoded_math(math, grp, signed, values, grads, moments, h, emas, ema_decay, highs)
+                _decoded_math(math, grp, signed, values, grads, moments, h, emas, ema_decay, highs,
+                              stored)
             else:
                 math(values, grads, moments, h)
         finally:

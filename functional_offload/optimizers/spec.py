@@ -92,6 +92,10 @@ class OptimizerSpec(NamedTuple):
         masters, hyper)`` (``masters`` ``None`` for fp32 params stepped themselves; grads in
         the params' dtype): TransformerEngine's fused Adam, chosen by ``device_kernel="te"``;
         ``None``: none.
+      device_stored: ``device`` for one device-resident leaf on its stored formats in one pass
+        (split master, 8-bit moments), bit for bit the decoded math, ``(value, param, grad,
+        moments, hyper) -> bool`` (``param``: a remainder-only master's, else None; False:
+        nothing done, the leaf is not its to take); ``None``: none.
     """
 
     name: str
@@ -110,6 +114,8 @@ class OptimizerSpec(NamedTuple):
     land_ahead: Optional[LandAheadFn] = None
     ahead_dtypes: Optional[tuple[torch.dtype, ...]] = None
     device_writes: Optional[Callable[[list, list, list, Optional[list], Any], None]] = None
+    device_stored: Optional[Callable[[torch.Tensor, Optional[torch.Tensor], torch.Tensor, list,
+                                      Any], bool]] = None
 
     def check(self) -> "OptimizerSpec":
         """Raise ``TypeError`` if the spec is inconsistent (for optimizer authors)."""

@@ -257,7 +257,7 @@ class TerminalStep(StepBase):
             spec = t.spec
             run_groups(self.static.groups, gs, self.every_grad, spec.device or spec.reference,
                        [m.signed for m in spec.moments], self.hyper, self.hyper_no_decay,
-                       t.ema_decay, t.executor.timeline, touched, t.device_writes)
+                       t.ema_decay, t.executor.timeline, touched, t.device_writes, spec.device_stored)
             rest = [i for i in self.static.host if gs[i] is not None and i not in form.ahead]
             if self.delayed:  # the run takes the leaves in the order the last forward landed
                 # them (fo.land), then in the params tree's insertion order (a model's forward

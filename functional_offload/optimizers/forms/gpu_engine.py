@@ -279,7 +279,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         run_groups(device_groups([self._on_device(p, buf) for p in chunk.pieces]),
                    [grads[p.index][p.lo:p.hi] for p in chunk.pieces], True,
                    spec.device or spec.reference, [m.signed for m in spec.moments], work.hyper,
-                   work.hyper_no_decay, work.t.ema_decay, tl, [])
+                   work.hyper_no_decay, work.t.ema_decay, tl, [], stored=spec.device_stored)
         if done is not None:
             home.wait_stream(torch.cuda.current_stream(buf.device))
             with torch.cuda.stream(home):
