@@ -75,11 +75,6 @@ if triton is not None:
         tl.store(lo + at, low.to(tl.int16), mask=inside)
 
 
-def _f32(x: float) -> float:
-    """``x`` rounded to fp32 (to nearest)."""
-    return float(torch.tensor(x, dtype=torch.float64).float())
-
-
 _last: tuple = (None, None)  # (key, corrections) of the latest step: one per step, not per leaf
 
 
@@ -124,11 +119,14 @@ def adamw_split_q8(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, mu: t
         return
     blocks = mu.numel() // 260
     mu_map, nu_map = blockwise.map_on(True, grad.device), blockwise.map_on(False, grad.device)
+    # the hyperparameters rounded to fp32 (to nearest) at once, as torch's kernel takes them
+    scalars = torch.tensor([lr, weight_decay, beta1, beta2, eps], dtype=torch.float64)
+    lr32, wd32, b1, b2, eps32 = scalars.float().tolist()
     args = (hi, lo, grad, mu, nu, mu_map.values, mu_map.mids, nu_map.values, nu_map.mids, n,
             blocks, mu_map.zero, nu_map.zero, corrections(lr, beta1, beta2, step, grad.device),
-            _f32(lr), _f32(weight_decay), _f32(beta1), _f32(beta2), _f32(eps))
+            lr32, wd32, b1, b2, eps32)
     launch(_adamw, (triton.cdiv(blocks, blockwise_cuda.ROWS),), grad.device, *args,
-           DECAY=_f32(weight_decay) != 0, ROWS=blockwise_cuda.ROWS, num_warps=4,
+           DECAY=wd32 != 0, ROWS=blockwise_cuda.ROWS, num_warps=4,  # torch tests the fp32 value
            enable_fp_fusion=False)
 
 
