@@ -394,3 +394,53 @@ def test_state_trees_stay_trees_of_tensors():
     state = fo.adamw(mu_dtype=torch.uint8).init(params)
     assert optree.tree_structure(state.mu) == optree.tree_structure(params)
     assert state.mu["w"].shape == (blockwise.nbytes(N),)
+
+
+PARTIAL = {"w": (300, 700), "u": (200, 400), "v": (90_001,), "b": (37,)}
+
+
+def _train_gpu(placement, mode: str, split: bool, engine: str = "cpu"):
+    """GPU bf16 params (:data:`PARTIAL`) with 8-bit moments, clipped (scaling), 6 steps."""
+    torch.manual_seed(0)
+    params = {k: torch.randn(s, device="cuda").bfloat16().requires_grad_()
+              for k, s in PARTIAL.items()}
+    chunks = {} if engine == "cpu" else {"engine_chunk_bytes": 1 << 20}
+    opt = fo.chain(fo.clip_by_global_norm(1e-2), fo.adamw(
+        1e-2, weight_decay=0.1, mu_dtype=torch.uint8, nu_dtype=torch.uint8, placement=placement,
+        store_param_remainders=split, delayed=delay_of(mode),
+        executor=fo.executor.HostExecutor(chunk_bytes=1 << 17, slots=3, engine=engine, **chunks)))
+    plan = fo.plan(opt, params)
+    state = opt.init(params)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(6):
+        grads = {k: torch.randn(v.shape, generator=g, device="cuda").bfloat16()
+                 for k, v in params.items()}
+        state = step_by(opt, state, params, grads, mode)
+    fo.flush(state)
+    sd = fo.state_dict(state)  # the masters' fp32 values, the moments' codes and scales
+    values = {k.removeprefix("1."): v.cpu() for k, v in sd.items()
+              if k.startswith(("1.mu.", "1.nu.", "1.master."))}
+    values.update({f"param.{k}": v.detach().cpu() for k, v in params.items()})
+    return values, dict(zip(plan.paths, plan.on_host))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("engine", ["cpu", "gpu"])
+@pytest.mark.parametrize("mode", ["plain", "stream", "delayed", "ahead"])
+@pytest.mark.parametrize("split", [False, True], ids=["fp32-master", "split-master"])
+def test_partial_placement_steps_each_leaf_as_where_it_is_placed(split, mode, engine):
+    """``offload_fraction(0.5)`` with 8-bit moments on GPU params: the leaves kept on the device
+    step as under ``on_device()``; the offloaded ones as under ``on_host()`` with the CPU kernel,
+    and as on the device with the GPU engine (but for the small leaf, packed for the CPU kernel);
+    bit for bit: params, fp32 masters, codes and scales."""
+    half, where = _train_gpu(fo.placement.offload_fraction(0.5), mode, split, engine)
+    assert any(where.values()) and not all(where.values()), where
+    host, _ = _train_gpu(fo.placement.on_host(), mode, split)
+    device, _ = _train_gpu(fo.placement.on_device(), mode, split)
+    assert half.keys() == host.keys() == device.keys()
+    for key, got in half.items():
+        leaf = key.split(".", 1)[1]
+        engine_steps = engine == "gpu" and PARTIAL[leaf] != (37,)  # small host leaves: the CPU's
+        want = (host if where[leaf] and not engine_steps else device)[key]
+        assert got.dtype == want.dtype and torch.equal(got, want), (key, where[leaf])
+    assert half["mu.w"].dtype == torch.uint8
