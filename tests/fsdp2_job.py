@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 import functional_offload as fo
 from functional_offload.executor import HostExecutor, default_executor, node_share, physical_cores
@@ -304,6 +304,72 @@ def formats_run(mesh: DeviceMesh, device: torch.device) -> dict:
             "master": state.master["weight"].dtype}
 
 
+FORMATS = {"fp32": {}, "split": dict(store_param_remainders=True),
+           "split8": dict(store_param_remainders=True, mu_dtype=torch.uint8, nu_dtype=torch.uint8)}
+
+
+def formats_model(device: torch.device) -> nn.Module:
+    """bf16 ``Linear(120, 1093)``, GELU, ``Linear(1093, 80)`` from seed 0: both weights above
+    the size that keeps fp32 state (131,160 and 87,440 elements), their shards on either side
+    of it (65,640 / 65,520 and 43,720 each); the biases below it."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(120, 1093), nn.GELU(), nn.Linear(1093, 80)).to(device, torch.bfloat16)
+
+
+def format_grads(params: dict[str, Any], mesh: Optional[DeviceMesh]) -> list[dict[str, torch.Tensor]]:
+    """:data:`STEPS` sets of whole grads from one seed (the same on every rank and in the
+    single-process oracle), sharded like ``params`` where ``mesh`` is given."""
+    g = torch.Generator().manual_seed(2000)
+    out = []
+    for _ in range(STEPS):
+        step = {}
+        for n, p in params.items():
+            x = torch.randn(p.shape, generator=g).to(p.device, torch.bfloat16)
+            step[n] = distribute_tensor(x, mesh, p.placements) if mesh is not None else x
+        out.append(step)
+    return out
+
+
+def formats_steps_run(mesh: DeviceMesh, device: torch.device, fmt: str, mode: str = "plain",
+                      clip: float = CLIPS, folder: Optional[str] = None) -> dict:
+    """``chain(clip, adamw)`` in format ``fmt`` on :func:`formats_model` sharded by FSDP2,
+    :data:`STEPS` steps of fixed grads (:func:`format_grads`): ``mode`` "plain", "stream" (each
+    grad handed over during a backward), "delayed" (every step in flight, no look-ahead) or
+    "resumed" (``fo.save``/``fo.load`` of this rank's state after the first step, into a fresh
+    state of a fresh model). This rank's shards, state and the state's dtypes."""
+    def make() -> tuple[dict[str, Any], fo.Optimizer, Any]:
+        model = formats_model(device)
+        fully_shard(model, mesh=mesh)
+        params = dict(model.named_parameters())
+        opt = fo.chain(fo.clip_by_global_norm(clip), fo.adamw(
+            **HYPER, cpu_kernel="torch", executor=small_executor(), **FORMATS[fmt],
+            delayed=fo.Delay(lookahead=False) if mode == "delayed" else False))
+        return params, opt, opt.init(params)
+
+    params, opt, state = make()
+    for i, grads in enumerate(format_grads(params, mesh)):
+        if mode == "resumed" and i == 1:
+            path = f"{folder}/formats-{dist.get_rank()}.fo"
+            fo.save(state, path)
+            params2, opt, like = make()
+            with torch.no_grad():  # the model's own checkpoint, restored first
+                for n, p in params2.items():
+                    p.to_local().copy_(params[n].to_local())
+            params, state = params2, fo.load(path, like=like)
+        if mode == "stream":
+            with fo.stream(opt, state) as s:
+                sum((p.float() * grads[n].float()).sum() for n, p in params.items()).backward()
+            _, state = s.finish()
+            for p in params.values():
+                p.grad = None
+        else:
+            _, state = opt.update(grads, state)
+    fo.flush(state)
+    dtypes = {r["path"]: r["dtype"] for r in fo.placement_report(state).rows}
+    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
+            "state": state_values(state), "dtypes": dtypes}
+
+
 def node_run() -> dict:
     """This rank's default executor and the CPUs its threads are pinned to (after host steps)."""
     ex = default_executor()
@@ -362,6 +428,14 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "node": node_run,
             "adafactor": lambda: adafactor_run(mesh, device),
             "formats": lambda: formats_run(mesh, device),
+            "fmt fp32": lambda: formats_steps_run(mesh, device, "fp32"),
+            "fmt split": lambda: formats_steps_run(mesh, device, "split"),
+            "fmt split no clip": lambda: formats_steps_run(mesh, device, "split", clip=NO_CLIP),
+            "fmt split8": lambda: formats_steps_run(mesh, device, "split8"),
+            "fmt split8 stream": lambda: formats_steps_run(mesh, device, "split8", "stream"),
+            "fmt split8 delayed": lambda: formats_steps_run(mesh, device, "split8", "delayed"),
+            "fmt split8 resumed": lambda: formats_steps_run(mesh, device, "split8", "resumed",
+                                                            folder=folder),
         }
         for nan_rank in range(WORLD):
             for streamed in (False, True):

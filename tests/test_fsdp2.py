@@ -1,8 +1,9 @@
 """Every mode on FSDP2 (``fully_shard``, DTensor params), 2 ranks: plain update, clipped chains,
 grad streaming, the delayed update, ``fo.TorchOptimizer``, partial placement, bf16 params with
 fp32 masters, fp32 params under FSDP2's mixed precision and ``apply_if_finite`` — each against
-``torch.optim.AdamW`` (with ``clip_grad_norm_``) on the same FSDP2 model — and the node-aware
-default executor.
+``torch.optim.AdamW`` (with ``clip_grad_norm_``) on the same FSDP2 model; the compact state
+formats on shards (fixed grads: the split master against the fp32 master and the whole params,
+8-bit moments in every form against their plain update); and the node-aware default executor.
 
 One spawned 2-process job (``fsdp2_job.py``) runs all modes; each rank saves its shards and the
 tests compare them rank by rank (both models are sharded alike, so this compares whole params).
@@ -275,6 +276,59 @@ def test_a_sharded_params_format_follows_the_whole_param_on_every_rank(ranks):
     res = results(ranks, "formats")
     assert sorted(r["rows"] for r in res) == [546, 547]
     assert all(r["mu"] == torch.uint8 and r["master"] == torch.int16 for r in res), res
+
+
+def _rows(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a whole tensor, as FSDP2 shards dim 0."""
+    return torch.chunk(x, WORLD, dim=0)[rank]
+
+
+def _masters(res: dict) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("1.master."): v for k, v in res["state"].items()
+            if k.startswith("1.master.")}
+
+
+def test_split_masters_on_shards_are_the_fp32_masters_and_the_whole_params(ranks):
+    """The split master (bf16 params, fp32 moments) on FSDP2 shards, clipped: each rank's masters
+    and moments are the fp32 master's bits, its params those masters rounded (but where a master
+    lies halfway between two bf16 values: ties away from zero); unclipped, each rank's masters are
+    its rows of the same format stepped on the whole params in one process."""
+    fp32, split, unclipped = (results(ranks, m) for m in ("fmt fp32", "fmt split", "fmt split no clip"))
+    model = job.formats_model(torch.device("cpu"))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    opt = fo.adamw(**job.HYPER, cpu_kernel="torch", store_param_remainders=True)
+    state = opt.init(params)
+    for grads in job.format_grads(params, None):
+        params, state = opt.update(grads, state)
+    whole = {k.removeprefix("master."): v for k, v in fo.state_dict(state).items()
+             if k.startswith("master.")}
+    for r in range(WORLD):
+        assert split[r]["dtypes"]["1.master.0.weight"] == "int16"
+        assert fp32[r]["dtypes"]["1.master.0.weight"] == "float32"
+        assert_same(split[r]["state"], fp32[r]["state"], None, f"state, rank {r}")
+        for n, p in split[r]["params"].items():
+            bits = _masters(fp32[r])[n].view(torch.int32)
+            tie = (bits & 0xFFFF) == 0x8000
+            differ = p != fp32[r]["params"][n]
+            assert not (differ & ~tie).any(), f"{n}, rank {r}"
+            assert not torch.equal(p, _rows(model.get_parameter(n).detach(), r)), f"{n} did not move"
+        assert_same(_masters(unclipped[r]), {n: _rows(v, r) for n, v in whole.items()}, None,
+                    f"unclipped masters against the whole params, rank {r}")
+
+
+def test_8bit_moments_on_shards_step_alike_in_every_form(ranks):
+    """The split master with block-wise 8-bit moments on FSDP2 shards (each rank's bytes quantize
+    its own shard; the format follows the whole param), clipped: streamed, delayed (flushed) and
+    saved then loaded (``fo.save``/``fo.load`` per rank) after the first step, the plain update's
+    bits: params, masters, codes and scales."""
+    plain = results(ranks, "fmt split8")
+    for r, res in enumerate(plain):
+        assert res["dtypes"]["1.mu.0.weight"] == res["dtypes"]["1.nu.2.weight"] == "uint8", r
+        assert res["dtypes"]["1.master.2.weight"] == "int16" and res["dtypes"]["1.mu.0.bias"] == "float32"
+    for mode in ("stream", "delayed", "resumed"):
+        for r, res in enumerate(results(ranks, f"fmt split8 {mode}")):
+            assert_same(res["params"], plain[r]["params"], None, f"{mode}, rank {r}")
+            assert_same(res["state"], plain[r]["state"], None, f"{mode} state, rank {r}")
 
 
 def test_node_aware_executors_split_the_cores(ranks):
