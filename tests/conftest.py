@@ -19,6 +19,13 @@ def delay_of(mode: str):
     return {"delayed": STALE, "ahead": AHEAD}.get(mode, False)
 
 KERNELS = ["torch"] + (["native"] if HAS_NATIVE else [])
+# the compact state formats (store_param_remainders, block-wise 8-bit or bf16 moments) by name
+FORMATS = {"split": dict(store_param_remainders=True),
+           "8bit": dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8),
+           "split-8bit": dict(store_param_remainders=True, mu_dtype=torch.uint8,
+                              nu_dtype=torch.uint8),
+           "split-bf16": dict(store_param_remainders=True, mu_dtype=torch.bfloat16,
+                              nu_dtype=torch.bfloat16)}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,16 +9,9 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import KERNELS, clone, run
+from conftest import FORMATS, KERNELS, clone, run
 from functional_offload.executor import HostExecutor
-from functional_offload.kernels import blockwise, remainder
 
-FORMATS = {"split": dict(store_param_remainders=True),
-           "8bit": dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8),
-           "split-8bit": dict(store_param_remainders=True, mu_dtype=torch.uint8,
-                              nu_dtype=torch.uint8),
-           "split-bf16": dict(store_param_remainders=True, mu_dtype=torch.bfloat16,
-                              nu_dtype=torch.bfloat16)}
 LABELS = {"w": "big", "v": "big", "b": "small"}
 
 

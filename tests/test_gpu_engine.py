@@ -21,7 +21,7 @@ from functional_offload.optimizers.layout import Leaf, with_flat_views
 from functional_offload.placement import on_device, on_host
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
 
-from conftest import grad_seq, make_params
+from conftest import FORMATS, grad_seq, make_params
 from registry import OPTIMIZERS
 
 ELEMENTWISE = [e for e in OPTIMIZERS if e.delayed]  # delayed=True needs element-wise math
@@ -76,14 +76,6 @@ def assert_same(a, b):
 def test_bits_of_on_device(entry, dtype, ema, mask):
     assert_same(run(entry, on_host(), "gpu", dtype, ema, mask),
                 run(entry, on_device(), "cpu", dtype, ema, mask))
-
-
-FORMATS = {"split": dict(store_param_remainders=True),
-           "8bit": dict(mu_dtype=torch.uint8, nu_dtype=torch.uint8),
-           "split-8bit": dict(store_param_remainders=True, mu_dtype=torch.uint8,
-                              nu_dtype=torch.uint8),
-           "split-bf16": dict(store_param_remainders=True, mu_dtype=torch.bfloat16,
-                              nu_dtype=torch.bfloat16)}
 
 
 @pytest.mark.cuda
