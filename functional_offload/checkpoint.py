@@ -171,12 +171,21 @@ def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
     return {**state_tensors(state), **shapes}
 
 
-def state_tensors(state: OptState) -> dict[str, torch.Tensor]:
-    """:func:`state_dict` without its checks and without landing work in flight."""
+def state_tensors(state: OptState, joined: bool = True) -> dict[str, torch.Tensor]:
+    """:func:`state_dict` without its checks and without landing work in flight; ``joined``
+    False: split masters as they are held (``int16`` halves), not as their fp32 values."""
     paths, leaves = _state_leaves(state)
     check_unique_paths(paths, "state", "a checkpoint names each state tensor by its path")
+    if not joined:
+        return dict(zip(paths, leaves))
     highs = _high_params(state)
     return {p: join(x, highs.get(id(x))) if is_split(x) else x for p, x in zip(paths, leaves)}
+
+
+def check_split_params(state: OptState) -> None:
+    """:class:`CheckpointError` naming the leaf where a remainder-only split master's param
+    can no longer be its high half (its dtype, size or layout changed)."""
+    _high_params(state)
 
 
 def _high_params(state: OptState) -> dict[int, torch.Tensor]:

@@ -13,8 +13,10 @@ transformation in a chain, under ``masked``, ``partition``, ``inject_hyperparams
 state field whose leaves reduce some dims of their params to size 1 over the whole param
 (Adafactor's row and column factors) names those dims in its state type's class attribute
 ``reduced_dims`` (``{"row_var": (-1,), "col_var": (-2,)}``); such a leaf is sharded like its
-param along the other dims and replicated along the reduced ones. Every other leaf (step
-counts, hyperparameters) is saved once, from one rank, so it must be the same on every rank.
+param along the other dims and replicated along the reduced ones. A split master's halves,
+``(rows, *param.shape)``, are sharded like the param one dim further in. Every other leaf
+(step counts, hyperparameters) is saved once, from one rank, so it must be the same on every
+rank.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 # What FSDP2 builds its sharded params from: DTensor.from_local would move a local tensor on
 # the host to the mesh's device, and the state must stay where the placement put it.
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -91,6 +93,24 @@ def _as_dtensor(x: Any, p: Any, path: str, reduced: frozenset[int]) -> Any:
     return DTensor(x, spec, requires_grad=False)
 
 
+def _split_as_dtensor(x: torch.Tensor, p: Any, path: str) -> Any:
+    """Split master ``x`` (``int16``, ``(rows, *local shard)``: the high half and the remainder,
+    or the remainder alone) of param ``p`` as a DTensor of shape ``(rows, *p.shape)`` laid out
+    like ``p`` one dim further in, whose local tensor is ``x``; ``x`` itself for a plain
+    param."""
+    if not isinstance(p, DTensor):
+        return x
+    if tuple(x.shape[1:]) != tuple(local(p).shape):
+        raise ValueError(f"split master {path!r} has shape {tuple(x.shape)}, but its param's "
+                         f"local shard has {tuple(local(p).shape)}: pass the state that opt.init "
+                         "made for these DTensor params")
+    shape = torch.Size((x.shape[0], *p.shape))
+    placements = tuple(Shard(pl.dim % p.dim() + 1) if pl.is_shard() else pl for pl in p.placements)
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    spec = DTensorSpec(p.device_mesh, placements, tensor_meta=TensorMeta(shape, stride, x.dtype))
+    return DTensor(x, spec, requires_grad=False)
+
+
 def _terminal(node: Any, prefix: str) -> Any:
     """A terminal state with the fields that mirror its params as DTensors."""
     params = node.params.tree
@@ -108,9 +128,11 @@ def _terminal(node: Any, prefix: str) -> Any:
                                 "functional_offload.dcp saves states whose fields mirror the "
                                 "params (mu, nu, master, momentum) and a step count") from None
             continue  # e.g. SGD's momentum=() without momentum
-        fields[f] = spec.unflatten([_as_dtensor(x, p, f"{prefix}{f}.{q}",
-                                                _reduced(type(node), f, p.dim()))
-                                    for x, p, q in zip(xs, ps, ppaths)])
+        fields[f] = spec.unflatten([
+            _split_as_dtensor(x, p, f"{prefix}{f}.{q}")
+            if f == "master" and isinstance(x, torch.Tensor) and is_split(x)
+            else _as_dtensor(x, p, f"{prefix}{f}.{q}", _reduced(type(node), f, p.dim()))
+            for x, p, q in zip(xs, ps, ppaths)])
     return node._replace(**fields)
 
 
@@ -210,6 +232,14 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
     shard once; ``dcp.load`` into ``state_dict(like)`` copies the checkpoint into ``like``'s
     tensors in place, from a checkpoint saved at any world size, through host memory only.
 
+    A split master (``store_param_remainders``) is its ``int16`` halves as held,
+    ``(2, *param.shape)`` (the high half and the remainder) or ``(1, *param.shape)`` (the
+    remainder of a GPU param, whose high half is the param itself: load the model's params
+    from the same checkpoint, in the same ``dcp.load``), laid out like the param one dim
+    further in: exact at any world size, and it loads only into split masters of the same
+    rows (``fo.save``/``fo.load`` convert between the formats). Block-wise 8-bit moments are
+    refused (``ValueError`` naming the leaf): each rank's bytes quantize its own shard.
+
     For ``dcp.save``, a delayed update in flight is finished first, and a consumed, failed or
     busy state is refused. With ``loading=True`` (for ``dcp.load``), a delayed update in flight
     is waited for and dropped, and a failed state is accepted: loading is how it recovers.
@@ -238,28 +268,22 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
         checkpoint.ready_for_load(state)
     else:
         checkpoint.state_dict(state)  # lands a delayed update; refuses a consumed or failed state
-    sd = checkpoint.state_tensors(_exported(state, None, ""))
+    checkpoint.check_split_params(state)  # a remainder-only master's param is its high half
+    sd = checkpoint.state_tensors(_exported(state, None, ""), joined=False)
     if not loading:
         _check_ranks_agree(sd)
     return sd
 
 
 def _refuse_formats(state: OptState) -> None:
-    """Raise ``ValueError`` for split masters and block-wise 8-bit moments, whose tensors do not
-    mirror their params' shards (DCP saves and loads each as a shard of its param's shape)."""
+    """Raise ``ValueError`` for block-wise 8-bit moments, whose tensors do not mirror their
+    params' shards (each rank's bytes quantize its own shard in blocks of its own)."""
     for s in terminal_states(state):
         for field in s._fields:
-            if field in ("count", "params"):
+            if field in ("count", "params", "master"):
                 continue
-            stored = is_split if field == "master" else is_blockwise
             paths, xs, _ = leaves_with_paths(getattr(s, field))
-            bad = [p for p, x in zip(paths, xs) if isinstance(x, torch.Tensor) and stored(x)]
-            if bad and field == "master":
-                raise ValueError(f"functional_offload.dcp does not checkpoint split masters "
-                                 f"(store_param_remainders=True), as of leaf {bad[0]!r}: DCP "
-                                 "loads into the state's tensors in place, and a split master is "
-                                 "two halves of its fp32 value; use fo.save/fo.load per rank, or "
-                                 "store_param_remainders=False")
+            bad = [p for p, x in zip(paths, xs) if isinstance(x, torch.Tensor) and is_blockwise(x)]
             if bad:
                 raise ValueError(f"functional_offload.dcp does not checkpoint block-wise 8-bit "
                                  f"moments (torch.uint8), as of {field} leaf {bad[0]!r}: each "

@@ -15,6 +15,7 @@ from torch import nn
 
 import functional_offload as fo
 from conftest import end_rank
+from functional_offload.kernels import remainder
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 import functional_offload.dcp  # noqa: E402,F401  (fo.dcp)
@@ -50,9 +51,9 @@ def make_opt():
     return fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(1e-2, weight_decay=0.1))
 
 
-def batches():
+def batches(width: int = 8):
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(4, 8, generator=g).to(torch.bfloat16) for _ in range(BEFORE + AFTER)]
+    return [torch.randn(4, width, generator=g).to(torch.bfloat16) for _ in range(BEFORE + AFTER)]
 
 
 def train(model, opt, state, xs):
@@ -67,16 +68,25 @@ def train(model, opt, state, xs):
 
 def full(sd: dict) -> dict:
     """Whole tensors, copied (DTensors gathered: collective; a replicated one's is its own)."""
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in sd.items()}
+    return {k: _whole(v).detach().clone() for k, v in sd.items()}
+
+
+def _whole(v):
+    if not isinstance(v, DTensor):
+        return v
+    if v.dtype == torch.int16:  # (split masters' halves: gloo gathers no int16, so widened)
+        wide = DTensor.from_local(v.to_local().int(), v.device_mesh, v.placements, shape=v.shape,
+                                  stride=v.stride())
+        return wide.full_tensor().to(torch.int16)
+    return v.full_tensor()
 
 
 def snapshot(model, state) -> dict:
     return {"params": full(get_model_state_dict(model)), "state": full(fo.dcp.state_dict(state))}
 
 
-def start(mesh=None, make=make_opt):
-    model = make_model()
+def start(mesh=None, make=make_opt, build=make_model):
+    model = build()
     if mesh is not None:
         shard(model, mesh)
     opt = make()
@@ -88,13 +98,30 @@ def save(model, state, path):
              checkpoint_id=path)
 
 
-def resume(path, mesh=None, make=make_opt):
+def resume(path, mesh=None, make=make_opt, build=make_model):
     """A new model and state (sharded over ``mesh``, or plain), loaded from ``path``."""
-    model, opt, like = start(mesh, make)
+    model, opt, like = start(mesh, make, build)
     sd = {"model": get_model_state_dict(model), "optim": fo.dcp.state_dict(like, loading=True)}
     dcp.load(sd, checkpoint_id=path, planner=fo.dcp.StrictLoadPlanner())
     set_model_state_dict(model, sd["model"])
     return model, opt, like
+
+
+def save_and_resume(mesh, folder: str, prefix: str, width: int = 8, **kw) -> dict:
+    """At this world size (``mesh``): train BEFORE steps, save ``<prefix>two``, continue; then
+    resume both worlds' checkpoints (``<prefix>two``, ``<prefix>one``) and continue each.
+    ``kw``: :func:`start`'s ``make`` and ``build``."""
+    xs = batches(width)
+    model, opt, state = start(mesh, **kw)
+    state = train(model, opt, state, xs[:BEFORE])
+    save(model, state, f"{folder}/{prefix}two")
+    out = {"saved": snapshot(model, state)}
+    out["straight"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+    for name in ("two", "one"):
+        model, opt, state = resume(f"{folder}/{prefix}{name}", mesh, **kw)
+        out[f"{name} loaded"] = snapshot(model, state)
+        out[f"{name} resumed"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+    return out
 
 
 def two_ranks(rank: int, folder: str) -> None:
@@ -102,16 +129,7 @@ def two_ranks(rank: int, folder: str) -> None:
                             timeout=timedelta(seconds=60))
     try:
         mesh = init_device_mesh("cpu", (2,))
-        xs = batches()
-        model, opt, state = start(mesh)
-        state = train(model, opt, state, xs[:BEFORE])
-        save(model, state, f"{folder}/two")
-        out = {"saved": snapshot(model, state)}
-        out["straight"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
-        for name in ("two", "one"):  # resume both checkpoints at 2 ranks
-            model, opt, state = resume(f"{folder}/{name}", mesh)
-            out[f"{name} loaded"] = snapshot(model, state)
-            out[f"{name} resumed"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+        out = save_and_resume(mesh, folder, "")
         # counts that differ across ranks: rank 0 updates once more (adamw alone: no collective)
         model, _, _ = start(mesh)
         opt = fo.adamw(1e-2)
@@ -128,17 +146,24 @@ def two_ranks(rank: int, folder: str) -> None:
         end_rank()
 
 
+def saved_at_one_rank(folder, prefix: str, width: int = 8, **kw) -> dict:
+    """At one rank (plain params, no process group): train BEFORE steps, save
+    ``<prefix>one``, continue."""
+    xs = batches(width)
+    model, opt, state = start(**kw)
+    state = train(model, opt, state, xs[:BEFORE])
+    save(model, state, folder / f"{prefix}one")
+    one = {"saved": snapshot(model, state)}
+    one["straight"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+    return one
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """One run at 1 rank (plain params, no process group) and one at 2 ranks (FSDP2), each
     saved after BEFORE steps and continued; the 2-rank job also resumes both checkpoints."""
     folder = tmp_path_factory.mktemp("dcp")
-    xs = batches()
-    model, opt, state = start()
-    state = train(model, opt, state, xs[:BEFORE])
-    save(model, state, folder / "one")
-    one = {"saved": snapshot(model, state)}
-    one["straight"] = snapshot(model, train(model, opt, state, xs[BEFORE:]))
+    one = saved_at_one_rank(folder, "")
     mp.spawn(two_ranks, args=(str(folder),), nprocs=2)
     return {"folder": folder, "one": one, "two": torch.load(folder / "two_ranks.pt")}
 
@@ -158,8 +183,9 @@ def assert_close(a: dict, b: dict) -> None:
     assert torch.equal(a["state"]["1.count"], b["state"]["1.count"])
     for part in ("params", "state"):
         for k in a[part]:
-            torch.testing.assert_close(a[part][k].float(), b[part][k].float(), rtol=0, atol=1e-3,
-                                       msg=f"{part} {k}")
+            x, y = (remainder.join(t) if remainder.is_split(t) else t.float()  # a split master's
+                    for t in (a[part][k], b[part][k]))                       # fp32 values
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-3, msg=f"{part} {k}")
 
 
 def test_two_rank_checkpoint_loads_at_one_rank_bit_exact(runs):
@@ -263,6 +289,46 @@ def test_load_into_host_state_allocates_no_device_memory(tmp_path):
         assert torch.cuda.max_memory_allocated() - peak < 2**20  # a staged leaf is 4 MiB
         saved, loaded = fo.state_dict(state), fo.state_dict(like)
         assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_gpu_params_remainder_only_master_resumes_with_the_model(where, tmp_path):
+    """bf16 DTensor params on the GPU with split masters of the remainder alone (the param is
+    the high half), on the host or the device: saved with the model and loaded with it into a
+    fresh model and state, training goes on bit for bit."""
+    torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path}/store",
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        placement = fo.placement.on_host() if where == "host" else fo.placement.on_device()
+
+        def build():
+            torch.manual_seed(0)
+            model = shard(nn.Sequential(nn.Linear(512, 512).to("cuda", torch.bfloat16)), mesh)
+            opt = fo.chain(fo.clip_by_global_norm(1.0), fo.adamw(
+                1e-2, weight_decay=0.1, placement=placement, store_param_remainders=True))
+            return model, opt, opt.init(dict(model.named_parameters()))
+
+        g = torch.Generator(device="cuda").manual_seed(1)
+        xs = [torch.randn(4, 512, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4)]
+        model, opt, state = build()
+        assert remainder.is_lean(state[-1].master["0.weight"])
+        state = train(model, opt, state, xs[:2])
+        save(model, state, tmp_path / "ckpt")
+        state = train(model, opt, state, xs[2:])
+        model2, opt2, like = build()
+        sd = {"model": get_model_state_dict(model2), "optim": fo.dcp.state_dict(like, loading=True)}
+        dcp.load(sd, checkpoint_id=tmp_path / "ckpt", planner=fo.dcp.StrictLoadPlanner())
+        set_model_state_dict(model2, sd["model"])
+        like = train(model2, opt2, like, xs[2:])
+        want, got = fo.state_dict(state), fo.state_dict(like)
+        assert all(torch.equal(got[k].cpu(), want[k].cpu()) for k in want)
+        for (n, p), q in zip(model.named_parameters(), model2.parameters()):
+            assert torch.equal(p.to_local(), q.to_local()), n
     finally:
         dist.destroy_process_group()
 
@@ -507,6 +573,78 @@ def test_a_rank_local_leaf_that_mirrors_no_params_is_refused(wrapped):
     """A plain leaf that differs across ranks is saved from one rank only: refused, named."""
     message = two_rank(wrapped, "rank-local")["message"]
     assert message is not None and "'0.flat.0' differs across ranks" in message
+
+
+# ---- split masters (store_param_remainders) -------------------------------------------------
+SPLIT_WIDTH = 256
+
+
+def make_split_model() -> nn.Module:
+    """A bf16 layer above the size that keeps fp32 masters (76,800 weights: a split master,
+    its shards 38,400 each), a small bf16 bias beside it (an fp32 master) and an fp32 layer."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(SPLIT_WIDTH, 300).to(torch.bfloat16), ToFloat(), nn.Linear(300, 1))
+
+
+def make_split_opt():
+    return fo.chain(fo.clip_by_global_norm(1.0),
+                    fo.adamw(1e-2, weight_decay=0.1, store_param_remainders=True))
+
+
+SPLIT = dict(make=make_split_opt, build=make_split_model)
+
+
+def two_ranks_split(rank: int, folder: str) -> None:
+    """At 2 ranks: train, save ``split-two``, continue; resume both worlds' checkpoints."""
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        out = save_and_resume(init_device_mesh("cpu", (2,)), folder, "split-", SPLIT_WIDTH, **SPLIT)
+        if rank == 0:
+            torch.save(out, f"{folder}/split_two_ranks.pt")
+    finally:
+        end_rank()
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dcp-split")
+    one = saved_at_one_rank(folder, "split-", SPLIT_WIDTH, **SPLIT)
+    mp.spawn(two_ranks_split, args=(str(folder),), nprocs=2)
+    return {"folder": folder, "one": one, "two": torch.load(folder / "split_two_ranks.pt")}
+
+
+def test_split_masters_checkpoint_as_their_halves_at_any_world_size(split_runs):
+    """DCP saves a split master as its ``int16`` halves, ``(2, *param.shape)``, laid out like
+    the param one dim further in (a view: nothing joined); loaded at another world size they are
+    the saved bits, and training continues on the same trajectory (bit for bit at the same
+    world size)."""
+    one, two = split_runs["one"], split_runs["two"]
+    saved = two["saved"]["state"]
+    assert saved["1.master.0.weight"].dtype == torch.int16
+    assert saved["1.master.0.weight"].shape == (2, 300, SPLIT_WIDTH)
+    assert saved["1.master.0.bias"].dtype == torch.float32  # small: an fp32 master
+    assert_equal(two["two loaded"], two["saved"])
+    assert_equal(two["one loaded"], one["saved"])
+    assert_equal(two["two resumed"], two["straight"])
+    assert_close(two["one resumed"], one["straight"])
+    model, opt, state = resume(split_runs["folder"] / "split-two", **SPLIT)
+    assert_equal(snapshot(model, state), two["saved"])
+    assert_close(snapshot(model, train(model, opt, state, batches(SPLIT_WIDTH)[BEFORE:])),
+                 two["straight"])
+    model, opt, state = resume(split_runs["folder"] / "split-one", **SPLIT)
+    assert_equal(snapshot(model, train(model, opt, state, batches(SPLIT_WIDTH)[BEFORE:])),
+                 one["straight"])
+
+
+def test_a_split_master_checkpoint_does_not_load_into_fp32_masters(split_runs):
+    """The formats' tensors differ (``int16`` halves, fp32 values): refused, naming the key
+    (fo.save / fo.load convert between them)."""
+    model, opt = make_split_model(), make_opt()
+    like = opt.init(dict(model.named_parameters()))
+    with pytest.raises(dcp.CheckpointException, match="optim.1.master.0.weight"):
+        dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
+                 checkpoint_id=split_runs["folder"] / "split-one", planner=fo.dcp.StrictLoadPlanner())
 
 
 def test_block_wise_8bit_moments_are_refused_naming_the_leaf():
