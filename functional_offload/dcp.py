@@ -46,6 +46,11 @@ from functional_offload.kernels.remainder import is_split
 from functional_offload.tree import flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
 
+try:  # FSDP2 over tensor-parallel params shards them with a split factor
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - torch without it has no such placements
+    _StridedShard = None
+
 __all__ = ["state_dict", "StrictLoadPlanner"]
 
 
@@ -105,10 +110,24 @@ def _split_as_dtensor(x: torch.Tensor, p: Any, path: str) -> Any:
                          f"local shard has {tuple(local(p).shape)}: pass the state that opt.init "
                          "made for these DTensor params")
     shape = torch.Size((x.shape[0], *p.shape))
-    placements = tuple(Shard(pl.dim % p.dim() + 1) if pl.is_shard() else pl for pl in p.placements)
+    placements = tuple(_one_dim_in(pl, p.dim(), path) for pl in p.placements)
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
     spec = DTensorSpec(p.device_mesh, placements, tensor_meta=TensorMeta(shape, stride, x.dtype))
     return DTensor(x, spec, requires_grad=False)
+
+
+def _one_dim_in(pl: Any, ndim: int, path: str) -> Any:
+    """Placement ``pl`` of an ``ndim``-dim param for a tensor with one more dim in front: a
+    shard (strided ones, as FSDP2 over tensor parallelism makes them, keep their split factor)
+    one dim further in, a replica as is; ``ValueError`` naming the leaf for others."""
+    if _StridedShard is not None and isinstance(pl, _StridedShard):  # (a Shard in torch < 2.9)
+        return _StridedShard(pl.dim % ndim + 1, split_factor=pl.split_factor)
+    if pl.is_shard():
+        return Shard(pl.dim % ndim + 1)
+    if pl.is_replicate():
+        return pl
+    raise ValueError(f"split master {path!r}: its param's placement {pl} has no layout for the "
+                     "halves; checkpoint it with fo.save per rank")
 
 
 def _terminal(node: Any, prefix: str) -> Any:

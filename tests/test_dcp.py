@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict,  # no
                                                      set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor import DTensor, Shard  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -645,6 +645,61 @@ def test_a_split_master_checkpoint_does_not_load_into_fp32_masters(split_runs):
     with pytest.raises(dcp.CheckpointException, match="optim.1.master.0.weight"):
         dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
                  checkpoint_id=split_runs["folder"] / "split-one", planner=fo.dcp.StrictLoadPlanner())
+
+
+TP_SHAPES = {"w": (304, 256), "v": (70_004,)}  # split masters, their rows over tp then dp
+
+
+def tp_params() -> dict:
+    torch.manual_seed(0)
+    return {k: torch.randn(s).to(torch.bfloat16) for k, s in TP_SHAPES.items()}
+
+
+def four_ranks_tp(rank: int, folder: str) -> None:
+    """FSDP2 over tensor parallelism (a 2 x 2 mesh: each param sharded over "tp", then
+    ``fully_shard`` over "dp", which makes its placements strided): 3 steps with split masters,
+    saved with DCP; the fp32 masters each rank joins, gathered whole."""
+    from torch.distributed.tensor import distribute_tensor
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store-tp", rank=rank,
+                            world_size=4, timeout=timedelta(seconds=60))
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = nn.Module()
+        for k, v in tp_params().items():
+            model.register_parameter(k, nn.Parameter(distribute_tensor(v, mesh["tp"], [Shard(0)])))
+        fully_shard(model, mesh=mesh["dp"])
+        params = dict(model.named_parameters())
+        opt = fo.adamw(1e-2, weight_decay=0.1, store_param_remainders=True)
+        state = opt.init(params)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            grads = {k: torch.randn(p.shape, generator=g).to(torch.bfloat16) for k, p in params.items()}
+            grads = {k: distribute_tensor(x, p.device_mesh, p.placements) for (k, p), x
+                     in zip(params.items(), grads.values())}
+            _, state = opt.update(grads, state)
+        dcp.save({"optim": fo.dcp.state_dict(state)}, checkpoint_id=f"{folder}/tp")
+        whole = {k: DTensor.from_local(remainder.join(state.master[k]), p.device_mesh, p.placements,
+                                       shape=p.shape, stride=p.stride()).full_tensor()
+                 for k, p in params.items()}
+        if rank == 0:
+            torch.save(whole, f"{folder}/tp_masters.pt")
+    finally:
+        end_rank()
+
+
+def test_split_masters_of_fsdp2_over_tensor_parallel_params_load_at_one_rank(tmp_path):
+    """Strided placements (FSDP2 over a tensor-parallel shard) keep their split factor one dim
+    further in: the checkpoint loads at one rank as the masters the 4 ranks held (a placement
+    shifted without it saved rows in another order, or chunks of the wrong sizes)."""
+    mp.spawn(four_ranks_tp, args=(str(tmp_path),), nprocs=4)
+    want = torch.load(tmp_path / "tp_masters.pt")
+    opt = fo.adamw(1e-2, weight_decay=0.1, store_param_remainders=True)
+    like = opt.init(tp_params())
+    dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id=tmp_path / "tp",
+             planner=fo.dcp.StrictLoadPlanner())
+    for k in TP_SHAPES:
+        assert torch.equal(remainder.join(like.master[k]).view(torch.int32),
+                           want[k].view(torch.int32)), k
 
 
 def test_block_wise_8bit_moments_are_refused_naming_the_leaf():
