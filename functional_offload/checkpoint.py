@@ -158,14 +158,21 @@ def state_dict(state: OptState) -> dict[str, torch.Tensor]:
     return _landed(state, "take a state_dict")
 
 
-def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
-    """:func:`state_dict` for ``action`` (named in the errors for a consumed, failed or busy
-    state)."""
+def ready_for_save(state: OptState, action: str) -> None:
+    """Make ``state`` ready to be saved for ``action`` (named in the errors): a delayed update
+    still in flight lands first; a consumed, failed or busy state is refused, as are values a
+    loop wrote into it that a load would refuse."""
     check_state(state, "state")
     check_usable(state, action)
     flush(state)  # a delayed update still in flight lands first
     check_usable(state, action)
-    check_states(state)  # values a loop wrote into the state that a load would refuse
+    check_states(state)
+
+
+def _landed(state: OptState, action: str) -> dict[str, torch.Tensor]:
+    """:func:`state_dict` for ``action`` (named in the errors for a consumed, failed or busy
+    state)."""
+    ready_for_save(state, action)
     shapes = {k: torch.tensor(shape, dtype=torch.int64)
               for k, (shape, eight) in _param_shapes(state).items() if eight}
     return {**state_tensors(state), **shapes}

@@ -286,7 +286,7 @@ def state_dict(state: OptState, loading: bool = False) -> dict[str, torch.Tensor
     if loading:
         checkpoint.ready_for_load(state)
     else:
-        checkpoint.state_dict(state)  # lands a delayed update; refuses a consumed or failed state
+        checkpoint.ready_for_save(state, "take a state_dict")  # lands a delayed update
     checkpoint.check_split_params(state)  # a remainder-only master's param is its high half
     sd = checkpoint.state_tensors(_exported(state, None, ""), joined=False)
     if not loading:
