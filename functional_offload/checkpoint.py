@@ -36,7 +36,7 @@ from functional_offload.state import (FAILED, check_loadable, check_recoverable,
 from functional_offload.checkpoint_file import CheckpointError, key_count, read, some_keys, write
 from functional_offload.executor.shield import shielded
 from functional_offload.kernels.blockwise import is_blockwise
-from functional_offload.kernels.remainder import is_lean, is_split, join, split_
+from functional_offload.kernels.remainder import holds_high_half, is_lean, is_split, join, split_
 from functional_offload.quantized import write_params
 from functional_offload.tree import check_unique_paths, flatten_like, leaves_with_paths, local
 from functional_offload.typing import OptState
@@ -207,8 +207,7 @@ def _high_params(state: OptState) -> dict[int, torch.Tensor]:
             if m is None or not is_lean(m):
                 continue
             p = local(p)
-            if (p.dtype != torch.bfloat16 or p.numel() != m[0].numel()
-                    or not p.is_contiguous()):
+            if not holds_high_half(m, p):
                 raise CheckpointError(
                     f"leaf {name!r}: its split master keeps the remainder alone, its contiguous "
                     f"bf16 param of {m[0].numel()} elements being the high half, but the param "

@@ -58,7 +58,7 @@ import torch
 from functional_offload.kernels import remainder_cuda
 
 __all__ = ["is_split", "is_lean", "new_split", "join", "split_", "join_halves", "split_halves", "high",
-           "flat_halves", "split_base", "join_base"]
+           "flat_halves", "holds_high_half", "split_base", "join_base"]
 
 assert sys.byteorder == "little", "the split master reads fp32 bits as little-endian int16 pairs"
 
@@ -98,11 +98,17 @@ def flat_halves(master: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor
     return hi, master[-1].view(-1)
 
 
+def holds_high_half(master: torch.Tensor, param: Optional[torch.Tensor]) -> bool:
+    """Whether ``param`` can be the high half of the remainder-only ``master``: a contiguous
+    bf16 tensor of as many elements (a param reshaped in place keeps its elements in order)."""
+    return (param is not None and param.dtype == torch.bfloat16
+            and param.numel() == master[0].numel() and param.is_contiguous())
+
+
 def _param_bits(master: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
     """The bits of a remainder-only master's param (its high half) in the master's shape (a
     param reshaped since, keeping its elements and its memory in order, is followed)."""
-    if (param is None or param.dtype != torch.bfloat16 or param.numel() != master[0].numel()
-            or not param.is_contiguous()):
+    if not holds_high_half(master, param):
         raise ValueError(f"a remainder-only split master of shape {tuple(master.shape[1:])} "
                          "needs its contiguous bf16 param of as many elements (its high half), "
                          f"got {None if param is None else (param.dtype, tuple(param.shape))}")
