@@ -79,6 +79,14 @@ def small_executor():
     return HostExecutor(chunk_bytes=4096, slots=3, threads=2, worker_elements=1)
 
 
+def resume(opt, state, params, path):
+    """Save ``state``, then load it into a fresh state of ``opt`` on a copy of ``params``."""
+    import functional_offload as fo
+    fo.save(state, path)
+    params = clone(params)
+    return params, fo.load(path, like=opt.init(params))
+
+
 def run(opt, params, grads):
     """``opt`` from ``init`` through ``update`` on each of ``grads``; anything delayed landed."""
     import functional_offload as fo

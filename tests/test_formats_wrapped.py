@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_offload as fo
-from conftest import FORMATS, KERNELS, clone, run
+from conftest import FORMATS, KERNELS, clone, resume, run
 from functional_offload.executor import HostExecutor
 
 LABELS = {"w": "big", "v": "big", "b": "small"}
@@ -32,12 +32,6 @@ def _grads(params: dict, steps: int) -> list[dict]:
 def _adamw(fmt: str, kernel: str, lr=1e-2) -> fo.Optimizer:
     return fo.adamw(lr, weight_decay=0.1, cpu_kernel=kernel, **FORMATS[fmt],
                     executor=HostExecutor(chunk_bytes=1 << 16, slots=3, threads=2))
-
-
-def _resume(opt, state, params, path):
-    fo.save(state, path)
-    params = clone(params)
-    return params, fo.load(path, like=opt.init(params))
 
 
 def _same(a, b) -> bool:
@@ -78,7 +72,7 @@ def test_multisteps_of_a_format_is_its_mean_grad_step_through_a_checkpoint(fmt, 
     s = opt.init(p)
     for j, g in enumerate(grads):
         if j == k + 1:
-            p, s = _resume(opt, s, p, tmp_path / "ms")
+            p, s = resume(opt, s, p, tmp_path / "ms")
         p, s = opt.update(g, s)
     fo.flush(s)
     _stored(s, fmt)
@@ -102,7 +96,7 @@ def test_injected_hyperparams_of_a_format_are_the_schedule_through_a_checkpoint(
     s = opt.init(p)
     for n, g in enumerate(grads):
         if n == 3:
-            p, s = _resume(opt, s, p, tmp_path / "inject")
+            p, s = resume(opt, s, p, tmp_path / "inject")
         p, s = opt.update(g, s)
     fo.flush(s)
     _stored(s, fmt)

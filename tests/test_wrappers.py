@@ -14,7 +14,7 @@ import functional_offload as fo
 from functional_offload.executor import HostExecutor
 from functional_offload.testing import fail_host_kernel, slow_host_kernel
 from functional_offload.tree import leaves_with_paths
-from conftest import clone, grad_seq, make_params, run, small_executor
+from conftest import clone, grad_seq, make_params, resume, run, small_executor
 
 LABELS = {"layer1": {"weight": "w", "bias": "b"}, "layer2": {"weight": "w", "bias": "b"},
           "scale": "w"}  # for make_params() trees
@@ -32,13 +32,6 @@ def same(a, b):
 
 def snapshot(state):
     return {k: v.clone() for k, v in fo.state_dict(state).items()}
-
-
-def resume(opt, state, params, path):
-    """Save ``state``, then load it into a fresh state of ``opt`` on a copy of ``params``."""
-    fo.save(state, path)
-    params = clone(params)
-    return params, fo.load(path, like=opt.init(params))
 
 
 def sub(tree, paths):
