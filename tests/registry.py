@@ -74,5 +74,5 @@ OPTIMIZERS = [
     Entry("sgd-nesterov", fo.sgd, SGD, torch_oracle(torch.optim.SGD, **SGD), True),
     Entry("lion", fo.lion, LION, lion_by_hand(**LION), True),
     Entry("adafactor", fo.adafactor, ADAFACTOR, torch_oracle(torch.optim.Adafactor, **ADAFACTOR), True,
-          native=False, delayed=False, remainders=False),
+          native=False, delayed=False),
 ]

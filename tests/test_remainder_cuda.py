@@ -320,3 +320,38 @@ def test_where_torch_rounds_otherwise_the_six_passes_step_the_stored_formats(eng
     from functional_offload.kernels import adam_cuda
     monkeypatch.setattr(adam_cuda, "agrees", lambda device: False)
     assert not _one_pass_against_the_fp32_master(engine, fo.adamw, 0.1, monkeypatch)
+
+
+@pytest.mark.parametrize("where", list(PLACEMENTS))
+def test_adafactors_split_master_on_gpu_params_is_bit_identical(where):
+    """Adafactor (not element-wise: each host leaf joined, stepped and split whole; the device
+    math on the joined values) with split masters on GPU params, clipped (scaling), with an
+    EMA: the fp32 master's masters, factors and EMA bit for bit; the params differ only at
+    halfway masters. Host state keeps both halves, device state the remainder alone."""
+    def train(rem: bool):
+        torch.manual_seed(0)
+        params = {k: torch.randn(s, device=DEV).bfloat16() for k, s in SHAPES.items()}
+        opt = fo.chain(fo.clip_by_global_norm(1e-2), fo.adafactor(
+            1e-2, weight_decay=0.1, placement=PLACEMENTS[where](), ema_decay=0.9,
+            store_param_remainders=rem))
+        state = opt.init(params)
+        g = torch.Generator(device=DEV).manual_seed(1)
+        for _ in range(6):
+            grads = {k: torch.randn(v.shape, generator=g, device=DEV).bfloat16()
+                     for k, v in params.items()}
+            params, state = opt.update(grads, state)
+        return params, state[-1]
+
+    p32, s32 = train(False)
+    p16, s16 = train(True)
+    for k in SHAPES:
+        m = s16.master[k]
+        if k != "b" or m.device.type == "cuda":  # the small host leaf keeps an fp32 master
+            assert remainder.is_split(m) and remainder.is_lean(m) == (m.device.type == "cuda"), k
+        assert torch.equal(_master(s16, p16, k), _master(s32, p32, k)), k
+        for field in ("row_var", "col_var", "variance", "ema"):
+            a, b = getattr(s32, field)[k], getattr(s16, field)[k]
+            assert (a is None) == (b is None) and (a is None or torch.equal(a.cpu(), b.cpu())), (k, field)
+        tie = (_master(s32, p32, k) & 0xFFFF) == 0x8000
+        differ = (p16[k] != p32[k]).cpu()
+        assert not (differ & ~tie).any(), k

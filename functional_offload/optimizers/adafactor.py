@@ -167,7 +167,7 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: ScalarOrSchedule = -0.8,
               placement: Optional[Placement] = None, master_dtype: torch.dtype = torch.float32,
               weight_decay_mask: Any = None, ema_decay: Optional[float] = None,
               executor: Optional[HostExecutor] = None, cpu_kernel: str = "auto",
-              delayed: bool = False) -> Optimizer:
+              delayed: bool = False, store_param_remainders: bool = False) -> Optimizer:
     r"""Adafactor with ``torch.optim.Adafactor``'s math and defaults (the oracle).
 
     With :math:`t` the step, :math:`\hat\beta_{2,t} = 1 - t^{c}` (:math:`c` = ``beta2_decay``),
@@ -201,7 +201,11 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: ScalarOrSchedule = -0.8,
       placement, master_dtype, weight_decay_mask, ema_decay, executor: as in
         :func:`~functional_offload.adamw`; ``cpu_kernel``: ``"auto"`` or ``"torch"`` (the
         host math is torch's, whole leaf by whole leaf; there is no native op); ``delayed``:
-        must stay False (the leaf-by-leaf host step has no delayed mode).
+        must stay False (the leaf-by-leaf host step has no delayed mode);
+        ``store_param_remainders``: as in :func:`~functional_offload.adamw`, the master of
+        each bf16 param (but for small host leaves) kept as its high and low 16 bits, exact;
+        host state keeps both halves (each leaf is joined, stepped and split whole), device
+        state the remainder alone (the param is the high half).
 
     Returns:
       An :class:`~functional_offload.Optimizer` whose state is an :class:`AdafactorState`.
@@ -221,7 +225,8 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: ScalarOrSchedule = -0.8,
                                 "weight_decay": weight_decay},
                    moment_dtypes={}, placement=placement, master_dtype=master_dtype,
                    weight_decay_mask=weight_decay_mask, ema_decay=ema_decay, executor=executor,
-                   cpu_kernel=cpu_kernel, delayed=delayed)
+                   cpu_kernel=cpu_kernel, delayed=delayed,
+                   store_param_remainders=store_param_remainders)
 
     def init(params: Params) -> AdafactorState:
         _check_whole(params)

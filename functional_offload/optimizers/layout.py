@@ -145,9 +145,9 @@ def check_fits(leaf: Leaf, spec: OptimizerSpec) -> None:
     p = leaf.param
     want = [tuple(p.shape) if m.shape is None else m.shape(p.shape) for m in spec.moments]
     got = [None if x is None else tuple(x.shape) for x in leaf.moments]
-    if leaf.has_master:
+    if leaf.has_master:  # (a split master's halves: its rows)
         want.append(tuple(p.shape))
-        got.append(tuple(leaf.value.shape))
+        got.append(tuple(leaf.value.shape[1:] if is_split(leaf.value) else leaf.value.shape))
     if want != got:
         raise ValueError(f"param {leaf.path!r} is {tuple(p.shape)} now, but its state was laid "
                          f"out for another shape ({spec.name}'s state follows the param's "

@@ -94,9 +94,6 @@ class Terminal:
             raise ValueError("store_param_remainders=True keeps an fp32 master as the bf16 param "
                              f"and a 16-bit remainder; it needs master_dtype=torch.float32, got "
                              f"{master_dtype}")
-        if store_param_remainders and not spec.elementwise:
-            raise ValueError(f"{spec.name} does not support store_param_remainders=True: its host "
-                             "step runs leaf by leaf on fp32 masters")
         if delay is not None and not spec.elementwise:
             raise ValueError(f"{spec.name} does not support delayed=True: its host step runs leaf "
                              "by leaf; hide it with fo.stream, or keep its state on the device")
@@ -204,7 +201,7 @@ class Terminal:
         pack nothing, give such a leaf the fp32 master too, so that its params round as the
         plain step's (ties to even), bit for bit."""
         return (self.store_param_remainders and p.dtype == torch.bfloat16 and not is_quantized(p)
-                and not (host and self.spec.elementwise and self._small(p)))
+                and not (host and self._small(p)))
 
     def _lean(self, p: torch.Tensor, host: bool) -> bool:
         """Whether the leaf's split master is its remainder alone (kernels/remainder.py), the
@@ -212,10 +209,12 @@ class Terminal:
         param is (the device math reads and writes those bits in place), and the host state of
         one on a GPU (its bits copied down with the grad, stepped, copied back up) but for
         delayed updates with a look-ahead (whose landing reads the new values apart from the
-        params). A CPU param's host state keeps both halves."""
+        params). A CPU param's host state keeps both halves, as does the host state of a math
+        that is not element-wise (each leaf joined, stepped and split whole on the host)."""
         if not (p.is_contiguous() and self._needs_master(p, host) and self._split(p, host)):
             return False
         return not host or (p.device.type != "cpu"  # (meta: a plan's preview)
+                            and self.spec.elementwise
                             and not (self.delay is not None and self.delay.lookahead))
 
     def _state_bytes(self, p: torch.Tensor, host: bool) -> int:

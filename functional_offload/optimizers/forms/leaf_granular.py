@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from functional_offload.executor.leaves import LeafItem, run_leaves
+from functional_offload.kernels.remainder import high, is_split, join, split_
 from functional_offload.optimizers.forms.base import AtFinish, HostWork, by_device
 
 __all__ = ["LeafGranular"]
@@ -26,11 +27,15 @@ class LeafGranular(AtFinish):
         hyper, spec, decay = work.hyper_of(leaf), work.t.spec, work.t.ema_decay
 
         def fn(grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
-            spec.reference([leaf.value], [grad], [[m] for m in leaf.moments], hyper)
+            split = is_split(leaf.value)  # both halves (a whole leaf's fp32 value for its math)
+            value = join(leaf.value) if split else leaf.value
+            spec.reference([value], [grad], [[m] for m in leaf.moments], hyper)
+            if split:
+                split_(leaf.value, value)
             if out is not None:
-                out.copy_(leaf.value)
+                out.copy_(high(leaf.value) if split else value)
             if leaf.ema is not None:
-                leaf.ema.lerp_(leaf.value, 1 - (decay or 0.0))
+                leaf.ema.lerp_(value, 1 - (decay or 0.0))
 
         return LeafItem(leaf.path, g, leaf.param if leaf.has_master else None, fn)
 
