@@ -204,8 +204,10 @@ def adafactor(lr: ScalarOrSchedule = 1e-2, beta2_decay: ScalarOrSchedule = -0.8,
         must stay False (the leaf-by-leaf host step has no delayed mode);
         ``store_param_remainders``: as in :func:`~functional_offload.adamw`, the master of
         each bf16 param (but for small host leaves) kept as its high and low 16 bits, exact;
-        host state keeps both halves (each leaf is joined, stepped and split whole), device
-        state the remainder alone (the param is the high half).
+        device state keeps the remainder alone (the param is the high half: 2 bytes a param
+        fewer than an fp32 master); host state keeps both halves, as many bytes as an fp32
+        master (each leaf joined, stepped and split whole, which costs time and an fp32
+        temporary of the largest leaf): it is for device-resident state.
 
     Returns:
       An :class:`~functional_offload.Optimizer` whose state is an :class:`AdafactorState`.

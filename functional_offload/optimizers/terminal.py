@@ -355,10 +355,11 @@ class Terminal:
                 return torch.empty(shape, dtype=dtype, device=where, pin_memory=pin_memory)
 
             master = None
-            if self._needs_master(p, host) and self._split(p, host):  # pinned: it is copied up
-                rows = 1 if self._lean(p, host) else 2
-                master = new_split(p, new((rows, *p.shape), torch.int16,
-                                          not preview and host and p.device.type == "cuda"))
+            if self._needs_master(p, host) and self._split(p, host):
+                rows = 1 if self._lean(p, host) else 2  # pinned where the element-wise forms
+                master = new_split(p, new((rows, *p.shape), torch.int16,  # copy it up
+                                          not preview and host and p.device.type == "cuda"
+                                          and self.spec.elementwise))
             elif is_quantized(p) and preview:
                 master = torch.empty(p.shape, dtype=self._value_dtype(p), device=where)
             elif is_quantized(p):  # read through its format: a master apart, always
