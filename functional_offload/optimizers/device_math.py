@@ -81,7 +81,7 @@ class Group(NamedTuple):
         return self.split or any(self.eight)
 
 
-def _state_shape(value: torch.Tensor) -> torch.Size:
+def state_shape(value: torch.Tensor) -> torch.Size:
     """The shape a leaf's state was laid out with: its param's then (a split master's rows')."""
     return value.shape[1:] if is_split(value) else value.shape
 
@@ -89,7 +89,7 @@ def _state_shape(value: torch.Tensor) -> torch.Size:
 def _in_state_shapes(xs: list, values: list) -> list:
     """Grads or params (``None`` kept) viewed in the shapes of their leaves' state: a param
     reshaped in place since keeps its elements, in order, and its state steps them so."""
-    return [x if x is None or x.shape == _state_shape(v) else x.detach().reshape(_state_shape(v))
+    return [x if x is None or x.shape == state_shape(v) else x.detach().reshape(state_shape(v))
             for x, v in zip(xs, values)]
 
 

@@ -14,7 +14,7 @@ import torch
 
 from functional_offload.executor import HostExecutor
 from functional_offload.kernels.remainder import flat_halves, is_lean, is_split
-from functional_offload.optimizers.device_math import Group, device_groups
+from functional_offload.optimizers.device_math import Group, device_groups, state_shape
 from functional_offload.optimizers.packing import Pack
 from functional_offload.optimizers.packing import runs as runs_of
 from functional_offload.optimizers.delay import Delay
@@ -145,9 +145,9 @@ def check_fits(leaf: Leaf, spec: OptimizerSpec) -> None:
     p = leaf.param
     want = [tuple(p.shape) if m.shape is None else m.shape(p.shape) for m in spec.moments]
     got = [None if x is None else tuple(x.shape) for x in leaf.moments]
-    if leaf.has_master:  # (a split master's halves: its rows)
+    if leaf.has_master:
         want.append(tuple(p.shape))
-        got.append(tuple(leaf.value.shape[1:] if is_split(leaf.value) else leaf.value.shape))
+        got.append(tuple(state_shape(leaf.value)))
     if want != got:
         raise ValueError(f"param {leaf.path!r} is {tuple(p.shape)} now, but its state was laid "
                          f"out for another shape ({spec.name}'s state follows the param's "
