@@ -16,6 +16,7 @@ import torch
 import functional_offload as fo
 from conftest import KERNELS, delay_of, step_by
 from functional_offload.kernels import blockwise, blockwise_cuda
+from quantize_cases import values as quantize_values
 from registry import OPTIMIZERS
 
 ENTRIES = [e for e in OPTIMIZERS if e.name not in ("sgd", "adafactor")]  # those with moments
@@ -263,24 +264,10 @@ def test_the_native_search_finds_the_midpoint_count_at_every_midpoint():
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_the_gpu_kernels_quantize_and_dequantize_as_the_torch_ops(signed):
     """On a CUDA device (Triton's one-pass kernels where Triton imports) the bytes of the torch
-    ops on the CPU: every midpoint and its fp32 neighbours with absmax 1, values over 40
-    decades, blocks holding a NaN, an infinity, only zeros, only subnormals, a last block of
-    113 elements; and the values back."""
+    ops on the CPU, for the cases of ``quantize_cases.py``; and the values back."""
     if importlib.util.find_spec("triton") is not None:  # else the torch ops run on the device
         assert blockwise_cuda.available(torch.zeros(1, device="cuda"))
-    _, mids = _values_and_mids(signed)
-    near = torch.cat([mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1)])
-    near = torch.nn.functional.pad(near, (0, -near.numel() % 255)).view(-1, 255)
-    near = torch.cat([torch.ones(near.shape[0], 1), near], 1).view(-1)  # absmax 1
-    g = torch.Generator().manual_seed(0)
-    wide = 10 ** (torch.rand(N, generator=g) * 40 - 38) * torch.randn(N, generator=g).sign()
-    special = torch.randn(4 * 256, generator=g)
-    special[5], special[300] = float("nan"), float("inf")
-    special[512:768] = 0.0
-    special[768:] = torch.rand(256, generator=g) * 1e-39  # subnormal
-    x = torch.cat([near, special, wide])
-    if not signed:
-        x = x.abs()
+    x = quantize_values(signed)
     want = blockwise.quantize(x, signed)
     got = blockwise.quantize(x.cuda(), signed)
     assert torch.equal(got.cpu(), want)

@@ -257,12 +257,14 @@ def test_a_remainder_only_master_follows_its_param_reshaped():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 @pytest.mark.parametrize("cases, ok", [("halves_cases.py", "halves ok"),
+                                       ("quantize_cases.py", "quantize ok"),
                                        ("adam_stored_cases.py", "adam stored ok")],
-                         ids=["halves", "adamw-one-pass"])
+                         ids=["halves", "8bit-moments", "adamw-one-pass"])
 def test_the_triton_kernels_give_the_torch_ops_bits_in_triton_s_interpreter(cases, ok):
-    """The one-pass GPU kernels of the split master (its halves joined and split; AdamW on it
-    with 8-bit moments), run by Triton's interpreter on the CPU (a fresh process: the
-    interpreter is chosen when the kernels are defined)."""
+    """The one-pass GPU kernels of the state formats (the split master's halves joined and
+    split; 8-bit moments quantized and dequantized; AdamW on a split master with 8-bit
+    moments), run by Triton's interpreter on the CPU (a fresh process: the interpreter is
+    chosen when the kernels are defined)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))

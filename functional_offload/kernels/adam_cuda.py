@@ -42,8 +42,8 @@ available = takes  # whether the kernel takes these tensors
 
 if triton is not None:
     @triton.jit
-    def _adamw(hi, lo, grad, mu, nu, mu_values, mu_mids, nu_values, nu_mids, n, blocks,
-               mu_zero, nu_zero, corrections, lr: tl.float32, weight_decay: tl.float32,
+    def _adamw(hi, lo, grad, mu, nu, mu_values, mu_mids, mu_search, nu_values, nu_mids,
+               nu_search, n, blocks, mu_zero, nu_zero, corrections, lr: tl.float32, weight_decay: tl.float32,
                beta1: tl.float32, beta2: tl.float32, eps: tl.float32, DECAY: tl.constexpr,
                ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -66,10 +66,10 @@ if triton is not None:
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - tl.div_rn(step_size * m, denom)
         # zero past the moments' end, as their quantizer pads
-        blockwise_cuda.quantize_rows(tl.where(inside, m, 0.0), mu, mu_mids, mu_zero, rows, cols,
-                                     blocks)
-        blockwise_cuda.quantize_rows(tl.where(inside, v, 0.0), nu, nu_mids, nu_zero, rows, cols,
-                                     blocks)
+        blockwise_cuda.quantize_rows(tl.where(inside, m, 0.0), mu, mu_mids, mu_search, mu_zero,
+                                     rows, cols, blocks)
+        blockwise_cuda.quantize_rows(tl.where(inside, v, 0.0), nu, nu_mids, nu_search, nu_zero,
+                                     rows, cols, blocks)
         high, low = remainder_cuda.halves(p)
         tl.store(hi + at, high.to(tl.int16), mask=inside)
         tl.store(lo + at, low.to(tl.int16), mask=inside)
@@ -122,8 +122,8 @@ def adamw_split_q8(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, mu: t
     # the hyperparameters rounded to fp32 (to nearest) at once, as torch's kernel takes them
     scalars = torch.tensor([lr, weight_decay, beta1, beta2, eps], dtype=torch.float64)
     lr32, wd32, b1, b2, eps32 = scalars.float().tolist()
-    args = (hi, lo, grad, mu, nu, mu_map.values, mu_map.mids, nu_map.values, nu_map.mids, n,
-            blocks, mu_map.zero, nu_map.zero, corrections(lr, beta1, beta2, step, grad.device),
+    args = (hi, lo, grad, mu, nu, mu_map.values, mu_map.mids, mu_map.search, nu_map.values,
+            nu_map.mids, nu_map.search, n, blocks, mu_map.zero, nu_map.zero, corrections(lr, beta1, beta2, step, grad.device),
             lr32, wd32, b1, b2, eps32)
     launch(_adamw, (triton.cdiv(blocks, blockwise_cuda.ROWS),), grad.device, *args,
            DECAY=wd32 != 0, ROWS=blockwise_cuda.ROWS, num_warps=4,  # torch tests the fp32 value

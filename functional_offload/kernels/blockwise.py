@@ -80,11 +80,13 @@ def dynamic_map(signed: bool) -> list[float]:
 class Map(NamedTuple):
     """A map as the kernels take it (fp32): ``values`` by stored byte (rotated: byte 0 is 0),
     ``mids`` the 255 midpoints of the sorted values and ``+inf`` (256), ``zero`` the sorted
-    index of 0 (the rotation: byte = sorted index - zero mod 256)."""
+    index of 0 (the rotation: byte = sorted index - zero mod 256), ``search`` the arithmetic
+    search's tables (129 words; :func:`_search`)."""
 
     values: torch.Tensor
     mids: torch.Tensor
     zero: int
+    search: torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,23 +94,22 @@ def _map(signed: bool) -> Map:
     v = torch.tensor(dynamic_map(signed), dtype=torch.float32)
     mids = torch.cat([(v[:-1] + v[1:]) * 0.5, torch.tensor([float("inf")])])
     zero = int((v == 0).nonzero()[0])
-    return Map(torch.roll(v, -zero), mids, zero)
+    return Map(torch.roll(v, -zero), mids, zero, _search(mids, zero, signed))
 
 
 @functools.lru_cache(maxsize=None)
 def map_on(signed: bool, device: torch.device) -> Map:
     """The map of a signed or unsigned moment, its tensors on ``device`` (made once)."""
     m = _map(signed)
-    return Map(m.values.to(device), m.mids.to(device), m.zero)
+    return Map(m.values.to(device), m.mids.to(device), m.zero, m.search.to(device))
 
 
-_NEAR = 2.0 ** -12  # the native search's margin: 4x its bound on fp32 rounding (~6e-5), in steps
+_NEAR = 2.0 ** -12  # the search's margin: 4x its bound on fp32 rounding (~6e-5), in steps
 
 
-@functools.lru_cache(maxsize=None)
-def _search(signed: bool) -> torch.Tensor:
-    r"""The native kernel's arithmetic search for the nearest value (its result is the
-    midpoints' count, exactly). By magnitude :math:`a = |y|` the values fall in 9 classes: 0,
+def _search(mids: torch.Tensor, zero: int, signed: bool) -> torch.Tensor:
+    r"""The arithmetic search of the native and GPU kernels for the nearest value (its result
+    is the midpoints' count, exactly). By magnitude :math:`a = |y|` the values fall in 9 classes: 0,
     the 7 decades and 1. The class is found by one comparison with the fp32 midpoint between
     two classes that falls in :math:`a`'s binary octave (a 32-entry table by its exponent).
     Decade :math:`e` holds :math:`k` values :math:`d (0.1 + (i + 1/2) w)`, :math:`d = 10^{e-6}`,
@@ -121,10 +122,9 @@ def _search(signed: bool) -> torch.Tensor:
     slope :math:`1/(d w)`, the offset :math:`-0.1/w` plus ``_NEAR``, the magnitude index of its
     first value (int32) and its last step (int32; the classes of 0 and of 1 hold one value:
     slope 0, offset 1/2); then ``2 * _NEAR``."""
-    m = _map(signed)
     ks = [2 ** e if signed else 2 ** (e + 1) for e in range(7)]
     first = [1 + sum(ks[:e]) for e in range(7)] + [1 + sum(ks)]  # the decades, then the value 1
-    bounds = [float(m.mids[m.zero + f - 1]) for f in first]  # the midpoint below each class
+    bounds = [float(mids[zero + f - 1]) for f in first]  # the midpoint below each class
     below, inside = [], []
     for octave in range(32):  # a's binary exponent, clamped: [0, 2^-30), ..., [2^-1, 1), [1, inf]
         lo = 0.0 if octave == 0 else 2.0 ** (octave - 31)
@@ -150,7 +150,7 @@ def table(signed: bool) -> torch.Tensor:
     (129; :func:`_search`)."""
     m = _map(signed)
     return torch.cat([m.values, m.mids, torch.tensor([m.zero], dtype=torch.int32).view(torch.float32),
-                      _search(signed)])
+                      m.search])
 
 
 def is_blockwise(x: torch.Tensor) -> bool:
@@ -211,7 +211,7 @@ def quantize_into(x: torch.Tensor, q: torch.Tensor, signed: bool) -> torch.Tenso
     codes, absmax = _rows(q, n)
     m = map_on(signed, q.device)
     if blockwise_cuda.available(x, q):  # one pass, the same bits
-        blockwise_cuda.quantize_into(x, q, m.mids, m.zero)
+        blockwise_cuda.quantize_into(x, q, m)
         return q
     pad = codes.numel() - n
     blocks = torch.cat([x, x.new_zeros(pad)]).view(-1, BLOCK) if pad else x.view(-1, BLOCK)
