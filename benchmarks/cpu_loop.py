@@ -11,6 +11,8 @@ reference), ``torch foreach`` (``AdamW(foreach=True)``), ``ours`` (``fo.adamw(..
 CPU kernel for CPU params) and ``ours native`` (``cpu_kernel="native"``). Reported: median
 seconds per step after ``--warmup``, G elem/s, time over torch fused's, and the largest
 difference from torch fused's params after the same steps (``allclose`` at rtol 1e-5, atol 1e-6).
+The systems' steps are interleaved (each step of every system, then the next, the order reversed
+every other step), so that a drift of the machine's speed falls on all of them.
 """
 
 from __future__ import annotations
@@ -73,13 +75,14 @@ def run(layout: str, shapes: list[tuple[int, ...]], args: argparse.Namespace, th
     numel = sum(p.numel() for p in params.values())
     rows = []
     systems = steppers(params, threads)
-    for name, (mine, step) in systems.items():
-        times = []
-        for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            step(grad_sets[i % 2])
-            times.append(time.perf_counter() - t0)
-        s = statistics.median(times[args.warmup:])
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for i in range(args.warmup + args.steps):  # interleaved, the order reversed every other
+        for name in list(systems)[::1 if i % 2 else -1]:  # step: the machine's drift and
+            t0 = time.perf_counter()                      # a system's place are shared
+            systems[name][1](grad_sets[i % 2])
+            times[name].append(time.perf_counter() - t0)
+    for name in systems:
+        s = statistics.median(times[name][args.warmup:])
         rows.append({"layout": layout, "system": name, "leaves": len(shapes), "numel": numel,
                      "step_s": s, "gelems": numel / s / 1e9})
     ref = systems["torch fused"][0]
