@@ -311,12 +311,27 @@ def _refuse_formats(state: OptState) -> None:
                                  "moments")
 
 
+def _other_shape(key: str, md: TensorStorageMetadata, obj: torch.Tensor) -> str:
+    """What a checkpoint entry of another shape than the state's is, and what to do."""
+    says = (f"{key!r}: the checkpoint holds {md.properties.dtype} of shape {tuple(md.size)}, "
+            f"the state dict {obj.dtype} of shape {tuple(obj.shape)}")
+    if torch.int16 not in (md.properties.dtype, obj.dtype):
+        return says + " (build the state with the params and options of the saved run)"
+    return says + (" (a split master, store_param_remainders=True, is saved as its int16 "
+                   "halves: 2 rows, or 1, the remainder alone, for a GPU param whose state "
+                   "keeps no high half; it loads only into a split master of as many rows. "
+                   "To switch the master's format or the mode, load at the saved world size "
+                   "into the saved format, then fo.save and fo.load on each rank)")
+
+
 class StrictLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, as strict as :func:`functional_offload.load`.
 
-    Besides DCP's own checks (a key missing from the checkpoint, a different shape), it
-    refuses before anything is read:
+    Besides DCP's own check of a key missing from the checkpoint, it refuses before anything
+    is read:
 
+    - a tensor whose shape in the checkpoint differs from the one it loads into, saying when
+      either is a split master's ``int16`` halves (another master format, or as many rows);
     - a tensor whose dtype in the checkpoint differs from the one it loads into (DCP would
       cast it: fp32 masters would silently lose bits);
     - checkpoint entries under a loaded top-level key (e.g. ``"optim"``) that the state dict
@@ -332,8 +347,13 @@ class StrictLoadPlanner(DefaultLoadPlanner):
     """
 
     def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()  # raises for missing keys and shape mismatches
         saved = self.metadata.state_dict_metadata
+        for key, obj in self.state_dict.items():
+            md = saved.get(key)  # a missing key: DCP's own error, below
+            if (isinstance(obj, torch.Tensor) and isinstance(md, TensorStorageMetadata)
+                    and tuple(md.size) != tuple(obj.shape)):
+                raise CheckpointError(_other_shape(key, md, obj))
+        plan = super().create_local_plan()  # raises for missing keys
         for key, obj in self.state_dict.items():
             md = saved[key]
             if (isinstance(obj, torch.Tensor) and isinstance(md, TensorStorageMetadata)

@@ -638,13 +638,17 @@ def test_split_masters_checkpoint_as_their_halves_at_any_world_size(split_runs):
 
 
 def test_a_split_master_checkpoint_does_not_load_into_fp32_masters(split_runs):
-    """The formats' tensors differ (``int16`` halves, fp32 values): refused, naming the key
-    (fo.save / fo.load convert between them)."""
+    """The formats' tensors differ (``int16`` halves, fp32 values): the strict planner refuses
+    them before anything is read, naming the key and the way to switch (fo.save / fo.load
+    convert between them)."""
     model, opt = make_split_model(), make_opt()
     like = opt.init(dict(model.named_parameters()))
-    with pytest.raises(dcp.CheckpointException, match="optim.1.master.0.weight"):
+    with pytest.raises(dcp.CheckpointException,
+                       match=r"optim.1.master.0.weight.*int16 of shape \(2, 300, \d+\).*float32.*"
+                             r"split master.*fo.save and fo.load") as caught:
         dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
                  checkpoint_id=split_runs["folder"] / "split-one", planner=fo.dcp.StrictLoadPlanner())
+    assert all(not v.any() for k, v in fo.state_dict(like).items() if ".mu." in k), caught
 
 
 TP_SHAPES = {"w": (304, 256), "v": (70_004,)}  # split masters, their rows over tp then dp
