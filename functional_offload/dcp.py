@@ -350,17 +350,15 @@ class StrictLoadPlanner(DefaultLoadPlanner):
         saved = self.metadata.state_dict_metadata
         for key, obj in self.state_dict.items():
             md = saved.get(key)  # a missing key: DCP's own error, below
-            if (isinstance(obj, torch.Tensor) and isinstance(md, TensorStorageMetadata)
-                    and tuple(md.size) != tuple(obj.shape)):
+            if not (isinstance(obj, torch.Tensor) and isinstance(md, TensorStorageMetadata)):
+                continue
+            if tuple(md.size) != tuple(obj.shape):
                 raise CheckpointError(_other_shape(key, md, obj))
-        plan = super().create_local_plan()  # raises for missing keys
-        for key, obj in self.state_dict.items():
-            md = saved[key]
-            if (isinstance(obj, torch.Tensor) and isinstance(md, TensorStorageMetadata)
-                    and md.properties.dtype != obj.dtype):
+            if md.properties.dtype != obj.dtype:
                 raise CheckpointError(f"{key!r}: the checkpoint holds {md.properties.dtype}, the "
                                       f"state dict {obj.dtype}; values are never cast on load "
                                       "(build the state with the dtypes of the saved run)")
+        plan = super().create_local_plan()  # raises for missing keys
         roots = {k for k, v in self.original_state_dict.items() if isinstance(v, Mapping)}
         origin = self.metadata.planner_data or {}
         unexpected = sorted(k for k in saved

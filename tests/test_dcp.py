@@ -124,26 +124,38 @@ def save_and_resume(mesh, folder: str, prefix: str, width: int = 8, **kw) -> dic
     return out
 
 
-def two_ranks(rank: int, folder: str) -> None:
+def on_two_ranks(rank: int, folder: str, job, name: str) -> None:
+    """``mp.spawn``'s target: ``job(mesh, folder, rank)`` at 2 gloo ranks, its result saved by
+    rank 0 as ``<folder>/<name>``."""
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        mesh = init_device_mesh("cpu", (2,))
-        out = save_and_resume(mesh, folder, "")
-        # counts that differ across ranks: rank 0 updates once more (adamw alone: no collective)
-        model, _, _ = start(mesh)
-        opt = fo.adamw(1e-2)
-        state = opt.init(dict(model.named_parameters()))
+        out = job(init_device_mesh("cpu", (2,)), folder, rank)
         if rank == 0:
-            _, state = opt.update({n: torch.zeros_like(p) for n, p in model.named_parameters()},
-                                  state)
-        with pytest.raises(fo.CheckpointError, match="'count' differs across ranks") as err:
-            fo.dcp.state_dict(state)
-        out["count error"] = str(err.value)
-        if rank == 0:
-            torch.save(out, f"{folder}/two_ranks.pt")
+            torch.save(out, f"{folder}/{name}")
     finally:
         end_rank()
+
+
+def at_two_ranks(folder, job, name: str) -> dict:
+    """The result of ``job`` run at 2 ranks (:func:`on_two_ranks`)."""
+    mp.spawn(on_two_ranks, args=(str(folder), job, name), nprocs=2)
+    return torch.load(folder / name)
+
+
+def two_ranks(mesh, folder: str, rank: int) -> dict:
+    out = save_and_resume(mesh, folder, "")
+    # counts that differ across ranks: rank 0 updates once more (adamw alone: no collective)
+    model, _, _ = start(mesh)
+    opt = fo.adamw(1e-2)
+    state = opt.init(dict(model.named_parameters()))
+    if rank == 0:
+        _, state = opt.update({n: torch.zeros_like(p) for n, p in model.named_parameters()},
+                              state)
+    with pytest.raises(fo.CheckpointError, match="'count' differs across ranks") as err:
+        fo.dcp.state_dict(state)
+    out["count error"] = str(err.value)
+    return out
 
 
 def saved_at_one_rank(folder, prefix: str, width: int = 8, **kw) -> dict:
@@ -164,8 +176,7 @@ def runs(tmp_path_factory):
     saved after BEFORE steps and continued; the 2-rank job also resumes both checkpoints."""
     folder = tmp_path_factory.mktemp("dcp")
     one = saved_at_one_rank(folder, "")
-    mp.spawn(two_ranks, args=(str(folder),), nprocs=2)
-    return {"folder": folder, "one": one, "two": torch.load(folder / "two_ranks.pt")}
+    return {"folder": folder, "one": one, "two": at_two_ranks(folder, two_ranks, "two_ranks.pt")}
 
 
 def assert_equal(a: dict, b: dict) -> None:
@@ -463,27 +474,20 @@ def rank_local_error(mesh) -> dict:
     return {"message": None}
 
 
-def two_ranks_wrapped(rank: int, folder: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        xs = batches()
-        runs = {name: functools.partial(cycle, make, mesh, xs, folder, name)
-                for name, make in WRAPPED.items()}
-        runs["adafactor"] = functools.partial(adafactor_cycle, mesh, folder)
-        runs["rank-local"] = functools.partial(rank_local_error, mesh)
-        out = {}
-        for name, run in runs.items():  # one failing run is reported, the others go on
-            try:
-                out[name] = run()
-            except (Exception, dcp.CheckpointException):  # noqa: BLE001 - for the test to report
-                out[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-        if rank == 0:
-            torch.save(out, f"{folder}/two_ranks_wrapped.pt")
-    finally:
-        end_rank()
+def two_ranks_wrapped(mesh, folder: str, rank: int) -> dict:
+    xs = batches()
+    runs = {name: functools.partial(cycle, make, mesh, xs, folder, name)
+            for name, make in WRAPPED.items()}
+    runs["adafactor"] = functools.partial(adafactor_cycle, mesh, folder)
+    runs["rank-local"] = functools.partial(rank_local_error, mesh)
+    out = {}
+    for name, run in runs.items():  # one failing run is reported, the others go on
+        try:
+            out[name] = run()
+        except (Exception, dcp.CheckpointException):  # noqa: BLE001 - for the test to report
+            out[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -495,8 +499,8 @@ def wrapped(tmp_path_factory):
     xs = batches()
     one = {name: cycle(make, None, xs, str(folder), name) for name, make in WRAPPED.items()}
     one["adafactor"] = adafactor_cycle(None, str(folder))
-    mp.spawn(two_ranks_wrapped, args=(str(folder),), nprocs=2)
-    return {"folder": folder, "one": one, "two": torch.load(folder / "two_ranks_wrapped.pt")}
+    return {"folder": folder, "one": one,
+            "two": at_two_ranks(folder, two_ranks_wrapped, "two_ranks_wrapped.pt")}
 
 
 def two_rank(wrapped: dict, name: str) -> dict:
@@ -594,24 +598,17 @@ def make_split_opt():
 SPLIT = dict(make=make_split_opt, build=make_split_model)
 
 
-def two_ranks_split(rank: int, folder: str) -> None:
+def two_ranks_split(mesh, folder: str, rank: int) -> dict:
     """At 2 ranks: train, save ``split-two``, continue; resume both worlds' checkpoints."""
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
-    try:
-        out = save_and_resume(init_device_mesh("cpu", (2,)), folder, "split-", SPLIT_WIDTH, **SPLIT)
-        if rank == 0:
-            torch.save(out, f"{folder}/split_two_ranks.pt")
-    finally:
-        end_rank()
+    return save_and_resume(mesh, folder, "split-", SPLIT_WIDTH, **SPLIT)
 
 
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dcp-split")
     one = saved_at_one_rank(folder, "split-", SPLIT_WIDTH, **SPLIT)
-    mp.spawn(two_ranks_split, args=(str(folder),), nprocs=2)
-    return {"folder": folder, "one": one, "two": torch.load(folder / "split_two_ranks.pt")}
+    return {"folder": folder, "one": one,
+            "two": at_two_ranks(folder, two_ranks_split, "split_two_ranks.pt")}
 
 
 def test_split_masters_checkpoint_as_their_halves_at_any_world_size(split_runs):
@@ -645,10 +642,10 @@ def test_a_split_master_checkpoint_does_not_load_into_fp32_masters(split_runs):
     like = opt.init(dict(model.named_parameters()))
     with pytest.raises(dcp.CheckpointException,
                        match=r"optim.1.master.0.weight.*int16 of shape \(2, 300, \d+\).*float32.*"
-                             r"split master.*fo.save and fo.load") as caught:
+                             r"split master.*fo.save and fo.load"):
         dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
                  checkpoint_id=split_runs["folder"] / "split-one", planner=fo.dcp.StrictLoadPlanner())
-    assert all(not v.any() for k, v in fo.state_dict(like).items() if ".mu." in k), caught
+    assert all(not v.any() for k, v in fo.state_dict(like).items() if ".mu." in k)
 
 
 TP_SHAPES = {"w": (304, 256), "v": (70_004,)}  # split masters, their rows over tp then dp
