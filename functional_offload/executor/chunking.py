@@ -93,10 +93,13 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
             i, start = pos
             n, size = leaves[i].grad.numel(), leaves[i].grad.element_size()
             room = (chunk_bytes - used) // size
-            unit = QBLOCK if any(is_blockwise(x) for x in leaves[i].state) else ALIGN  # cut on
-            if start < n and room < min(n - start, unit):  # slot full       # 8-bit blocks
-                break
-            stop = n if start + room >= n else start + room // unit * unit
+            if start + room >= n:  # the rest fits (whatever the unit): the leaf ends here
+                stop = n
+            else:
+                unit = QBLOCK if any(is_blockwise(x) for x in leaves[i].state) else ALIGN  # cut
+                if start < n and room < min(n - start, unit):  # slot full  # on 8-bit blocks
+                    break
+                stop = start + room // unit * unit
             if stop > start:
                 cur.append(Segment(i, start, stop, used))
                 used += -(-(stop - start) * size // ALIGN) * ALIGN

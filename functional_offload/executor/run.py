@@ -190,6 +190,11 @@ class Run:
             return not self._cancelled
 
 
+def _part(x: Optional[torch.Tensor], start: int, stop: int) -> Optional[torch.Tensor]:
+    """Elements ``start:stop`` of the 1-D tensor ``x`` (None stays None)."""
+    return None if x is None else x[start:stop]
+
+
 class _Pipeline:
     """The state of one run once its first chunk is cut and the device's ring is held."""
 
@@ -316,14 +321,10 @@ class _Pipeline:
                 tl.span("D2H", f"params c{k}", s0, tl.stamp(self.device, t.stream_in))
         self.in_events.append(t.mark_in() if copied or highs else None)
         pieces = []
-        for seg in chunk:
+        for seg in chunk:  # (no closures per segment: this runs once per leaf and step)
             leaf = self.leaves[seg.leaf]
-            cut_ = slice(seg.start, seg.stop)
-            whole = seg.start == 0 and seg.stop == leaf.grad.numel()  # no views to cut
-
-            def part(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-                return x if whole or x is None else x[cut_]
-
+            start, stop = seg.start, seg.stop
+            whole = start == 0 and stop == leaf.grad.numel()  # no views to cut
             out = rate = residual = None
             if self.staged_out(leaf):
                 out = self.view(k, 1, seg, leaf.out.dtype)
@@ -332,19 +333,28 @@ class _Pipeline:
                 if leaf.residual is not None:
                     residual = self.view(k, 1, seg, leaf.residual.dtype, 2)
             elif leaf.out is not None and leaf.out.device.type == "cpu":  # in place
-                out, rate, residual = part(leaf.out), part(leaf.ahead), part(leaf.residual)
-
-            def state(xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-                xs = xs if whole else tuple(blockwise.part(x, seg.start, seg.stop) for x in xs)
-                if leaf.param_high and xs:  # the high half: the param's bits, copied down
-                    return (self.view(k, 1, seg, torch.int16), *xs[1:])
-                return xs
-
-            if leaf.param_high:  # the new param is the new high half, stepped in the slot
+                out, rate, residual = leaf.out, leaf.ahead, leaf.residual
+                if not whole:
+                    out, rate, residual = (_part(out, start, stop), _part(rate, start, stop),
+                                           _part(residual, start, stop))
+            if whole:
+                state, targets, ema, ema_target = leaf.state, leaf.targets, leaf.ema, leaf.ema_target
+            else:
+                state = tuple(blockwise.part(x, start, stop) for x in leaf.state)
+                targets = tuple(blockwise.part(x, start, stop) for x in leaf.targets)
+                ema, ema_target = _part(leaf.ema, start, stop), _part(leaf.ema_target, start, stop)
+            if leaf.param_high:  # the high half: the param's bits, copied down; the new param
+                #                   is the new high half, stepped in the slot
+                if state:
+                    state = (self.view(k, 1, seg, torch.int16), *state[1:])
+                if targets:
+                    targets = (self.view(k, 1, seg, torch.int16), *targets[1:])
                 out = None
-            pieces.append(Piece(grads.get(id(seg), part(leaf.grad)), state(leaf.state), out,
-                                leaf.hyper, state(leaf.targets), part(leaf.ema), leaf.ema_decay,
-                                part(leaf.ema_target), rate, leaf.ahead_hyper, residual))
+            grad = grads.get(id(seg))
+            if grad is None:
+                grad = leaf.grad if whole else leaf.grad[start:stop]
+            pieces.append(Piece(grad, state, out, leaf.hyper, targets, ema, leaf.ema_decay,
+                                ema_target, rate, leaf.ahead_hyper, residual))
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
         self.landing.put(k)

@@ -186,12 +186,16 @@ class HostWork:
                   settled: Optional[HostLeaf] = None) -> HostLeaf:
         """Leaf ``index`` for a run: its new param to ``out`` (None: the value is the param, or
         a delayed landing gives it a buffer), its new state to ``targets`` (() in place)."""
-        leaf = self.leaf(index)
+        if self._kernel is None:  # (:meth:`leaf`, inlined: this runs once per leaf and step)
+            self.kernel()
+        leaf = self.leaves[index]
         grad = (g.detach() if g.requires_grad else g).reshape(-1)
         if grad.device.type == "cpu" and not grad.is_contiguous():
             grad = grad.contiguous()  # read where it is by the kernel, which takes dense grads
-        lean = is_lean(leaf.value)  # the high half is the param's: stepped in the ring's slot
-        split = is_split(leaf.value) and not lean  # the new param: the high half, copied up
+        split = is_split(leaf.value)
+        lean = split and is_lean(leaf.value)  # the high half is the param's: stepped in the
+        #                                        ring's slot
+        split = split and not lean  # the new param: the high half, copied up
         ahead = None if self.ahead is None else self.ahead[0 if leaf.decay else 1]
         return HostLeaf(leaf.path, grad, out, leaf.flat, self.hyper_of(leaf), targets,
                         leaf.ema_flat, self.t.ema_decay or 0.0, ema_target, settled,

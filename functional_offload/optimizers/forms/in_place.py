@@ -123,12 +123,14 @@ class InPlace:
         """Hand ``rest`` and the packed leaves with a grad to the runs (``threaded``: runs of
         their own threads, the step's thread having other work until :meth:`wait_all`)."""
         work, runs = self.work, self.finish_runs()
+        params = work.static.params
         elements: dict[torch.device, int] = {}
         for i in rest:
             device = gs[i].device
-            elements[device] = elements.get(device, 0) + work.static.params[i][1].numel()
+            elements[device] = elements.get(device, 0) + params[i][1].numel()
         self.packed_out = self._packed_leaves(gs, runs, elements, threaded)
-        for device, idx in by_device([i for i in rest if i not in work.static.packed], gs).items():
+        packed = work.static.packed
+        for device, idx in by_device([i for i in rest if i not in packed], gs).items():
             work.run(device, runs, elements, threaded).add_all(
                 [self.in_place_leaf(i, gs[i]) for i in idx], ready[device])
 
