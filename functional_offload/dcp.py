@@ -331,7 +331,8 @@ class StrictLoadPlanner(DefaultLoadPlanner):
     is read:
 
     - a tensor whose shape in the checkpoint differs from the one it loads into, saying when
-      either is a split master's ``int16`` halves (another master format, or as many rows);
+      either is a split master's ``int16`` halves (another master format, or another number of
+      rows);
     - a tensor whose dtype in the checkpoint differs from the one it loads into (DCP would
       cast it: fp32 masters would silently lose bits);
     - checkpoint entries under a loaded top-level key (e.g. ``"optim"``) that the state dict

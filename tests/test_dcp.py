@@ -246,7 +246,8 @@ def test_strict_planner_refuses_casts_and_leftover_entries(runs):
             dcp.load({"optim": fo.dcp.state_dict(like, loading=True)}, checkpoint_id=path,
                      planner=fo.dcp.StrictLoadPlanner())
         finally:
-            assert all(not v.any() for k, v in fo.state_dict(like).items() if ".mu." in k)
+            moments = [v for k, v in fo.state_dict(like).items() if "mu" in k.split(".")]
+            assert moments and all(not v.any() for v in moments)  # nothing was read into them
 
     bf16_moments = fo.chain(fo.clip_by_global_norm(1.0),
                             fo.adamw(1e-2, weight_decay=0.1, mu_dtype=torch.bfloat16))
@@ -645,7 +646,8 @@ def test_a_split_master_checkpoint_does_not_load_into_fp32_masters(split_runs):
                              r"split master.*fo.save and fo.load"):
         dcp.load({"optim": fo.dcp.state_dict(like, loading=True)},
                  checkpoint_id=split_runs["folder"] / "split-one", planner=fo.dcp.StrictLoadPlanner())
-    assert all(not v.any() for k, v in fo.state_dict(like).items() if ".mu." in k)
+    moments = [v for k, v in fo.state_dict(like).items() if "mu" in k.split(".")]
+    assert moments and all(not v.any() for v in moments)  # nothing was read into them
 
 
 TP_SHAPES = {"w": (304, 256), "v": (70_004,)}  # split masters, their rows over tp then dp
