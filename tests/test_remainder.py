@@ -101,6 +101,7 @@ def _train(entry, rem: bool, kernel: str, mode: str, max_norm: float, steps: int
     "ahead" (delayed with the look-ahead)."""
     torch.manual_seed(0)
     params = {"w": torch.randn(N).bfloat16().requires_grad_(),
+              "m": torch.randn(300, 240).bfloat16().requires_grad_(),  # Adafactor: factored
               "b": torch.randn(5, 7).bfloat16().requires_grad_()}  # small: packed, fp32 master
     opt = fo.chain(fo.clip_by_global_norm(max_norm),
                    entry.make(**entry.hypers, cpu_kernel=kernel, delayed=delay_of(mode),
@@ -125,18 +126,18 @@ def test_split_master_is_bit_identical_to_the_fp32_master(entry, kernel, mode, m
         pytest.skip("no native op")
     p32, s32 = _train(entry, False, kernel, mode, max_norm)
     p16, s16 = _train(entry, True, kernel, mode, max_norm)
-    assert remainder.is_split(s16.master["w"])
+    assert remainder.is_split(s16.master["w"]) and remainder.is_split(s16.master["m"])
     for k in p32:
         assert torch.equal(_bits(_master(s16, k)), _bits(_master(s32, k))), k
         for field in ("mu", "nu", "momentum", "row_var", "col_var", "variance"):
             a, b = getattr(s32, field, ()), getattr(s16, field, ())
             if a != () and a[k] is not None:
                 assert torch.equal(a[k], b[k]), (k, field)
-    hi = remainder.high(s16.master["w"])
-    assert torch.equal(p16["w"].detach(), hi)  # the param is the high half
-    tie = (_bits(_master(s32, "w")) & 0xFFFF) == 0x8000
-    differ = p16["w"].detach() != p32["w"].detach()
-    assert not (differ & ~tie).any()  # the params differ only where the master is halfway
+    for k in ("w", "m"):
+        assert torch.equal(p16[k].detach(), remainder.high(s16.master[k]))  # the high half
+        tie = (_bits(_master(s32, k)) & 0xFFFF) == 0x8000
+        differ = p16[k].detach() != p32[k].detach()
+        assert not (differ & ~tie).any(), k  # the params differ only where the master is halfway
     assert not remainder.is_split(s16.master["b"])  # small: an fp32 master in every mode
     assert torch.equal(p16["b"].detach(), p32["b"].detach())
 
@@ -169,25 +170,27 @@ def test_a_checkpoint_of_either_master_format_loads_into_the_other(entry, tmp_pa
         assert torch.equal(_bits(_master(again, "w")), _bits(_master(state, "w")))
 
 
-def test_a_failed_step_of_split_masters_recovers_from_the_checkpoint(tmp_path):
-    entry = ENTRIES[0]
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if e.name in ("adamw", "adafactor")],
+                         ids=lambda e: e.name)
+def test_a_failed_step_of_split_masters_recovers_from_the_checkpoint(entry, tmp_path):
     torch.manual_seed(0)
-    params = {"w": torch.randn(N).bfloat16()}
+    params = {"w": torch.randn(N).bfloat16(), "m": torch.randn(300, 240).bfloat16()}
     opt = entry.make(**entry.hypers, store_param_remainders=True,
                      executor=fo.executor.HostExecutor(chunk_bytes=1 << 16))
-    grads = {"w": torch.randn(N).bfloat16()}
+    grads = {k: torch.randn(v.shape).bfloat16() for k, v in params.items()}
     params, state = opt.update(grads, opt.init(params))
     path = os.fspath(tmp_path / "opt.safetensors")
     fo.save(state, path)
-    saved = params["w"].clone()
+    saved = {k: v.clone() for k, v in params.items()}
     with fail_host_kernel(after=1), pytest.raises(fo.HostStepError):
         opt.update(grads, state)
-    assert not torch.equal(params["w"], saved)  # half stepped in place
+    assert any(not torch.equal(params[k], saved[k]) for k in params)  # half stepped in place
     with pytest.raises(fo.StateError):
         fo.save(state, path)
     state = fo.load(path, like=state)
-    assert torch.equal(params["w"], saved)  # set from the loaded master's high half
-    assert torch.equal(params["w"], remainder.high(state.master["w"]))
+    for k in params:  # set from the loaded master's high half
+        assert torch.equal(params[k], saved[k]), k
+        assert torch.equal(params[k], remainder.high(state.master[k])), k
 
 
 def test_bad_options_name_what_to_fix():
