@@ -51,6 +51,50 @@ constexpr int kMapFloats = 2 * 256 + 1 + 129;  // a map (QMap below), in 4-byte 
 // Bytes of an 8-bit moment of `n` elements.
 inline int64_t q_bytes(int64_t n) { return (n + kQBlock - 1) / kQBlock * kQRow; }
 
+// An 8-bit moment's map as the Python side hands it (kernels/blockwise.py, `table`): the values
+// by stored byte, the sorted values' 255 midpoints and +inf, the sorted index of 0 (int32), the
+// arithmetic search's tables (`_search`) and its margin. A block is dequantized before the step
+// and quantized after it, both without gathers (a gather costs tens of cycles on CPUs with the
+// gather-data-sampling fix): with AVX-512 (or AVX2: quantizing) by register permutes, else one
+// element at a time.
+struct QMap {
+  const float* values;  // by stored byte: code = sorted index - zero (mod 256)
+  const float* mids;
+  uint32_t zero;
+  // the search: per binary octave of |y| the classes below it and the class midpoint in it
+  // (NaN if none); per class its slope and offset, the magnitude index of its first value, its
+  // last step
+  alignas(64) int32_t below[32];
+  alignas(64) float inside[32];
+  alignas(64) float slope[16];
+  alignas(64) float offset[16];
+  alignas(64) int32_t start[16];
+  alignas(64) int32_t steps[16];
+  float near;  // twice the margin: a lane whose fraction (plus the margin) is below it is searched
+#if defined(__AVX512F__)
+  alignas(64) uint32_t bound2[32];  // `inside`'s bits shifted left by one (into the sign's place)
+  alignas(64) float table[256];  // the values, aligned for the permutes' loads
+  alignas(64) uint8_t planes[4][256];  // byte k of each value (AVX512-VBMI's byte permutes)
+#endif
+  explicit QMap(const float* m) : values(m), mids(m + 256) {
+    std::memcpy(&zero, m + 512, 4);
+    const float* t = m + 513;
+    std::memcpy(below, t, 128);
+    std::memcpy(inside, t + 32, 128);
+    std::memcpy(slope, t + 64, 64);
+    std::memcpy(offset, t + 80, 64);
+    std::memcpy(start, t + 96, 64);
+    std::memcpy(steps, t + 112, 64);
+    near = t[128];
+#if defined(__AVX512F__)
+    for (int o = 0; o < 32; ++o) bound2[o] = __builtin_bit_cast(uint32_t, inside[o]) << 1;
+    std::memcpy(table, values, sizeof(table));
+    for (int c = 0; c < 256; ++c)
+      for (int k = 0; k < 4; ++k) planes[k][c] = reinterpret_cast<const uint8_t*>(values + c)[k];
+#endif
+  }
+};
+
 // One block of one piece, pointers at its first element.
 struct Block {
   float* value;  // or, for a split master, its high halves (uint16) and `remainder` (int16)
@@ -63,7 +107,7 @@ struct Block {
   int64_t n;
   const float* scalars;
   const float* ahead_scalars;  // the next step's scalars of the look-ahead
-  const float* maps[kMaxMoments];  // 8-bit moments: each one's map (kMapFloats)
+  const QMap* maps[kMaxMoments];  // 8-bit moments: each one's map (built once per chunk)
 };
 
 using BlockFn = void (*)(const Block&);
@@ -166,50 +210,6 @@ __attribute__((noinline)) void run_block(const Block& b) {
     store_value<G, OUT, AHEAD>(pi, base, rate, i, p, hi, lo, o, r, e);
   }
 }
-
-// An 8-bit moment's map as the Python side hands it (kernels/blockwise.py, `table`): the values
-// by stored byte, the sorted values' 255 midpoints and +inf, the sorted index of 0 (int32), the
-// arithmetic search's tables (`_search`) and its margin. A block is dequantized before the step
-// and quantized after it, both without gathers (a gather costs tens of cycles on CPUs with the
-// gather-data-sampling fix): with AVX-512 (or AVX2: quantizing) by register permutes, else one
-// element at a time.
-struct QMap {
-  const float* values;  // by stored byte: code = sorted index - zero (mod 256)
-  const float* mids;
-  uint32_t zero;
-  // the search: per binary octave of |y| the classes below it and the class midpoint in it
-  // (NaN if none); per class its slope and offset, the magnitude index of its first value, its
-  // last step
-  alignas(64) int32_t below[32];
-  alignas(64) float inside[32];
-  alignas(64) float slope[16];
-  alignas(64) float offset[16];
-  alignas(64) int32_t start[16];
-  alignas(64) int32_t steps[16];
-  float near;  // twice the margin: a lane whose fraction (plus the margin) is below it is searched
-#if defined(__AVX512F__)
-  alignas(64) uint32_t bound2[32];  // `inside`'s bits shifted left by one (into the sign's place)
-  alignas(64) float table[256];  // the values, aligned for the permutes' loads
-  alignas(64) uint8_t planes[4][256];  // byte k of each value (AVX512-VBMI's byte permutes)
-#endif
-  explicit QMap(const float* m) : values(m), mids(m + 256) {
-    std::memcpy(&zero, m + 512, 4);
-    const float* t = m + 513;
-    std::memcpy(below, t, 128);
-    std::memcpy(inside, t + 32, 128);
-    std::memcpy(slope, t + 64, 64);
-    std::memcpy(offset, t + 80, 64);
-    std::memcpy(start, t + 96, 64);
-    std::memcpy(steps, t + 112, 64);
-    near = t[128];
-#if defined(__AVX512F__)
-    for (int o = 0; o < 32; ++o) bound2[o] = __builtin_bit_cast(uint32_t, inside[o]) << 1;
-    std::memcpy(table, values, sizeof(table));
-    for (int c = 0; c < 256; ++c)
-      for (int k = 0; k < 4; ++k) planes[k][c] = reinterpret_cast<const uint8_t*>(values + c)[k];
-#endif
-  }
-};
 
 // The sorted index of the value nearest `y` (a value over its block's absmax): the number of
 // midpoints below it (a tie goes to the lower value; no comparison holds for a NaN: 0).
@@ -528,7 +528,8 @@ __attribute__((noinline)) void run_block_q8(const Block& b) {
   typename G::T* __restrict o = static_cast<typename G::T*>(b.out);
   typename G::T* __restrict r = static_cast<typename G::T*>(b.ahead);
   int8_t* __restrict e = b.residual;
-  const QMap q0(b.maps[0]), q1(b.maps[1]);
+  const QMap& q0 = *b.maps[0];
+  const QMap& q1 = *b.maps[1];
   alignas(64) float f0[kQBlock], f1[kQBlock];
   for (int64_t k0 = 0; k0 < b.n; k0 += kQBlock) {
     const int64_t len = std::min(kQBlock, b.n - k0);
