@@ -75,6 +75,58 @@ def test_chunk_plan_covers_every_element_once():
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
+def test_ramped_chunks_grow_from_a_sixteenth_and_cover_every_element_once():
+    """With ``ramp`` (runs that copy nothing) the first chunks are ``chunk_bytes / 16`` (at
+    least RAMP_MIN), each twice the last, up to ``chunk_bytes``; all elements once, as without."""
+    from functional_offload.executor.chunking import RAMP_MIN
+    budget = 64 * RAMP_MIN
+    sizes = [3 * RAMP_MIN // 4, 17, 40 * RAMP_MIN // 4, 333, 200 * RAMP_MIN // 4]  # fp32 elements
+    leaves = [HostLeaf(str(i), torch.zeros(n), None, (), None) for i, n in enumerate(sizes)]
+    ramped = list(cut(arrived(leaves, None), budget, [], [], ramp=True))
+    used = [max(seg.offset + (seg.stop - seg.start) * 4 for seg in c) for c in ramped]
+    limits = [min(budget, (budget // 16) << k) for k in range(len(ramped))]
+    assert all(u <= lim for u, lim in zip(used, limits))
+    assert used[0] > budget // 32 and used[1] > budget // 16  # filled (the leaves are larger)
+    assert len(ramped) > len(chunks_of(leaves, budget))
+    for i, n in enumerate(sizes):
+        spans = sorted((seg.start, seg.stop) for c in ramped for seg in c if seg.leaf == i)
+        assert spans[0][0] == 0 and spans[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    small = list(cut(arrived(leaves, None), 4096, [], [], ramp=True))  # a sixteenth < RAMP_MIN
+    assert [[tuple(s) for s in c] for c in small] == [[tuple(s) for s in c] for c in chunks_of(leaves, 4096)]
+
+
+def test_an_inline_run_makes_its_leaves_as_it_cuts_them():
+    """A run driven in the step's thread takes a generator of leaves as it cuts them: the
+    kernel ran the first chunk before the last leaf was made, and every leaf was stepped."""
+    from functional_offload.executor.shield import shielded
+    seen = []
+
+    def kernel(g, st, out, h):
+        seen.append(("ran", h))
+        st[0].add_(g)
+
+    def made(i, n):
+        seen.append(("made", i))
+        return HostLeaf(str(i), torch.ones(n), None, (torch.zeros(n),), i)
+
+    ex = HostExecutor(chunk_bytes=4096, slots=2, threads=1, worker_elements=1)
+    leaves = []
+
+    def step():
+        r = ex.open(CPU, per_block(kernel), elements=10 * 1000)
+        r.add_all((leaves.append(made(i, 1000)) or leaves[-1] for i in range(10)), None)
+        r.close()
+        r.wait()
+        return r.error
+
+    error, _ = shielded(step)
+    assert error is None
+    assert seen.index(("ran", 0)) < seen.index(("made", 9))
+    assert all(torch.equal(leaf.state[0], torch.ones(1000)) for leaf in leaves)
+    ex.close()
+
+
 def _work(sizes, block, seed=0):
     gen = torch.Generator().manual_seed(seed)
     h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True)
@@ -207,6 +259,108 @@ def test_native_queue_error_surfaces_and_releases_workers():
     ex.run([ok], kernel)
     assert torch.all(ok.state[0] < 0)  # one Adam step on a grad of ones moves every value down
     ex.close()
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+def test_native_queue_runs_on_its_own_workers():
+    """``start`` puts native pool threads in the loop, no Python thread; ``join`` waits for
+    them; the results are one pass's; threads are kept across queues (a second queue with
+    as many workers starts no new thread)."""
+    sizes = [1000, 37, 5000, 64]
+    whole = [_work(sizes, block=1 << 20, seed=s) for s in range(3)]
+    assert _run_queue(adam_kernel().queue(1), whole, 1) == [None] * 3
+    for round_ in range(2):
+        blocked = [_work(sizes, block=256, seed=s) for s in range(3)]
+        q = adam_kernel().queue(4)
+        python_threads = threading.active_count()
+        q.start(4, [])
+        for w in blocked:
+            q.ready(q.add(w))
+        assert [q.wait(k) for k in range(3)] == [None] * 3
+        q.close()
+        q.join()
+        assert threading.active_count() == python_threads  # native threads: not Python's
+        if round_ == 0:
+            kept = _thread_count()
+        else:
+            assert _thread_count() == kept
+        for w1, w2 in zip(whole, blocked):
+            for a, b in zip(w1.pieces, w2.pieces):
+                for x, y in zip((*a.state, a.out), (*b.state, b.out)):
+                    assert torch.equal(x, y)
+
+
+def _thread_count():
+    import os
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+def test_native_queue_dropped_without_join_lets_its_workers_go():
+    """A queue dropped while its workers wait for a chunk (the caller failed between ``start``
+    and ``join``) releases them: the next queue's workers run."""
+    import gc
+    q = adam_kernel().queue(2)
+    q.start(2, [])
+    q.add(_work([100], block=256))  # never readied
+    del q
+    gc.collect()
+    works = [_work([300, 70], block=64, seed=1)]
+    q = adam_kernel().queue(2)
+    q.start(2, [])
+    q.ready(q.add(works[0]))
+    assert q.wait(0) is None
+    q.close()
+    q.join()
+
+
+@pytest.mark.skipif("native" not in KERNELS or not hasattr(__import__("os"), "fork"),
+                    reason="native kernel not built here, or no fork")
+def test_native_workers_run_in_a_forked_child():
+    """A child forked after the pool's threads started gets a pool of its own (the parent's
+    threads are not in it) and steps the same as the parent. (Leaves below torch's parallel
+    grain: a child forked after OpenMP ran hangs in torch's next parallel region.)"""
+    import os
+    ex = HostExecutor(threads=2, worker_elements=1)
+    leaf = _adam_leaf("w", n=20_000)
+    ex.run([leaf], adam_kernel())  # the pool's threads exist now
+    expected = _adam_leaf("w", n=20_000)
+    ex.run([expected], adam_kernel())
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its run matched
+        try:
+            again = _adam_leaf("w", n=20_000)
+            ex.run([again], adam_kernel())
+            os._exit(0 if all(torch.equal(a, b) for a, b in zip(again.state, expected.state)) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+@pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
+def test_native_workers_pinned_to_the_executors_cpus():
+    """With ``cpus`` the native workers run on the executor's CPUs."""
+    import os
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: pinned and unpinned are the same")
+    ex = HostExecutor(threads=2, cpus=[cpus[1]], worker_elements=1)
+    leaf = _adam_leaf("w", n=200_000)
+    ex.run([leaf], adam_kernel())
+    assert torch.all(leaf.state[0] < 0)
+    assert {cpus[1]} in _native_affinities()  # a pool thread pinned to the executor's CPU
+
+
+def _native_affinities():
+    import os
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out.append(os.sched_getaffinity(int(tid)))
+        except OSError:
+            pass
+    return out
 
 
 @pytest.mark.parametrize("use_native", [False, True])

@@ -17,11 +17,12 @@ import torch
 from functional_offload.kernels.blockwise import BLOCK as QBLOCK
 from functional_offload.kernels.blockwise import is_blockwise
 
-__all__ = ["HostLeaf", "Segment", "cut", "arrived", "block_size", "ALIGN"]
+__all__ = ["HostLeaf", "Segment", "cut", "arrived", "block_size", "ALIGN", "RAMP_MIN"]
 
 ALIGN = 64  # bytes; segment offsets in a slot are aligned to this
 _MIN_BLOCK = 1 << 14  # elements: smaller blocks cost more to claim than they compute
 _BLOCKS_PER_THREAD = 4
+RAMP_MIN = 1 << 20  # bytes: a ramped run's first chunk at least (many 8-bit blocks of grads)
 
 
 class HostLeaf(NamedTuple):
@@ -61,16 +62,20 @@ class Segment(NamedTuple):
 
 
 def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
-        ready: list[Any]) -> Iterator[list[Segment]]:
-    """Chunks of the leaves coming from ``arrivals`` (``(leaf, ready event)`` items, or lists of
-    them that arrive together; ``None`` at the end), appending each leaf to ``leaves`` and its
-    event to ``ready`` as it arrives."""
+        ready: list[Any], ramp: bool = False) -> Iterator[list[Segment]]:
+    """Chunks of the leaves coming from ``arrivals`` (``(leaf, ready event)`` items, or
+    iterables of them that arrive together, taken as they are cut; ``None`` at the end), appending each leaf to ``leaves`` and its
+    event to ``ready`` as it arrives. ``ramp``: the first chunks are smaller, from
+    ``chunk_bytes / 16`` (at least :data:`RAMP_MIN` bytes) doubling up to ``chunk_bytes``, so
+    that the kernel starts on the first while the rest are cut and handed to it."""
     pos: Optional[tuple[int, int]] = None  # (leaf, first element) of the leaf being cut
     ended = False
     batch: Iterator[tuple[HostLeaf, Any]] = iter(())  # the rest of a list that arrived together
+    budget = min(chunk_bytes, max(RAMP_MIN, chunk_bytes // 16 // ALIGN * ALIGN)) if ramp else chunk_bytes
     while True:
         cur: list[Segment] = []
         used = 0
+        room_bytes, budget = budget, min(chunk_bytes, 2 * budget)
         while True:
             if pos is None:
                 item = next(batch, None)
@@ -84,7 +89,7 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
                     if item is None:
                         ended = True
                         break
-                    if isinstance(item, list):
+                    if not isinstance(item, tuple):  # several that arrived together
                         batch = iter(item)
                         continue
                 leaves.append(item[0])
@@ -92,7 +97,7 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
                 pos = (len(leaves) - 1, 0)
             i, start = pos
             n, size = leaves[i].grad.numel(), leaves[i].grad.element_size()
-            room = (chunk_bytes - used) // size
+            room = (room_bytes - used) // size
             if start + room >= n:  # the rest fits (whatever the unit): the leaf ends here
                 stop = n
             else:

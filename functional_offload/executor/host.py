@@ -305,19 +305,23 @@ class HostExecutor:
                 self._pinned[ident] = self.cpus[len(self._pinned) % len(self.cpus)]
             os.sched_setaffinity(0, {self._pinned[ident]})
 
-    def start_workers(self, q: Any, threads: int) -> list[cf.Future]:
-        """Put ``threads`` workers in ``q``'s loop (see :mod:`functional_offload.kernels.work`)."""
+    def start_workers(self, q: Any, threads: int) -> Callable[[], None]:
+        """Put ``threads`` workers in ``q``'s loop (see :mod:`functional_offload.kernels.work`):
+        a queue with workers of its own (a native one) starts them, pinned as this executor's
+        would be; a Python queue gets threads of this executor's pool. Returns ``join()``, which
+        waits until they have all left the loop."""
+        n = min(threads, self.threads)
+        if getattr(q, "start", None) is not None:  # OwnWorkers
+            q.start(n, self.cpus or ())
+            return q.join
         pool = self._workers()
 
         def loop(i: int) -> None:
             self._pin()
             q.work(i)
 
-        return [pool.submit(loop, i) for i in range(min(threads, self.threads))]
-
-    @staticmethod
-    def join_workers(workers: list[cf.Future]) -> None:
-        cf.wait(workers)
+        futures = [pool.submit(loop, i) for i in range(n)]
+        return lambda: cf.wait(futures) and None
 
     def close(self) -> None:
         if self._pool is not None:

@@ -13,7 +13,8 @@ in and the params of chunk ``k-1`` copy out:
     H2D stream:                     [p k]    (issued as soon as chunk k is done)
 
 A lander thread marks each chunk ready once its grads have landed and its slot's output half is
-free. A slot's grad half is refilled only once every block of its chunk ran, its output half
+free (a run that copies nothing, host grads and host params, has no ring and no lander: the
+driver readies each chunk as it cuts it). A slot's grad half is refilled only once every block of its chunk ran, its output half
 only after the copy out that read it completed. Grads already in host memory are read where
 they are, and host params are written in place: no staging, no copies. A run with two outputs
 per element (a look-ahead's base and rate, and for bf16 grads the base's one-byte residual) cuts
@@ -29,11 +30,12 @@ executor pins its workers to cores: the kernel then runs on one of them).
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue as queue_mod
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -124,11 +126,16 @@ class Run:
         """Hand over a leaf whose grad is complete once ``ready`` (an event, or None) is."""
         self._arrivals.put((leaf, ready))
 
-    def add_all(self, leaves: list[HostLeaf], ready: Any) -> None:
+    def add_all(self, leaves: Iterable[HostLeaf], ready: Any) -> None:
         """Hand over several leaves at once (chunks are cut across them as if they had all
-        arrived together)."""
-        if leaves:
-            self._arrivals.put([(leaf, ready) for leaf in leaves])
+        arrived together). An inline run takes them as they are cut: a generator's leaves are
+        made then, in :meth:`wait`, while the workers run the chunks before."""
+        if self.inline:
+            self._arrivals.put((leaf, ready) for leaf in leaves)
+            return
+        batch = [(leaf, ready) for leaf in leaves]
+        if batch:
+            self._arrivals.put(batch)
 
     def close(self) -> None:
         """No more leaves: the run ends after those handed over."""
@@ -169,7 +176,10 @@ class Run:
         leaves: list[HostLeaf] = []
         ready: list[Any] = []
         try:
-            packer = cut(self._arrivals, self.budget, leaves, ready)
+            # copied through no ring (host grads): the first chunks ramp up (chunking.cut), so
+            # that the workers start while the driver cuts the rest
+            ramp = self.device.type == "cpu" and not self.ex.stage_host_grads
+            packer = cut(self._arrivals, self.budget, leaves, ready, ramp)
             first = next(packer, None)
             if first is not None and not self._cancelled:
                 with self.ex.holding(self.device):  # the device's ring serves one run at a time
@@ -216,6 +226,9 @@ class _Pipeline:
         self.seen: set[Any] = set()  # ready events known to be complete (a copy after them was)
         self.out_events: list[Any] = []  # per chunk: its slot's last copy out once it is done
         self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
+        # nothing copied through a ring (host grads, params written in place): no copy to wait
+        # for, so each chunk is readied here as it is issued, with no lander thread
+        self.lands_here = self.ring is None
         self.failures: list[tuple[int, BaseException]] = []
         self.high_copied: Any = None  # the last copy up from a state's high halves
 
@@ -357,7 +370,10 @@ class _Pipeline:
                                 ema_target, rate, leaf.ahead_hyper, residual))
         self.out_events.append(None)
         self.q.add(Work(pieces, block_size(chunk, self.run_.threads)))
-        self.landing.put(k)
+        if not self.lands_here:
+            self.landing.put(k)
+        elif not self.failures:  # as the lander would, in this thread
+            self.try_land(k)
 
     def land_one(self, k: int) -> None:
         """Mark chunk ``k`` ready once its inputs are in place."""
@@ -375,14 +391,20 @@ class _Pipeline:
         self.q.ready(k)
 
     def land(self) -> None:
-        """The lander thread: each chunk, as the driver issues it."""
-        k = -1
+        """The lander thread: each chunk, as the driver issues it, until one fails."""
+        while (k := self.landing.get()) is not None and self.try_land(k):
+            pass
+
+    def try_land(self, k: int) -> bool:
+        """:meth:`land_one`; a failure is recorded and cancels the queue (the chunks before
+        ``k`` still complete and land), and False is returned."""
         try:
-            while (k := self.landing.get()) is not None:
-                self.land_one(k)
+            self.land_one(k)
+            return True
         except BaseException as e:  # noqa: BLE001 - surfaced by the driver
             self.failures.append((k, e))
             self.q.cancel()
+            return False
 
     def complete(self, k: int) -> None:
         """Chunk ``k``'s kernel is done: copy its params out."""
@@ -421,22 +443,24 @@ class _Pipeline:
         if not run._set_queue(self.q):
             return
         alone = False  # one chunk and one worker: this thread is the worker and the lander
-        if run.inline:  # every leaf has arrived: the chunks are all known now
-            more = list(packer)
-            packer = iter(more)
-            alone = run.threads == 1 and not more and run.ex.cpus is None  # (else: a pinned worker)
-        lander = workers = None
+        if run.inline and run.threads == 1 and run.ex.cpus is None:  # (else: a pinned worker)
+            second = next(packer, None)  # every leaf has arrived: is there a second chunk?
+            alone = second is None
+            packer = itertools.chain(() if alone else (second,), packer)
+        lander = join = None
         if not alone:
-            lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
-            lander.start()
-            workers = run.ex.start_workers(self.q, run.threads)
+            if not self.lands_here:
+                lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
+                lander.start()
+            join = run.ex.start_workers(self.q, run.threads)
         done = at = 0  # chunks completed; the chunk being issued or completed
         try:
             chunk: Optional[list[Segment]] = first
             if alone:
                 self.chunks.append(first)
-                self.issue_in(0)
-                self.land_one(0)
+                self.issue_in(0)  # (readies it, or the next line does)
+                if not self.lands_here:
+                    self.land_one(0)
                 self.q.close()
                 self.q.work(0)
                 chunk = None
@@ -463,7 +487,8 @@ class _Pipeline:
             if lander is not None:
                 self.landing.put(None)
                 lander.join()
-                run.ex.join_workers(workers)
+            if join is not None:
+                join()
             for ev in self.in_events:  # never return while a copy in still reads the grads
                 self.t.wait_host(ev)
             self.t.wait_host(self.high_copied)  # nor a copy up the state's high halves

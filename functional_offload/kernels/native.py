@@ -145,7 +145,12 @@ class NativeQueue:
     def __init__(self, queue: Any, kernel: "NativeKernel"):
         self._queue, self._kernel = queue, kernel
         self.ready, self.close, self.cancel = queue.ready, queue.close, queue.cancel
-        self.work, self.spans = queue.work, queue.spans
+        self.work, self.spans, self.join = queue.work, queue.spans, queue.join
+
+    def start(self, workers: int, cpus: Sequence[int]) -> None:
+        """Put ``workers`` threads of the process's native pool in the loop (worker ``i`` on
+        ``cpus[i % len(cpus)]``; none: unpinned); :meth:`join` waits for them."""
+        self._queue.start(workers, list(cpus))
 
     def add(self, work: Work) -> int:
         pieces, k = work.pieces, self._kernel

@@ -3,8 +3,9 @@
 The executor (``functional_offload.executor``) builds a :class:`Work` per chunk and adds it to
 the run's :class:`Queue`; worker threads stay in the queue's ``work`` loop for the whole run,
 taking the chunks in order and claiming each one's blocks until none is left. The native
-kernels (``cpu``) bring their own queue, whose workers never return to Python between chunks;
-:class:`PyQueue` runs a Python kernel (the torch reference, tests) the same way.
+kernels (``cpu``) bring their own queue, whose workers are native threads of its own
+(:class:`OwnWorkers`) that never enter Python; :class:`PyQueue` runs a Python kernel (the torch
+reference, tests) the same way on the executor's threads.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ import bisect
 import itertools
 import threading
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Protocol, Sequence, Union
 
 import torch
 
-__all__ = ["Piece", "Work", "Kernel", "Queue", "QueueMaker", "PyQueue", "queue_for"]
+__all__ = ["Piece", "Work", "Kernel", "Queue", "OwnWorkers", "QueueMaker", "PyQueue", "queue_for"]
 
 
 class Piece(NamedTuple):
@@ -94,6 +95,18 @@ class Queue(Protocol):
 
     def spans(self) -> list[tuple[int, int, bool, int, int]]:
         """With ``record``: ``(worker, chunk, is_wait, start_ns, end_ns)`` per span so far."""
+
+
+class OwnWorkers(Protocol):
+    """A :class:`Queue` that runs its loop on threads of its own (a native queue's pool, kept
+    across runs), not on the executor's Python threads."""
+
+    def start(self, workers: int, cpus: Sequence[int]) -> None:
+        """Put ``workers`` threads in :meth:`Queue.work` (worker ``i`` pinned to
+        ``cpus[i % len(cpus)]``; empty: unpinned)."""
+
+    def join(self) -> None:
+        """Block until every thread :meth:`start` put in the loop has left it."""
 
 
 class PyQueue:

@@ -6,7 +6,10 @@
 // per piece. Worker threads enter `Queue::work` once per run, GIL released: they take the chunks
 // in order, wait until the executor marks one ready (its grads have landed), claim its blocks one
 // at a time with an atomic counter until none is left, and move on. A thread slowed by others on
-// its core claims fewer blocks; no thread returns to Python between chunks.
+// its core claims fewer blocks; no thread returns to Python between chunks. `start` puts workers
+// in the loop on threads of a process-wide native pool, kept across runs: starting and joining
+// them never takes the GIL, so the first chunk starts while the caller's thread still cuts the
+// next ones, and a worker costs a wake-up, not a Python thread's turn at the interpreter.
 //
 // Per piece, optionally: `targets` (the new value and moments go there instead of in place: the
 // old state stays intact until the caller commits), an `ema` of the value updated in the same
@@ -33,12 +36,18 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <string>
 #include <tuple>
 #include <unordered_map>
 #include <vector>
 
 #include "ops.h"
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -327,10 +336,18 @@ struct Queue {
   std::condition_variable cv;
   std::deque<std::unique_ptr<Chunk>> chunks;
   bool closed = false, cancelled = false;
+  int64_t running = 0;  // workers started on the pool and not yet out of `work`
   bool record;
   std::vector<std::tuple<int64_t, int64_t, bool, int64_t, int64_t>> log;  // worker, chunk, wait?, start, end
 
   explicit Queue(bool record_) : record(record_) {}
+
+  // Dropped without `join` (the caller failed between `start` and it): its pool workers leave
+  // now, before its chunks go.
+  ~Queue() {
+    cancel();
+    join();
+  }
 
   int64_t add(std::unique_ptr<Chunk> c) {
     std::lock_guard<std::mutex> l(m);
@@ -360,6 +377,19 @@ struct Queue {
 
   void close() { std::lock_guard<std::mutex> l(m); closed = true; cv.notify_all(); }
   void cancel() { std::lock_guard<std::mutex> l(m); closed = cancelled = true; cv.notify_all(); }
+
+  void start(int64_t workers, const std::vector<int64_t>& cpus);  // below, after the pool
+
+  // Blocks until every worker `start` put in the loop has left it.
+  void join() {
+    std::unique_lock<std::mutex> l(m);
+    cv.wait(l, [&] { return running == 0; });
+  }
+
+  void left() {  // a pool worker is out of `work` (the queue is not touched after this)
+    std::lock_guard<std::mutex> l(m);
+    if (--running == 0) cv.notify_all();
+  }
 
   void work(int64_t worker) {
     for (size_t k = 0;; ++k) {
@@ -413,6 +443,102 @@ struct Queue {
   }
 };
 
+// Threads that run queues' loops, kept for the process: each takes a task (a queue and a worker
+// number), pins itself to the task's CPU (or back to the process's CPUs), runs the loop and waits
+// for the next. The pool grows to the most workers ever running at once and never shrinks; its
+// threads are detached and it is never destroyed (a thread still in it at exit is simply gone,
+// as the process is). A child process forked from this one starts with an empty pool.
+struct Pool {
+  struct Task {
+    Queue* queue;
+    int64_t worker;
+    int64_t cpu;  // -1: the process's CPUs
+  };
+  std::mutex m;
+  std::condition_variable cv;
+  std::deque<Task> tasks;
+  int64_t idle = 0;  // threads waiting for a task
+
+  static Pool*& instance() {
+    static Pool* pool = [] {
+#if defined(__linux__)
+      pthread_atfork(nullptr, nullptr, [] { instance() = new Pool(); });  // the old one's threads are gone
+#endif
+      return new Pool();
+    }();
+    return pool;
+  }
+
+  void submit(Queue* q, int64_t workers, const std::vector<int64_t>& cpus) {
+    std::lock_guard<std::mutex> l(m);
+    for (int64_t i = 0; i < workers; ++i) {
+      tasks.push_back({q, i, cpus.empty() ? -1 : cpus[size_t(i) % cpus.size()]});
+      if (idle > 0) {
+        --idle;
+        cv.notify_one();
+      } else {
+        std::thread([this] { loop(); }).detach();
+      }
+    }
+  }
+
+  void loop() {
+    bool pinned = false;
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> l(m);
+        cv.wait(l, [&] { return !tasks.empty(); });
+        t = tasks.front();
+        tasks.pop_front();
+      }
+      pinned = pin(t.cpu, pinned);
+      t.queue->work(t.worker);
+      {
+        std::lock_guard<std::mutex> l(m);
+        ++idle;  // before the queue's join returns: a run right after it reuses this thread
+      }
+      t.queue->left();
+    }
+  }
+
+  // This thread on `cpu`, or (-1) on the CPUs the process had when the pool began; returns
+  // whether it is now pinned to one.
+  static bool pin(int64_t cpu, bool pinned) {
+#if defined(__linux__)
+    static const cpu_set_t all = [] {
+      cpu_set_t s;
+      CPU_ZERO(&s);
+      sched_getaffinity(0, sizeof(s), &s);
+      return s;
+    }();
+    if (cpu < 0 && !pinned) return false;
+    cpu_set_t s;
+    if (cpu < 0) {
+      s = all;
+    } else {
+      CPU_ZERO(&s);
+      CPU_SET(int(cpu), &s);
+    }
+    pthread_setaffinity_np(pthread_self(), sizeof(s), &s);
+    return cpu >= 0;
+#else
+    return false;
+#endif
+  }
+};
+
+// Puts `workers` pool threads in this queue's loop, worker `i` on `cpus[i % len]` (none: the
+// process's CPUs). `join` (or the queue's end) waits for them.
+void Queue::start(int64_t workers, const std::vector<int64_t>& cpus) {
+  TORCH_CHECK(workers >= 0, "workers must be >= 0");
+  {
+    std::lock_guard<std::mutex> l(m);
+    running += workers;
+  }
+  Pool::instance()->submit(this, workers, cpus);
+}
+
 }  // namespace
 }  // namespace fo
 
@@ -436,6 +562,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
       .def("close", &Queue::close)
       .def("cancel", &Queue::cancel)
       .def("work", &Queue::work, py::call_guard<py::gil_scoped_release>())
+      .def("start", &Queue::start, py::arg("workers"), py::arg("cpus"))
+      .def("join", &Queue::join, py::call_guard<py::gil_scoped_release>())
       .def("spans", &Queue::spans);
   mod.def("ops", [] {
     std::vector<std::tuple<std::string, int, int, int>> out;

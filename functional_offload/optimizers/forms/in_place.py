@@ -131,8 +131,10 @@ class InPlace:
         self.packed_out = self._packed_leaves(gs, runs, elements, threaded)
         packed = work.static.packed
         for device, idx in by_device([i for i in rest if i not in packed], gs).items():
+            # (made as the run cuts them where it runs in this thread: the workers start on
+            # the first chunk while the rest are made)
             work.run(device, runs, elements, threaded).add_all(
-                [self.in_place_leaf(i, gs[i]) for i in idx], ready[device])
+                (self.in_place_leaf(i, gs[i]) for i in idx), ready[device])
 
     def end_hand_over(self) -> None:
         """Nothing more is handed over: the runs end once their leaves are done (not when
