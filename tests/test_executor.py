@@ -93,7 +93,7 @@ def test_ramped_chunks_grow_from_a_sixteenth_and_cover_every_element_once():
         assert spans[0][0] == 0 and spans[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     small = list(cut(arrived(leaves, None), 4096, [], [], ramp=True))  # a sixteenth < RAMP_MIN
-    assert [[tuple(s) for s in c] for c in small] == [[tuple(s) for s in c] for c in chunks_of(leaves, 4096)]
+    assert small == chunks_of(leaves, 4096)
 
 
 def test_an_inline_run_makes_its_leaves_as_it_cuts_them():
@@ -331,7 +331,8 @@ def test_native_workers_run_in_a_forked_child():
         try:
             again = _adam_leaf("w", n=20_000)
             ex.run([again], adam_kernel())
-            os._exit(0 if all(torch.equal(a, b) for a, b in zip(again.state, expected.state)) else 1)
+            same = all(torch.equal(a, b) for a, b in zip(again.state, expected.state))
+            os._exit(0 if same else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)

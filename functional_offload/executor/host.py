@@ -321,7 +321,11 @@ class HostExecutor:
             q.work(i)
 
         futures = [pool.submit(loop, i) for i in range(n)]
-        return lambda: cf.wait(futures) and None
+
+        def join() -> None:
+            cf.wait(futures)
+
+        return join
 
     def close(self) -> None:
         if self._pool is not None:

@@ -14,7 +14,8 @@ in and the params of chunk ``k-1`` copy out:
 
 A lander thread marks each chunk ready once its grads have landed and its slot's output half is
 free (a run that copies nothing, host grads and host params, has no ring and no lander: the
-driver readies each chunk as it cuts it). A slot's grad half is refilled only once every block of its chunk ran, its output half
+driver readies each chunk as it cuts it, its first chunks smaller so that the workers start
+early). A slot's grad half is refilled only once every block of its chunk ran, its output half
 only after the copy out that read it completed. Grads already in host memory are read where
 they are, and host params are written in place: no staging, no copies. A run with two outputs
 per element (a look-ahead's base and rate, and for bf16 grads the base's one-byte residual) cuts

@@ -462,7 +462,8 @@ struct Pool {
   static Pool*& instance() {
     static Pool* pool = [] {
 #if defined(__linux__)
-      pthread_atfork(nullptr, nullptr, [] { instance() = new Pool(); });  // the old one's threads are gone
+      // a forked child has none of the parent's threads: it starts an empty pool
+      pthread_atfork(nullptr, nullptr, [] { instance() = new Pool(); });
 #endif
       return new Pool();
     }();
