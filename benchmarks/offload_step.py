@@ -360,8 +360,11 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         os.makedirs(args.timeline, exist_ok=True)
         stem = os.path.join(args.timeline, "timeline_" + spec.replace(":", "-"))
         timeline.to_chrome(stem + ".json")
-        timeline.plot(stem + ".png", title=f"{spec}, GPT {args.size}, {args.tokens} tokens: last "
-                      + ("two steps" if kept == 2 else "step"))
+        try:
+            timeline.plot(stem + ".png", title=f"{spec}, GPT {args.size}, {args.tokens} tokens: "
+                          "last " + ("two steps" if kept == 2 else "step"))
+        except ImportError as e:  # no matplotlib here: the JSON opens in Perfetto
+            print(f"timeline plot skipped ({e})", file=sys.stderr)
     if name == "fwdbwd":  # forward (graph built) and backward timed apart, synced in between
         fwd, bwd = [], []
         for _ in range(args.steps):
