@@ -127,6 +127,32 @@ def test_an_inline_run_makes_its_leaves_as_it_cuts_them():
     ex.close()
 
 
+def test_a_leaf_that_allocates_is_made_before_anything_runs(monkeypatch):
+    """A leaf whose making allocates (here a transposed grad, made contiguous) is made before
+    the run starts, though the others are made as the run cuts them: its failure (an
+    allocation's, raised here) leaves every param and the state as they were."""
+    from functional_offload.optimizers.forms.base import HostWork
+    make = HostWork.host_leaf
+
+    def failing(self, index, g, *args, **kw):
+        if not g.is_contiguous():
+            raise MemoryError("no memory for the grad's contiguous copy")
+        return make(self, index, g, *args, **kw)
+
+    opt = fo.adamw(1e-2, executor=HostExecutor(threads=2, chunk_bytes=1 << 20), cpu_kernel="auto")
+    params = {"a": torch.zeros(1 << 19), "b": torch.zeros(1 << 19), "c": torch.zeros(512, 512)}
+    state = opt.init(params)
+    grads = {"a": torch.ones(1 << 19), "b": torch.ones(1 << 19), "c": torch.ones(512, 512).t()}
+    before = clone(params)
+    monkeypatch.setattr(HostWork, "host_leaf", failing)
+    with pytest.raises(MemoryError, match="contiguous copy"):
+        opt.update(grads, state)
+    monkeypatch.undo()
+    assert all(torch.equal(params[k], before[k]) for k in params)
+    params, state = opt.update(grads, state)  # the state is as it was: it steps
+    assert all(torch.all(p < 0) for p in params.values())
+
+
 def _work(sizes, block, seed=0):
     gen = torch.Generator().manual_seed(seed)
     h = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.1, 3, True)

@@ -450,10 +450,16 @@ class _Pipeline:
             packer = itertools.chain(() if alone else (second,), packer)
         lander = join = None
         if not alone:
-            if not self.lands_here:
-                lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
-                lander.start()
-            join = run.ex.start_workers(self.q, run.threads)
+            try:
+                join = run.ex.start_workers(self.q, run.threads)
+                if not self.lands_here:
+                    lander = threading.Thread(target=self.land, name="fo-land", daemon=True)
+                    lander.start()
+            except BaseException:  # no thread to be had: the workers started leave, unused
+                self.q.cancel()
+                if join is not None:
+                    join()
+                raise
         done = at = 0  # chunks completed; the chunk being issued or completed
         try:
             chunk: Optional[list[Segment]] = first

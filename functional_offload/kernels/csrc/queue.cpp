@@ -470,16 +470,19 @@ struct Pool {
     return pool;
   }
 
-  void submit(Queue* q, int64_t workers, const std::vector<int64_t>& cpus) {
+  // Queues `workers` tasks of `q`, counting them in `queued` as they go: a thread that cannot
+  // be made (std::system_error) leaves its task and those after it unqueued.
+  void submit(Queue* q, int64_t workers, const std::vector<int64_t>& cpus, int64_t& queued) {
     std::lock_guard<std::mutex> l(m);
     for (int64_t i = 0; i < workers; ++i) {
-      tasks.push_back({q, i, cpus.empty() ? -1 : cpus[size_t(i) % cpus.size()]});
       if (idle > 0) {
         --idle;
         cv.notify_one();
       } else {
-        std::thread([this] { loop(); }).detach();
+        std::thread([this] { loop(); }).detach();  // (it waits for `m` before taking a task)
       }
+      tasks.push_back({q, i, cpus.empty() ? -1 : cpus[size_t(i) % cpus.size()]});
+      ++queued;
     }
   }
 
@@ -535,9 +538,17 @@ void Queue::start(int64_t workers, const std::vector<int64_t>& cpus) {
   TORCH_CHECK(workers >= 0, "workers must be >= 0");
   {
     std::lock_guard<std::mutex> l(m);
-    running += workers;
+    running += workers;  // before any can leave
   }
-  Pool::instance()->submit(this, workers, cpus);
+  int64_t queued = 0;
+  try {
+    Pool::instance()->submit(this, workers, cpus, queued);
+  } catch (...) {  // no thread for the rest (out of threads or memory): they never run
+    std::lock_guard<std::mutex> l(m);
+    running -= workers - queued;
+    if (running == 0) cv.notify_all();
+    throw;
+  }
 }
 
 }  // namespace

@@ -130,11 +130,17 @@ class InPlace:
             elements[device] = elements.get(device, 0) + params[i][1].numel()
         self.packed_out = self._packed_leaves(gs, runs, elements, threaded)
         packed = work.static.packed
+        leaves = work.leaves
         for device, idx in by_device([i for i in rest if i not in packed], gs).items():
-            # (made as the run cuts them where it runs in this thread: the workers start on
-            # the first chunk while the rest are made)
+            # A leaf whose making allocates (a grad made contiguous, a param written back
+            # whole) is made now, before anything runs, so that a failure leaves the state as
+            # it was; the others are made as the run cuts them (in this thread, where the run
+            # runs in it: the workers start on the first chunk meanwhile).
+            early = {i: self.in_place_leaf(i, gs[i]) for i in idx
+                     if not (gs[i].is_contiguous() and writes_in_place(leaves[i].param))}
             work.run(device, runs, elements, threaded).add_all(
-                (self.in_place_leaf(i, gs[i]) for i in idx), ready[device])
+                (early[i] if i in early else self.in_place_leaf(i, gs[i]) for i in idx),
+                ready[device])
 
     def end_hand_over(self) -> None:
         """Nothing more is handed over: the runs end once their leaves are done (not when
