@@ -5,6 +5,7 @@ synchronous copies), so chunks crossing leaves, ring slots reused many times, pi
 worker threads and errors from a worker run the code that runs against a GPU.
 """
 
+import os
 import threading
 
 import optree
@@ -307,18 +308,19 @@ def test_native_queue_runs_on_its_own_workers():
         q.join()
         assert threading.active_count() == python_threads  # native threads: not Python's
         if round_ == 0:
-            kept = _thread_count()
+            kept = len(_tasks())
         else:
-            assert _thread_count() == kept
+            assert len(_tasks()) == kept
         for w1, w2 in zip(whole, blocked):
             for a, b in zip(w1.pieces, w2.pieces):
                 for x, y in zip((*a.state, a.out), (*b.state, b.out)):
                     assert torch.equal(x, y)
 
 
-def _thread_count():
-    import os
-    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+def _tasks() -> list[int]:
+    """The ids of this process's threads, Python's and native (Linux; else none)."""
+    task = "/proc/self/task"
+    return [int(t) for t in os.listdir(task)] if os.path.isdir(task) else []
 
 
 @pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
@@ -340,35 +342,34 @@ def test_native_queue_dropped_without_join_lets_its_workers_go():
     q.join()
 
 
-@pytest.mark.skipif("native" not in KERNELS or not hasattr(__import__("os"), "fork"),
+@pytest.mark.skipif("native" not in KERNELS or not hasattr(os, "fork"),
                     reason="native kernel not built here, or no fork")
 def test_native_workers_run_in_a_forked_child():
     """A child forked after the pool's threads started gets a pool of its own (the parent's
     threads are not in it) and steps the same as the parent. (Leaves below torch's parallel
     grain: a child forked after OpenMP ran hangs in torch's next parallel region.)"""
-    import os
+    import multiprocessing
     ex = HostExecutor(threads=2, worker_elements=1)
     leaf = _adam_leaf("w", n=20_000)
     ex.run([leaf], adam_kernel())  # the pool's threads exist now
     expected = _adam_leaf("w", n=20_000)
     ex.run([expected], adam_kernel())
-    pid = os.fork()
-    if pid == 0:  # the child: exit status 0 only if its run matched
-        try:
-            again = _adam_leaf("w", n=20_000)
-            ex.run([again], adam_kernel())
-            same = all(torch.equal(a, b) for a, b in zip(again.state, expected.state))
-            os._exit(0 if same else 1)
-        except BaseException:
-            os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+    def child() -> None:  # exit status 0 only if its run matched
+        again = _adam_leaf("w", n=20_000)
+        ex.run([again], adam_kernel())
+        if not all(torch.equal(a, b) for a, b in zip(again.state, expected.state)):
+            raise SystemExit(1)
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
 
 
 @pytest.mark.skipif("native" not in KERNELS, reason="native kernel not built here")
 def test_native_workers_pinned_to_the_executors_cpus():
     """With ``cpus`` the native workers run on the executor's CPUs."""
-    import os
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("one CPU: pinned and unpinned are the same")
@@ -376,18 +377,13 @@ def test_native_workers_pinned_to_the_executors_cpus():
     leaf = _adam_leaf("w", n=200_000)
     ex.run([leaf], adam_kernel())
     assert torch.all(leaf.state[0] < 0)
-    assert {cpus[1]} in _native_affinities()  # a pool thread pinned to the executor's CPU
-
-
-def _native_affinities():
-    import os
-    out = []
-    for tid in os.listdir("/proc/self/task"):
+    affinities = []
+    for tid in _tasks():
         try:
-            out.append(os.sched_getaffinity(int(tid)))
-        except OSError:
+            affinities.append(os.sched_getaffinity(tid))
+        except OSError:  # (a thread that ended meanwhile)
             pass
-    return out
+    assert {cpus[1]} in affinities  # a pool thread pinned to the executor's CPU
 
 
 @pytest.mark.parametrize("use_native", [False, True])

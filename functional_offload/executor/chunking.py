@@ -65,9 +65,10 @@ def cut(arrivals: "queue_mod.Queue", chunk_bytes: int, leaves: list[HostLeaf],
         ready: list[Any], ramp: bool = False) -> Iterator[list[Segment]]:
     """Chunks of the leaves coming from ``arrivals`` (``(leaf, ready event)`` items, or
     iterables of them that arrive together, taken as they are cut; ``None`` at the end),
-    appending each leaf to ``leaves`` and its event to ``ready`` as it arrives. ``ramp``: the first chunks are smaller, from
-    ``chunk_bytes / 16`` (at least :data:`RAMP_MIN` bytes) doubling up to ``chunk_bytes``, so
-    that the kernel starts on the first while the rest are cut and handed to it."""
+    appending each leaf to ``leaves`` and its event to ``ready`` as it arrives. ``ramp``: the
+    first chunks are smaller, from ``chunk_bytes / 16`` (at least :data:`RAMP_MIN` bytes)
+    doubling up to ``chunk_bytes``, so that the kernel starts on the first while the rest are
+    cut and handed to it."""
     pos: Optional[tuple[int, int]] = None  # (leaf, first element) of the leaf being cut
     ended = False
     batch: Iterator[tuple[HostLeaf, Any]] = iter(())  # the rest of a list that arrived together

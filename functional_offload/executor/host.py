@@ -219,13 +219,19 @@ class HostExecutor:
         raise TypeError("a HostExecutor (pinned rings, worker threads) cannot be pickled; "
                         "checkpoint optimizer states with fo.save / state_dict instead")
 
+    def stages(self, device: torch.device) -> bool:
+        """Whether runs for params on ``device`` copy through a staging ring (a GPU's, or any
+        with ``stage_host_grads``); host grads and params otherwise are read and written where
+        they are."""
+        return device.type != "cpu" or self.stage_host_grads
+
     def reserve(self, device: torch.device) -> None:
         """Allocate the staging ring (pinned for CUDA) for params on ``device`` and take its
         transport (on a GPU the process's one, whose streams every executor shares)."""
         with self._reserving:
             if device in self._busy:
                 return
-            staged = device.type != "cpu" or self.stage_host_grads
+            staged = self.stages(device)
             self._slot_events[device] = [None] * self.slots
             self._transports[device] = transport_for(device)
             self._busy[device] = threading.Lock()

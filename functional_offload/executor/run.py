@@ -179,7 +179,7 @@ class Run:
         try:
             # copied through no ring (host grads): the first chunks ramp up (chunking.cut), so
             # that the workers start while the driver cuts the rest
-            ramp = self.device.type == "cpu" and not self.ex.stage_host_grads
+            ramp = not self.ex.stages(self.device)
             packer = cut(self._arrivals, self.budget, leaves, ready, ramp)
             first = next(packer, None)
             if first is not None and not self._cancelled:
@@ -229,7 +229,7 @@ class _Pipeline:
         self.landing: "queue_mod.Queue" = queue_mod.Queue()  # chunks for the lander; None ends
         # nothing copied through a ring (host grads, params written in place): no copy to wait
         # for, so each chunk is readied here as it is issued, with no lander thread
-        self.lands_here = self.ring is None
+        self.lands_here = not run.ex.stages(run.device)
         self.failures: list[tuple[int, BaseException]] = []
         self.high_copied: Any = None  # the last copy up from a state's high halves
 
