@@ -3,6 +3,7 @@ lands its params from the update in flight, so training is exact — the losses 
 same optimizer without ``delayed``, bit for bit — while the host step runs beside the forward."""
 
 import gc
+import threading
 
 import pytest
 import torch
@@ -539,3 +540,68 @@ def test_a_missed_landing_in_a_partition_part_is_refused_before_any_part_steps()
 
     plain, landed = run(False), run(True)
     assert all(torch.equal(plain[k], landed[k]) for k in plain)
+
+
+class _NoStream:
+    """A CUDA stream's calls, played on the CPU (the landing orders nothing here)."""
+
+    def record_event(self):
+        return None
+
+    def wait_event(self, event):
+        pass
+
+
+def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped(monkeypatch):
+    """A delayed step's leaves divided between the GPU engine (here played on the CPU by a job
+    that holds back its last piece of the first leaf) and the CPU run: the run numbers its
+    leaves among its own, and the landing must count them as the leaves they are. A leaf landed
+    early waits for the whole of it — not for as many elements of other leaves."""
+    from functional_offload.executor import HostLeaf
+    from functional_offload.executor.delayed import Landing
+    monkeypatch.setattr(HostExecutor, "engine_stream", lambda self, device: None)
+    monkeypatch.setattr(HostExecutor, "engine_math_streams", lambda self, device: [])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
+    sizes = [4096, 256, 1024, 2048]  # the engine's: 0 and 2; the run's: 1 and 3
+    held = 256  # the engine's last piece of leaf 0: no larger than leaf 1, which the run steps
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    params = [torch.zeros(n) for n in sizes]
+    gate = threading.Event()
+
+    class Engine:  # new params: -grad, leaf 0's last piece only once the gate opens
+        leaves = [0, 2]
+
+        def prepare(self, gs, outs):
+            self.gs, self.outs = gs, outs
+
+        def run(self, done):
+            g, o, n = self.gs, self.outs, sizes[0]
+            o[0][:n - held] = -g[0][:n - held]
+            done([(0, 0, n - held)])
+            assert gate.wait(10)
+            o[0][n - held:] = -g[0][n - held:]
+            done([(0, n - held, n)])
+            o[2][:] = -g[2]
+            done([(2, 0, sizes[2])])
+
+    def kernel(work):  # the run's leaves: -grad as well
+        for piece, a, b in work.claims():
+            piece.out[a:b] = -piece.grad[a:b]
+
+    leaves = [HostLeaf(f"l{j}", g, None, (torch.zeros(g.numel()),), None)
+              for j, g in enumerate(grads)]
+    landing = Landing(HostExecutor(chunk_bytes=4096, slots=2, threads=1), leaves, kernel,
+                      [[(0, p)] for p in params], engine=Engine())
+    landing.run.wait()  # the run's leaves are stepped; the engine holds leaf 0's last piece
+    returned = threading.Event()
+    early = threading.Thread(target=lambda: (landing.land_leaves([0]), returned.set()))
+    early.start()
+    assert not returned.wait(0.5), "leaf 0 landed before the engine had stepped all of it"
+    gate.set()
+    early.join(10)
+    assert returned.is_set()
+    landing.land(None)
+    for p, g in zip(params, grads):
+        assert torch.equal(p, -g)

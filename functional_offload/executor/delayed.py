@@ -217,7 +217,15 @@ class Landing:
                         finished.append(seg.leaf)
                 progress.notify_all()
 
-        self.run = executor.open(self.device, kernel, threads, chunk_done=chunk_done,
+        # the run numbers its leaves as it is handed them (those the engine does not step): its
+        # segments are counted against the leaves here by their positions in ``leaves``
+        at = [j for j in range(len(leaves)) if j not in on_engine]
+
+        def run_done(run_leaves: Any, segs: Optional[list[Segment]]) -> None:
+            chunk_done(run_leaves,
+                       None if segs is None else [s._replace(leaf=at[s.leaf]) for s in segs])
+
+        self.run = executor.open(self.device, kernel, threads, chunk_done=run_done,
                                  ahead=ahead is not None)
         self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
         self._engine_error: list[Optional[BaseException]] = [None]
