@@ -605,3 +605,47 @@ def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped
     landing.land(None)
     for p, g in zip(params, grads):
         assert torch.equal(p, -g)
+
+
+def test_a_failed_step_lands_the_run_s_finished_leaves_into_their_own_params(monkeypatch):
+    """A failed step lands the finished chunks only: with the engine stepping an earlier leaf,
+    the run's finished leaf lands into its own param, not into the engine leaf's."""
+    from functional_offload.executor import HostLeaf, HostStepError
+    from functional_offload.executor.delayed import Landing
+    monkeypatch.setattr(HostExecutor, "engine_stream", lambda self, device: None)
+    monkeypatch.setattr(HostExecutor, "engine_math_streams", lambda self, device: [])
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
+    sizes = [2048, 1024, 1024]  # the engine's: 0; the run's: 1 (its chunk 0), 2 (chunk 1: fails)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    params = [torch.zeros(n) for n in sizes]
+
+    class Engine:
+        leaves = [0]
+
+        def prepare(self, gs, outs):
+            self.gs, self.outs = gs, outs
+
+        def run(self, done):
+            self.outs[0][:] = -self.gs[0]
+            done([(0, 0, sizes[0])])
+
+    calls = [0]
+
+    def kernel(work):  # one worker: a call per chunk; the second chunk (leaf 2) fails
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("boom")
+        for piece, a, b in work.claims():
+            piece.out[a:b] = -piece.grad[a:b]
+
+    leaves = [HostLeaf(f"l{j}", g, None, (torch.zeros(g.numel()),), None)
+              for j, g in enumerate(grads)]
+    landing = Landing(HostExecutor(chunk_bytes=4096, slots=2, threads=1), leaves, kernel,
+                      [[(0, p)] for p in params], engine=Engine())
+    with pytest.raises(HostStepError):
+        landing.land(None)
+    assert torch.equal(params[0], -grads[0])  # the engine's, all of it
+    assert torch.equal(params[1], -grads[1])  # the run's finished chunk, into its own param
+    assert torch.equal(params[2], torch.zeros(sizes[2]))  # the failed chunk: not landed
