@@ -403,7 +403,8 @@ def test_delayed_faults_on_the_gpu(tmp_path):
     from functional_offload.testing import fail_host_kernel, slow_host_kernel
     model = _gpu_model()
     params = dict(model.named_parameters())
-    opt = fo.adamw(1e-2, delayed=STALE, executor=HostExecutor(chunk_bytes=16 << 10, threads=4))
+    # (a delayed step's chunks are four of these: ~11 chunks of 0.02 s each below)
+    opt = fo.adamw(1e-2, delayed=STALE, executor=HostExecutor(chunk_bytes=4096, threads=4))
     state = opt.init(params)
     grads = lambda: {k: torch.randn_like(v) for k, v in params.items()}  # noqa: E731
     params, state = opt.update(grads(), state)

@@ -513,6 +513,50 @@ def test_module_params_requiring_grad(dtype):
     assert not torch.equal(new["weight"], before)
 
 
+def test_a_delayed_run_through_the_ring_cuts_bigger_chunks():
+    """A delayed step's run copies through the ring beside the caller's next forward and
+    backward: its chunks are BESIDE times the executor's, the ring grows for them, and the
+    plain steps before and after (the first chunks of the old ring, then of the grown one) and
+    the delayed one give the bits of runs in place."""
+    from functional_offload.executor.host import BESIDE
+    tl = Timeline()
+    ex = staged(chunk_bytes=4096, slots=2, threads=2, timeline=tl)
+    assert ex.chunk(CPU) == ex.chunk(CPU, beside=True) // BESIDE == 4096
+    assert HostExecutor(chunk_bytes=4096).chunk(CPU, beside=True) == 4096  # no ring: in place
+    params = make_params(big=True)  # (fp32: 27 KB of grads, two chunks beside)
+    grads = grad_seq(params, 2)
+    flat = [HostLeaf("", g.reshape(-1), None, (), None) for g in optree.tree_leaves(grads[0])]
+
+    def copied_in():  # the chunks of the runs since the last call (their grads' copies in)
+        names = {e["name"] for e in tl.events() if e["lane"] == "D2H"}
+        tl.clear()
+        return len(names)
+
+    got = []
+    for delayed in (False, fo.Delay(lookahead=False), False):
+        opt = fo.adamw(1e-2, delayed=delayed, executor=ex)
+        p, s = clone(params), None
+        s = opt.init(p)
+        tl.clear()
+        p, s = opt.update(grads[0], s)
+        fo.flush(s)
+        size = 4096 * BESIDE if delayed else 4096
+        assert copied_in() == len(chunks_of(flat, size)) > 1, delayed
+        p, s = opt.update(grads[1], s)
+        fo.flush(s)
+        want_opt = fo.adamw(1e-2, delayed=delayed, executor=HostExecutor(chunk_bytes=4096, threads=2))
+        q = clone(params)
+        w = want_opt.init(q)
+        for g in grads[:2]:
+            q, w = want_opt.update(g, w)
+        fo.flush(w)
+        for a, b in zip(optree.tree_leaves(p), optree.tree_leaves(q)):
+            assert torch.equal(a, b)
+        got.append(p)
+    for a, b in zip(optree.tree_leaves(got[0]), optree.tree_leaves(got[2])):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_timeline_records_every_chunk_and_exports(tmp_path, kernel):
     """Worker spans come from the Python queue and from the native one (its own clock)."""

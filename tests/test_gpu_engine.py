@@ -133,6 +133,26 @@ def test_timeline_records_the_engines_copies_and_math():
 
 
 @pytest.mark.cuda
+def test_a_delayed_step_takes_bigger_engine_chunks():
+    """Beside the caller's forward and backward a delayed step's engine cuts chunks four times
+    the executor's (fewer calls, each of which may wait behind the caller's kernels)."""
+    tl = Timeline()
+    ex = HostExecutor(chunk_bytes=4096, slots=2, engine="gpu", timeline=tl, engine_chunk_bytes=4096)
+    assert ex.engine_chunk(beside=True) == 4 * ex.engine_chunk() == 4 * 4096
+    counts = []
+    for delayed in (False, fo.Delay(lookahead=False)):
+        params = make_params(0, device="cuda", big=True)
+        opt = fo.adamw(1e-2, placement=on_host(), executor=ex, delayed=delayed)
+        state = opt.init(params)
+        tl.clear()
+        params, state = opt.update(grad_seq(params, 1)[0], state)
+        fo.flush(state)
+        counts.append(len({e["name"] for e in tl.events() if e["lane"] == "H2D engine"}))
+    plain, beside = counts
+    assert 1 < beside and 3 * beside <= plain, counts
+
+
+@pytest.mark.cuda
 def test_delayed_keeps_its_form():
     """A delayed step with engine="gpu" runs as delayed steps do: the bits of engine="cpu"."""
     entry = ELEMENTWISE[0]

@@ -226,7 +226,7 @@ class Landing:
                        None if segs is None else [s._replace(leaf=at[s.leaf]) for s in segs])
 
         self.run = executor.open(self.device, kernel, threads, chunk_done=run_done,
-                                 ahead=ahead is not None)
+                                 ahead=ahead is not None, beside=True)
         self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
         self._engine_error: list[Optional[BaseException]] = [None]
         self._engine_event: list[Optional[torch.cuda.Event]] = [None]  # its last chunk's math

@@ -118,6 +118,11 @@ def node_share() -> tuple[int, int, list[int]]:
 
 
 ENGINE_CHUNK = 128 << 20  # bytes: the GPU engine's chunks by default
+# A delayed step's runs (the CPU kernel's and the GPU engine's, beside the caller's next forward
+# and backward) cut chunks this many times as big: while the caller's queue of launches on the
+# default stream is full, a CUDA call of any other thread waits about one of its kernels
+# (docs/performance.md), and a chunk costs each engine a few calls whatever its size.
+BESIDE = 4
 
 
 class HostExecutor:
@@ -159,6 +164,11 @@ class HostExecutor:
         H100 box whatever its size (measured before the one-pass 8-bit kernels): at 32 MiB that
         bound the engine (2.25 G params/s with the split master and 8-bit moments); it ran 6.1 G
         params/s at 128 MiB and 6.3 at 512 MiB.
+
+    A delayed step's runs for params on a GPU, which run beside the caller's next forward and
+    backward, cut chunks :data:`BESIDE` (4) times as big for both engines (:meth:`chunk`,
+    :meth:`engine_chunk`): the device's staging ring grows to ``slots × 2 × 4 × chunk_bytes``
+    for them, and the GPU engine's device buffers are ``4 × engine_chunk_bytes × slots``.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20, slots: int = 4, threads: Optional[int] = None,
@@ -219,6 +229,17 @@ class HostExecutor:
         raise TypeError("a HostExecutor (pinned rings, worker threads) cannot be pickled; "
                         "checkpoint optimizer states with fo.save / state_dict instead")
 
+    def chunk(self, device: torch.device, beside: bool = False) -> int:
+        """Grad bytes per chunk (a ring slot's half) of a run for params on ``device``:
+        ``chunk_bytes``, or ``BESIDE`` times it for a run beside the caller's forward and
+        backward (a delayed step's) that copies through the ring (:meth:`stages`)."""
+        return self.chunk_bytes * (BESIDE if beside and self.stages(device) else 1)
+
+    def engine_chunk(self, beside: bool = False) -> int:
+        """State bytes per chunk of the GPU engine: ``engine_chunk_bytes``, or ``BESIDE`` times
+        it beside the caller's forward and backward (a delayed step's)."""
+        return self.engine_chunk_bytes * (BESIDE if beside else 1)
+
     def stages(self, device: torch.device) -> bool:
         """Whether runs for params on ``device`` copy through a staging ring (a GPU's, or any
         with ``stage_host_grads``); host grads and params otherwise are read and written where
@@ -226,17 +247,16 @@ class HostExecutor:
         return device.type != "cpu" or self.stage_host_grads
 
     def reserve(self, device: torch.device) -> None:
-        """Allocate the staging ring (pinned for CUDA) for params on ``device`` and take its
-        transport (on a GPU the process's one, whose streams every executor shares)."""
+        """Take the transport for params on ``device`` (on a GPU the process's one, whose
+        streams every executor shares) and the lock of its staging ring (allocated by the
+        first run that copies through it: :meth:`ring`)."""
         with self._reserving:
             if device in self._busy:
                 return
-            staged = self.stages(device)
             self._slot_events[device] = [None] * self.slots
             self._transports[device] = transport_for(device)
             self._busy[device] = threading.Lock()
-            self._rings[device] = (torch.empty(self.slots * 2 * self.chunk_bytes, dtype=torch.uint8,
-                                               pin_memory=device.type == "cuda") if staged else None)
+            self._rings[device] = None
 
     @property
     def pinned_bytes(self) -> int:
@@ -285,8 +305,21 @@ class HostExecutor:
                 kept[device] = streams_apart(device, n, taken)
             return kept[device]
 
-    def ring(self, device: torch.device) -> Optional[torch.Tensor]:
+    def ring(self, device: torch.device, half: int) -> Optional[torch.Tensor]:
+        """``device``'s staging ring (pinned for CUDA; None where its runs copy through none):
+        ``slots`` slots of two halves of ``half`` bytes at least. A smaller one is replaced,
+        once the copies out still reading it are done. Called by a run holding the ring
+        (:meth:`holding`)."""
         self.reserve(device)
+        ring, need = self._rings[device], self.slots * 2 * half
+        if not self.stages(device) or (ring is not None and ring.numel() >= need):
+            return ring
+        events = self._slot_events[device]
+        for event in events:
+            self._transports[device].wait_host(event)
+        events[:] = [None] * self.slots
+        self._rings[device] = ring = None  # (let go of the old one before allocating)
+        self._rings[device] = torch.empty(need, dtype=torch.uint8, pin_memory=device.type == "cuda")
         return self._rings[device]
 
     def slot_events(self, device: torch.device) -> list:
@@ -391,7 +424,8 @@ class HostExecutor:
 
     def open(self, device: torch.device, kernel: Kernel, threads: Optional[int] = None,
              chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-             elements: Optional[int] = None, ahead: bool = False, threaded: bool = False) -> Run:
+             elements: Optional[int] = None, ahead: bool = False, threaded: bool = False,
+             beside: bool = False) -> Run:
         """Start a run for leaves whose grads are on ``device``; feed it with ``add``.
 
         ``elements``: the run's total elements, when every leaf is handed over and the run
@@ -400,14 +434,16 @@ class HostExecutor:
         runs in the step's thread (see :class:`~functional_offload.executor.run.Run`): a small run
         starts no thread at all; ``threaded``: in a thread of its own all the same (the step's
         thread has other work meanwhile). ``ahead``: for leaves with a look-ahead
-        (``HostLeaf.ahead``).
+        (``HostLeaf.ahead``). ``beside``: the run goes on beside the caller's next forward and
+        backward (a delayed step's): its chunks are :meth:`chunk` (``beside=True``).
         """
         self.reserve(device)
         n = min(threads or self.threads, self.threads)
         if elements is not None:
             n = max(1, min(n, -(-elements // self.worker_elements)))
         return Run(self, device, kernel, n, chunk_done,
-                   inline=elements is not None and shielding() and not threaded, ahead=ahead)
+                   inline=elements is not None and shielding() and not threaded, ahead=ahead,
+                   beside=beside)
 
     def run(self, leaves: Sequence[HostLeaf], kernel: Kernel, threads: Optional[int] = None) -> None:
         """Update ``leaves`` (grads on one device) and wait; the caller's stream is then ordered

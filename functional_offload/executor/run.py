@@ -97,15 +97,15 @@ class Run:
 
     def __init__(self, executor: Any, device: torch.device, kernel: Kernel, threads: int,
                  chunk_done: Optional[Callable[[list[HostLeaf], list[Segment]], None]] = None,
-                 inline: bool = False, ahead: bool = False):
+                 inline: bool = False, ahead: bool = False, beside: bool = False):
         self.ex, self.device, self.kernel, self.threads = executor, device, kernel, threads
         self.chunk_done = chunk_done
         self.inline = inline
+        self.half = executor.chunk(device, beside)  # bytes of a ring slot's half
         # grad bytes per chunk: a slot half, or (a look-ahead's outputs: per bf16 grad 2 bytes
         # of base, 2 of rate, 1 of residual) two fifths of one, the rates starting there in the
         # output half and the residuals at twice it (:meth:`_Pipeline.at`)
-        self.budget = (executor.chunk_bytes * 2 // 5 // ALIGN * ALIGN if ahead
-                       else executor.chunk_bytes)
+        self.budget = self.half * 2 // 5 // ALIGN * ALIGN if ahead else self.half
         self.started = False
         self.settled = False
         self.ended_at: Optional[float] = None  # time.perf_counter() when the run ended
@@ -214,9 +214,9 @@ class _Pipeline:
         self.run_, self.leaves, self.ready = run, leaves, ready
         self.device = run.device
         self.t = ex.transport(run.device)
-        self.ring = ex.ring(run.device)
+        self.ring = ex.ring(run.device, run.half)
         self.slot_events = ex.slot_events(run.device)
-        self.S, self.half = ex.slots, ex.chunk_bytes
+        self.S, self.half = ex.slots, run.half
         self.tl = ex.timeline
         self.before = list(self.slot_events)  # copies out of the previous run, per slot
         self.q = queue_for(run.kernel, run.threads, self.tl is not None)

@@ -53,7 +53,8 @@ class DelayedEngine:
         for i, j in zip(self.idx, self.leaves):
             gs[i] = grads[j]
         self.prepared = self.engine.prepare(gs, self.idx,
-                                            {i: outs[j] for i, j in zip(self.idx, self.leaves)})
+                                            {i: outs[j] for i, j in zip(self.idx, self.leaves)},
+                                            beside=True)
 
     def run(self, done: Callable[[list[tuple[int, int, int]]], None]) -> None:
         at = dict(zip(self.idx, self.leaves))

@@ -197,11 +197,13 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
     def finish(self, gs: list, rest: list[int], ready: dict) -> None:
         self.run_prepared(self.prepare(gs, rest))
 
-    def prepare(self, gs: list, idx: list[int],
-                outs: Optional[dict[int, torch.Tensor]] = None) -> list["Prepared"]:
+    def prepare(self, gs: list, idx: list[int], outs: Optional[dict[int, torch.Tensor]] = None,
+                beside: bool = False) -> list["Prepared"]:
         """Leaves ``idx`` cut into chunks and their device buffers allocated, per device: what
         can fail before anything is written. ``outs``: per leaf, a 1-D tensor on its device
-        that gets its new params instead of its param (a delayed step's buffer)."""
+        that gets its new params instead of its param (a delayed step's buffer); ``beside``:
+        the chunks of a step beside the caller's forward and backward (a delayed step's,
+        :meth:`~functional_offload.executor.HostExecutor.engine_chunk`)."""
         self.outs = dict(outs or {})
         out = []
         ex = self.work.ex
@@ -211,8 +213,9 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
                 if i not in self.outs and not leaf.param.is_contiguous():  # its new values'
                     self.strided[i] = torch.empty(leaf.param.numel(), dtype=leaf.param.dtype,
                                                   device=leaf.param.device)
-            todo = chunks(self.work.leaves, on, ex.engine_chunk_bytes)
-            bufs = [torch.empty(ex.engine_chunk_bytes, dtype=torch.uint8, device=device)
+            capacity = ex.engine_chunk(beside)
+            todo = chunks(self.work.leaves, on, capacity)
+            bufs = [torch.empty(capacity, dtype=torch.uint8, device=device)
                     for _ in range(min(ex.slots, len(todo)))]
             out.append(Prepared(ex.transport(device), todo,
                                 {i: gs[i].reshape(-1) for i in on}, bufs))
