@@ -144,6 +144,14 @@ def test_no_pinned_allocation_after_init_and_native_kernel_used():
     for _ in range(5):
         params, state = opt.update({"w": torch.randn_like(params["w"])}, state)
     assert ex.pinned_bytes == pinned
+    ex = HostExecutor(chunk_bytes=1 << 20)  # a delayed step's ring: slots for its bigger chunks
+    opt = fo.adamw(1e-3, executor=ex, delayed=fo.Delay(lookahead=False))
+    state = opt.init(params)
+    assert ex.pinned_bytes == 4 * 2 * 4 * (1 << 20)
+    for _ in range(3):
+        params, state = opt.update({"w": torch.randn_like(params["w"])}, state)
+    fo.flush(state)
+    assert ex.pinned_bytes == 4 * 2 * 4 * (1 << 20)
 
 
 @pytest.mark.parametrize("pin", [False, True])

@@ -246,17 +246,22 @@ class HostExecutor:
         they are."""
         return device.type != "cpu" or self.stage_host_grads
 
-    def reserve(self, device: torch.device) -> None:
+    def reserve(self, device: torch.device, beside: bool = False) -> None:
         """Take the transport for params on ``device`` (on a GPU the process's one, whose
-        streams every executor shares) and the lock of its staging ring (allocated by the
-        first run that copies through it: :meth:`ring`)."""
+        streams every executor shares) and allocate the staging ring (pinned for CUDA) its runs
+        copy through, with slots for a delayed step's chunks where ``beside``
+        (:meth:`chunk`): an optimizer's ``init`` calls it, so that no step allocates it."""
         with self._reserving:
-            if device in self._busy:
-                return
-            self._slot_events[device] = [None] * self.slots
-            self._transports[device] = transport_for(device)
-            self._busy[device] = threading.Lock()
-            self._rings[device] = None
+            if device not in self._busy:
+                self._slot_events[device] = [None] * self.slots
+                self._transports[device] = transport_for(device)
+                self._busy[device] = threading.Lock()
+                self._rings[device] = None
+        ring = self._rings[device]
+        need = self.slots * 2 * self.chunk(device, beside)
+        if self.stages(device) and (ring is None or ring.numel() < need):
+            with self._busy[device]:  # (once a run in flight on it has ended)
+                self.ring(device, self.chunk(device, beside))
 
     @property
     def pinned_bytes(self) -> int:
@@ -308,9 +313,8 @@ class HostExecutor:
     def ring(self, device: torch.device, half: int) -> Optional[torch.Tensor]:
         """``device``'s staging ring (pinned for CUDA; None where its runs copy through none):
         ``slots`` slots of two halves of ``half`` bytes at least. A smaller one is replaced,
-        once the copies out still reading it are done. Called by a run holding the ring
-        (:meth:`holding`)."""
-        self.reserve(device)
+        once the copies out still reading it are done. Called holding the ring
+        (:meth:`holding`) for a device :meth:`reserve` took."""
         ring, need = self._rings[device], self.slots * 2 * half
         if not self.stages(device) or (ring is not None and ring.numel() >= need):
             return ring

@@ -403,7 +403,7 @@ class Terminal:
                 native.module()  # build now (once per machine and CPU capability), not mid-step
             for p, host in zip(locals_, on_host):
                 if host:
-                    self.executor.reserve(p.device)
+                    self.executor.reserve(p.device, beside=self.delay is not None)
         # the GPU engine runs in plain and delayed steps (its leaves' params are on a GPU)
         engine = not preview and self.spec.elementwise and self.executor.engine != "cpu"
         # small leaves are packed for plain and delayed steps
