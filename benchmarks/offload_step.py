@@ -269,6 +269,8 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         return {"system": "floor", **host_floor.measure(shapes, args.threads, args.floor_reps,
                                                         args.dram_numel)}
     device = torch.device(args.device)
+    if args.side_stream and device.type == "cuda":  # the model, the system and its steps
+        torch.cuda.set_stream(torch.cuda.Stream(device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model = gpt.build(args.size, device, dtype)
@@ -452,6 +454,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--size", default="1.3b", help="GPT size (gpt.py): tiny, 125m, ..., 6.7b, 13b")
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per step (batch x seq)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--side-stream", action="store_true",
+                    help="every system builds and steps on a side CUDA stream (torch.cuda.set_stream) "
+                         "instead of the default one: while a backward fills the default stream's "
+                         "queue of launches, other threads' CUDA calls wait (benchmarks/call_stalls.py)")
     ap.add_argument("--checkpoint", action="store_true",
                     help="every system recomputes each block in backward (torch.utils.checkpoint), "
                          "for token counts whose activations would not fit")
