@@ -530,6 +530,18 @@ def test_adams_lookahead_refuses_fp16_params_naming_the_fixes():
     assert torch.isfinite(p["w"]).all()
 
 
+@pytest.mark.parametrize("other", ["meta", CUDA])
+@pytest.mark.parametrize("delayed", [True, STALE], ids=["lookahead", "stale"])
+def test_host_leaves_on_two_devices_are_refused_naming_both(delayed, other):
+    """A delayed update lands the host-resident leaves of one device: params on two are
+    refused at init, naming a leaf of each and how to split them."""
+    params = {"a": torch.ones(4, dtype=torch.bfloat16),
+              "b": torch.ones(4, dtype=torch.bfloat16, device=other)}
+    with pytest.raises(ValueError, match=r"params 'a' \(cpu\) and 'b' \((meta|cuda:0)\) are on "
+                                         r"different devices.*fo.partition.*placement.select"):
+        fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=delayed).init(params)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_small_leaves_take_their_lookahead_packed_as_they_would_alone(kernel, device):

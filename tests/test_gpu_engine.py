@@ -723,32 +723,42 @@ def _mlp_chain(engine: str, max_norm: float, **options):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("side", [False, True], ids=["", "side-stream"])
 @pytest.mark.parametrize("engine", ["gpu", "both"])
-def test_landing_before_the_forward_is_exact_on_the_gpu_engine(engine):
+def test_landing_before_the_forward_is_exact_on_the_gpu_engine(engine, side):
     """``fo.land_before_forward`` with the GPU engine stepping in the background: each module's
-    forward waits for its params, and training gives the plain steps' bits."""
+    forward waits for its params, and training gives the plain steps' bits; also where the
+    delayed loop runs on a side stream (its copies ordered against the caller's stream)."""
     outs = []
     for delayed in (STALE, False):
-        model, params, _, opt = _mlp_chain(engine, 0.1, delayed=delayed,
-                                           store_param_remainders=True, mu_dtype=torch.uint8,
-                                           nu_dtype=torch.uint8)
-        state = opt.init(params)
-        hooks = fo.land_before_forward(model, lambda: state) if delayed else None
-        g = torch.Generator(device="cuda").manual_seed(1)
-        losses = []
-        for _ in range(5):
-            x = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
-            loss = model(x).float().square().mean()
-            loss.backward()
-            losses.append(loss.item())
-            params, state = opt.update({k: p.grad for k, p in params.items()}, state)
-            model.zero_grad(set_to_none=True)
-        state = fo.flush(state)
-        if hooks is not None:
-            hooks.remove()
-        outs.append((losses, [p.detach().cpu() for p in params.values()]))
+        with torch.cuda.stream(torch.cuda.Stream() if side and delayed else
+                               torch.cuda.current_stream()):
+            outs.append(_train_landed(engine, delayed))
     assert outs[0][0] == outs[1][0]
     assert all(torch.equal(x, y) for x, y in zip(outs[0][1], outs[1][1]))
+
+
+def _train_landed(engine: str, delayed) -> tuple[list[float], list[torch.Tensor]]:
+    """Five clipped steps of :func:`_mlp` (landed before each module's forward where delayed):
+    the losses and the final params."""
+    model, params, _, opt = _mlp_chain(engine, 0.1, delayed=delayed,
+                                       store_param_remainders=True, mu_dtype=torch.uint8,
+                                       nu_dtype=torch.uint8)
+    state = opt.init(params)
+    hooks = fo.land_before_forward(model, lambda: state) if delayed else None
+    g = torch.Generator(device="cuda").manual_seed(1)
+    losses = []
+    for _ in range(5):
+        x = torch.randn(64, 256, device="cuda", generator=g).bfloat16()
+        loss = model(x).float().square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+        model.zero_grad(set_to_none=True)
+    state = fo.flush(state)
+    if hooks is not None:
+        hooks.remove()
+    return losses, [p.detach().cpu() for p in params.values()]
 
 
 @pytest.mark.cuda

@@ -262,7 +262,17 @@ class Terminal:
     def _check_host(self, paths: list[str], locals_: list[torch.Tensor], on_host: list[bool]) -> None:
         """Refuse host leaves that the executor's engine, ``cpu_kernel`` or ``delayed`` cannot
         step."""
+        first: dict[torch.device, str] = {}  # a host leaf per device of their params
         for path, p, host in zip(paths, locals_, on_host):
+            if host:
+                first.setdefault(p.device, path)
+            if host and self.delayed and len(first) > 1:
+                (a, da), (b, db) = [(q, d) for d, q in first.items()][:2]
+                raise ValueError(f"delayed=True: params {a!r} ({da}) and {b!r} ({db}) are on "
+                                 "different devices, but a delayed update lands the host-resident "
+                                 "leaves of one device; give each device's params an optimizer "
+                                 "of their own (fo.partition), or keep one device's state on it "
+                                 "with placement.select")
             if host and self.executor.engine != "cpu" and p.device.type not in ("cuda", "meta"):
                 raise ValueError(f"param {path!r} is on {p.device}, but "
                                  f"HostExecutor(engine={self.executor.engine!r}) steps "

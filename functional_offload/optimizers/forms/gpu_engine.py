@@ -239,19 +239,23 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         for m in maths:  # the grads, params and buffers are ready where the caller's stream is
             m.wait_stream(home)
         t.wait_out(t.ready())
-        landing: deque[object] = deque()
-        k = 0
+        landing: deque[tuple[int, object]] = deque()  # (chunk, the event of its copies down)
+        at = 0  # the chunk being queued, or whose copies down are being waited for
         try:
             for k, chunk in enumerate(todo):
-                if k >= ex.slots:
-                    t.wait_host(landing.popleft())  # the buffer's last chunk is back on the host
+                if k >= ex.slots:  # the buffer's last chunk is back on the host
+                    at, event = landing.popleft()
+                    t.wait_host(event)
+                at = k
                 with torch.cuda.stream(maths[k % len(maths)]):
-                    landing.append(self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done, home))
+                    landing.append((k, self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done,
+                                                   home)))
             while landing:
-                t.wait_host(landing.popleft())
+                at, event = landing.popleft()
+                t.wait_host(event)
         except Exception as e:
             raise HostStepError(tuple(dict.fromkeys(self.work.leaves[q.index].path
-                                                    for q in todo[k].pieces)), e) from e
+                                                    for q in todo[at].pieces)), e) from e
         finally:  # nothing in flight reads or writes the state or the buffers once this returns
             for m in maths:
                 home.wait_stream(m)
