@@ -552,17 +552,38 @@ class _NoStream:
         pass
 
 
-def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped(monkeypatch):
-    """A delayed step's leaves divided between the GPU engine (here played on the CPU by a job
-    that holds back its last piece of the first leaf) and the CPU run: the run numbers its
-    leaves among its own, and the landing must count them as the leaves they are. A leaf landed
-    early waits for the whole of it — not for as many elements of other leaves."""
-    from functional_offload.executor import HostLeaf
-    from functional_offload.executor.delayed import Landing
+@pytest.fixture
+def engine_on_cpu(monkeypatch):
+    """The GPU engine's stream calls as no-ops, so that a :class:`Landing` with an engine job
+    runs on the CPU."""
     monkeypatch.setattr(HostExecutor, "engine_stream", lambda self, device: None)
     monkeypatch.setattr(HostExecutor, "engine_math_streams", lambda self, device: [])
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
+
+
+def _negate(work):
+    """A kernel whose new params are the grads negated."""
+    for piece, a, b in work.claims():
+        piece.out[a:b] = -piece.grad[a:b]
+
+
+def _landing(grads, params, engine, kernel=_negate):
+    """A delayed step's landing of one leaf per grad into ``params``: ``engine``'s leaves
+    stepped by it, the others by the CPU run's ``kernel``."""
+    from functional_offload.executor import HostLeaf
+    from functional_offload.executor.delayed import Landing
+    leaves = [HostLeaf(f"l{j}", g, None, (torch.zeros(g.numel()),), None)
+              for j, g in enumerate(grads)]
+    return Landing(HostExecutor(chunk_bytes=4096, slots=2, threads=1), leaves, kernel,
+                   [[(0, p)] for p in params], engine=engine)
+
+
+def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped(engine_on_cpu):
+    """A delayed step's leaves divided between the GPU engine (here played on the CPU by a job
+    that holds back its last piece of the first leaf) and the CPU run: the run numbers its
+    leaves among its own, and the landing must count them as the leaves they are. A leaf landed
+    early waits for the whole of it — not for as many elements of other leaves."""
     sizes = [4096, 256, 1024, 2048]  # the engine's: 0 and 2; the run's: 1 and 3
     held = 256  # the engine's last piece of leaf 0: no larger than leaf 1, which the run steps
     gen = torch.Generator().manual_seed(0)
@@ -586,14 +607,7 @@ def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped
             o[2][:] = -g[2]
             done([(2, 0, sizes[2])])
 
-    def kernel(work):  # the run's leaves: -grad as well
-        for piece, a, b in work.claims():
-            piece.out[a:b] = -piece.grad[a:b]
-
-    leaves = [HostLeaf(f"l{j}", g, None, (torch.zeros(g.numel()),), None)
-              for j, g in enumerate(grads)]
-    landing = Landing(HostExecutor(chunk_bytes=4096, slots=2, threads=1), leaves, kernel,
-                      [[(0, p)] for p in params], engine=Engine())
+    landing = _landing(grads, params, Engine())  # the run's leaves: -grad as well
     landing.run.wait()  # the run's leaves are stepped; the engine holds leaf 0's last piece
     returned = threading.Event()
     early = threading.Thread(target=lambda: (landing.land_leaves([0]), returned.set()))
@@ -607,15 +621,10 @@ def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped
         assert torch.equal(p, -g)
 
 
-def test_a_failed_step_lands_the_run_s_finished_leaves_into_their_own_params(monkeypatch):
+def test_a_failed_step_lands_the_run_s_finished_leaves_into_their_own_params(engine_on_cpu):
     """A failed step lands the finished chunks only: with the engine stepping an earlier leaf,
     the run's finished leaf lands into its own param, not into the engine leaf's."""
-    from functional_offload.executor import HostLeaf, HostStepError
-    from functional_offload.executor.delayed import Landing
-    monkeypatch.setattr(HostExecutor, "engine_stream", lambda self, device: None)
-    monkeypatch.setattr(HostExecutor, "engine_math_streams", lambda self, device: [])
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
+    from functional_offload.executor import HostStepError
     sizes = [2048, 1024, 1024]  # the engine's: 0; the run's: 1 (its chunk 0), 2 (chunk 1: fails)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen) for n in sizes]
@@ -637,13 +646,9 @@ def test_a_failed_step_lands_the_run_s_finished_leaves_into_their_own_params(mon
         calls[0] += 1
         if calls[0] == 2:
             raise RuntimeError("boom")
-        for piece, a, b in work.claims():
-            piece.out[a:b] = -piece.grad[a:b]
+        _negate(work)
 
-    leaves = [HostLeaf(f"l{j}", g, None, (torch.zeros(g.numel()),), None)
-              for j, g in enumerate(grads)]
-    landing = Landing(HostExecutor(chunk_bytes=4096, slots=2, threads=1), leaves, kernel,
-                      [[(0, p)] for p in params], engine=Engine())
+    landing = _landing(grads, params, Engine(), kernel)
     with pytest.raises(HostStepError):
         landing.land(None)
     assert torch.equal(params[0], -grads[0])  # the engine's, all of it
