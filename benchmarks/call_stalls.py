@@ -8,7 +8,10 @@ thread) while the caller's thread runs the next forward and backward. This measu
 thread, as the executor's driver calls them: ``Event()`` (create), an 8 MiB device-to-host
 ``copy_`` into pinned memory on a side stream, ``Event.record`` on it, ``Stream.wait_event``
 on an event already done, ``Event.query`` and ``Event.synchronize`` (the copy's own time),
-each call timed alone, in a loop for as long as the load below runs:
+each call timed alone; then the same bytes as 16 ``copy_`` calls (``copy_ x16``, timed
+together) and as one replay of a CUDA graph of those 16 copies (``graph x16``), each followed
+by a synchronize (untimed): whether a graph's launch waits like one call or like its copies. In a
+loop for as long as the load below runs:
 
     idle              nothing else runs
     flood default     the main thread queues 3,000 bf16 matmuls (8192x4096 @ 4096x4096, ~0.4 ms
@@ -27,18 +30,42 @@ import argparse
 import json
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-CALLS = ("create", "copy_", "record", "wait_event", "query", "synchronize")
+CALLS = ("create", "copy_", "record", "wait_event", "query", "synchronize", "copy_ x16",
+         "graph x16")
+PARTS = 16  # the copies of ``copy_ x16`` and of the graph
 
 
-def probe(stop: threading.Event, out: list[tuple[float, ...]], nbytes: int) -> None:
-    """The side thread: the calls above in a loop until ``stop``; per iteration their times."""
+class Copies(NamedTuple):
+    """A device buffer, its pinned copy, and a CUDA graph of the copy in :data:`PARTS` parts."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    graph: Optional[torch.cuda.CUDAGraph]  # None where this torch cannot capture the copies
+
+
+def copies_of(nbytes: int) -> Copies:
     dev = torch.device("cuda")
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    graph: Optional[torch.cuda.CUDAGraph] = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for d, s in zip(dst.view(PARTS, -1), src.view(PARTS, -1)):
+                d.copy_(s, non_blocking=True)
+    except RuntimeError as e:
+        print(f"graph x16 not measured: the copies could not be captured ({e})")
+        graph = None
+    torch.cuda.synchronize()
+    return Copies(src, dst, graph)
+
+
+def probe(stop: threading.Event, out: list[tuple[float, ...]], c: Copies) -> None:
+    """The side thread: the calls above in a loop until ``stop``; per iteration their times."""
+    src, dst = c.src, c.dst
     copies, other = torch.cuda.Stream(), torch.cuda.Stream()
     done = torch.cuda.Event()
     done.record(other)
@@ -62,12 +89,23 @@ def probe(stop: threading.Event, out: list[tuple[float, ...]], nbytes: int) -> N
         t5 = time.perf_counter()
         ev.synchronize()
         t6 = time.perf_counter()
-        out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
+        with torch.cuda.stream(copies):
+            for d, s in zip(dst.view(PARTS, -1), src.view(PARTS, -1)):
+                d.copy_(s, non_blocking=True)
+            t7 = time.perf_counter()
+            copies.synchronize()
+            t8 = time.perf_counter()
+            if c.graph is not None:
+                c.graph.replay()
+            t9 = time.perf_counter()
+            copies.synchronize()
+        out.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6,
+                    t9 - t8 if c.graph is not None else float("nan")))
 
 
-def measure(load: Callable[[], None], stream: Optional[torch.cuda.Stream], nbytes: int) -> dict:
+def measure(load: Callable[[], None], stream: Optional[torch.cuda.Stream], c: Copies) -> dict:
     stop, times = threading.Event(), []
-    side = threading.Thread(target=probe, args=(stop, times, nbytes))
+    side = threading.Thread(target=probe, args=(stop, times, c))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     side.start()
@@ -79,11 +117,11 @@ def measure(load: Callable[[], None], stream: Optional[torch.cuda.Stream], nbyte
     stop.set()
     side.join()
     row = {"host_s": host_s, "gpu_s": gpu_s, "probes": len(times),
-           "copy_gbs": len(times) * nbytes / gpu_s / 1e9}
+           "copy_gbs": len(times) * (2 + (c.graph is not None)) * c.src.numel() / gpu_s / 1e9}
     for name, col in zip(CALLS, zip(*times) if times else [()] * len(CALLS)):
-        c = sorted(col)
-        row[name] = ([1e3 * c[len(c) // 2], 1e3 * c[int(len(c) * 0.9)], 1e3 * c[-1]]
-                     if c else None)
+        ts = sorted(col)
+        row[name] = ([1e3 * ts[len(ts) // 2], 1e3 * ts[int(len(ts) * 0.9)], 1e3 * ts[-1]]
+                     if ts else None)
     return row
 
 
@@ -108,6 +146,7 @@ def main() -> None:
     mm(200, a, b)()
     mm(20, big, big)()
     torch.cuda.synchronize()
+    pair = copies_of(args.copy_bytes)
     side = torch.cuda.Stream()
     loads = [("idle", lambda: time.sleep(0.5), None), ("flood default", mm(3000, a, b), None),
              ("flood side", mm(3000, a, b), side), ("flood long", mm(1500, big, big), None),
@@ -116,7 +155,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; per call: median/p90/max ms")
     print(f"{'load':14s} {'host s':>6s} {'gpu s':>6s} {'GB/s':>5s}  " + "  ".join(f"{c:>20s}" for c in CALLS))
     for name, load, stream in loads:
-        row = rows[name] = measure(load, stream, args.copy_bytes)
+        row = rows[name] = measure(load, stream, pair)
         cells = ["-" if row[c] is None else "/".join(f"{x:.2f}" for x in row[c]) for c in CALLS]
         print(f"{name:14s} {row['host_s']:6.2f} {row['gpu_s']:6.2f} {row['copy_gbs']:5.1f}  "
               + "  ".join(f"{x:>20s}" for x in cells), flush=True)
