@@ -410,7 +410,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
     if fb:
         out.append(f"forward {fb['fwd_s']:.3f} s, backward {fb['bwd_s']:.3f} s, fwd+bwd step "
                    f"{fb['step_s']:.3f} s")
-    out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'mean s':>7} {'flush s':>7} {'x fb':>6} {'host s':>7} "
+    out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'2nd+ s':>7} {'mean s':>7} {'flush s':>7} {'x fb':>6} {'host s':>7} "
                f"{'x plain':>7} {'floor s':>8} {'ovh/flr':>7} {'bound s':>8} {'x bound':>7} {'peak GiB':>9} "
                f"{'extra':>6} {'pin MiB':>8} {'host B/p':>8}")
     # the host step: a system's mean less the fwdbwd row's; x plain: over plain:F's, same F
@@ -431,8 +431,10 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         b = bound(name, fb["fwd_s"], fb["bwd_s"], floor if r["offloaded"] else 0.0) if fb else nan
         pin = f"{r['pinned_bytes'] / 2**20:.0f}" if r.get("pinned_bytes") is not None else "-"
         host = host_of.get(r["system"], nan) if r["offloaded"] else nan
+        later = r.get("times_s", [])[1:]
         plain = host_of.get("plain:" + r["system"].partition(":")[2], nan)
-        out.append(f"{r['system']:<12} {r['clip']:>4} {r['step_s']:>7.3f} {r['mean_s']:>7.3f} "
+        out.append(f"{r['system']:<12} {r['clip']:>4} {r['step_s']:>7.3f} "
+                   f"{sum(later) / len(later) if later else nan:>7.3f} {r['mean_s']:>7.3f} "
                    f"{r.get('flush_s', nan):>7.3f} {r['mean_s'] / fbs:>6.2f} {host:>7.3f} "
                    f"{host / plain if plain > 0 else nan:>7.2f} "
                    f"{floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
@@ -440,7 +442,9 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                    f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8} "
                    f"{r.get('host_bytes_per_param', nan):>8.2f}"
                    + (f"  ahead {r['ahead']}" if name.startswith("stream") and r.get("ahead") else ""))
-    out.append("mean = (timed steps + final flush) / steps; flush s = the final flush alone; "
+    out.append("step s = the median step; 2nd+ s = the mean of the timed steps after the first (a "
+               "delayed system's first follows the warm-up's flush and waits for nothing); "
+               "mean = (timed steps + final flush) / steps; flush s = the final flush alone; "
                "x fb = mean / (fwd+bwd); host s = mean - fwdbwd's mean; x plain = host s / plain:F's "
                "(same F, same run); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
                "extra = peak GiB above the bf16 model; host B/p = the process's resident memory "
