@@ -291,6 +291,17 @@ def test_small_packed_param_reshaped_between_updates_is_followed(shape):
     assert torch.equal(p["w"].reshape(-1), q["w"]) and torch.equal(p["b"], q["b"])
 
 
+def test_packs_keep_each_device_s_params_apart():
+    """A pack's grads and new params pass through one buffer on one device: small params on
+    two devices go to a pack each (state on the host either way), never one across both."""
+    from functional_offload.optimizers.packing import arrange
+    params = [torch.zeros(8), torch.zeros(8, device="meta"), torch.zeros(8),
+              torch.zeros(8, device="meta"), torch.zeros(8)]
+    state = [torch.zeros(8) for _ in params]
+    packs = arrange(range(len(params)), [state], [True] * len(params), params, pin=False)
+    assert sorted(pack.members for pack in packs) == [(0, 2, 4), (1, 3)]
+
+
 @pytest.mark.parametrize("delay", [False, *DELAYS], ids=["plain", *DELAYS])
 @pytest.mark.parametrize("to", [torch.float32, torch.float16])
 def test_small_packed_param_changing_dtype_runs_apart_from_its_pack(delay, to):

@@ -32,19 +32,20 @@ class Pack(NamedTuple):
 
 
 def arrange(candidates: Sequence[int], fields: Sequence[list[Optional[torch.Tensor]]],
-            decay: Sequence[bool], param_dtypes: Sequence[torch.dtype], pin: bool) -> list[Pack]:
+            decay: Sequence[bool], params: Sequence[torch.Tensor], pin: bool) -> list[Pack]:
     """Move the state of the ``candidates`` (flatten indices) into arenas (pinned with ``pin``):
     ``fields`` are the per-leaf state lists (value, moments, EMA), rewritten in place with views
     of the arenas.
-    Leaves are grouped by their params' dtype (the pack's grads and new params share one
-    buffer each), their state's dtypes and weight decay (a run of members shares one set of
-    scalars)."""
+    Leaves are grouped by their ``params``' device and dtype (the pack's grads and new params
+    share one buffer each, on that device), their state's dtypes and weight decay (a run of
+    members shares one set of scalars)."""
     groups: dict[tuple, list[int]] = {}
     for i in candidates:
-        key = (param_dtypes[i], tuple(None if f[i] is None else f[i].dtype for f in fields), decay[i])
+        key = (params[i].device, params[i].dtype,
+               tuple(None if f[i] is None else f[i].dtype for f in fields), decay[i])
         groups.setdefault(key, []).append(i)
     packs = []
-    for (_, dtypes, _), members in groups.items():
+    for (_, _, dtypes, _), members in groups.items():
         if len(members) < 2:
             continue
         offsets, total = [], 0

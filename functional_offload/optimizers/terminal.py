@@ -430,8 +430,7 @@ class Terminal:
             locals_, on_host, preview, [o and not k for o, k in zip(own, packable)])
         fields = [masters, *moments.values(), *([emas] if self.ema_decay is not None else [])]
         packs = arrange([i for i, k in enumerate(packable) if k], fields,
-                        decay_flags(tree, self.weight_decay_mask),
-                        [p.dtype for p in locals_],
+                        decay_flags(tree, self.weight_decay_mask), locals_,
                         pin=engine and self.executor.engine == "gpu") if pack else []
         packed = {i for pack in packs for i in pack.members}
         small = [(f, i) for f in fields for i in range(len(locals_))  # packable, not packed
