@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import optree
@@ -81,6 +82,9 @@ class GradStream:
         self.committed: Optional[bool] = None
         self.handles: list[Any] = []
         self.finished = False
+        # autograd runs each device's backward in a thread of its own: their grads are fed one
+        # at a time (a step's feed opens runs and remakes views, which no two threads may race)
+        self.feeding = threading.Lock()
 
     def __enter__(self) -> "GradStream":
         if self.step is not None or self.finished:
@@ -111,9 +115,10 @@ class GradStream:
     def _arrive(self, i: int, grad: Optional[torch.Tensor]) -> None:
         if grad is None:
             return
-        self.step.feed(i, grad)
-        self.versions[i] = (grad, grad._version)
-        self.arrived.add(i)
+        with self.feeding:
+            self.step.feed(i, grad)
+            self.versions[i] = (grad, grad._version)
+            self.arrived.add(i)
 
     def _check_unchanged(self) -> None:
         """Raise if a grad fed during backward was changed or replaced since (its step ran on

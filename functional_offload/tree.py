@@ -234,7 +234,8 @@ class GradsOf:
             changed = [i for i, (old, *new) in enumerate(zip(was, ptrs, keys, strides, offsets))
                        if old != tuple(new) or params[i].is_neg()]
             for i in changed:
-                _check_param(self.paths[i], params[i], (self.keys[i][1].numel(), self.dense[i]))
+                _check_param(self.paths[i], params[i],
+                             (self.keys[i][1].numel(), self.dense[i], self.meta[i][2]))
             if changed:
                 check_no_aliasing(self.paths, params)
         self.taken = next(_TAKES)  # unique to this taking of the params (see refresh)
@@ -323,10 +324,11 @@ class GradsOf:
         return out
 
 
-def _check_param(path: str, p: torch.Tensor, was: Optional[tuple[int, bool]]) -> None:
+def _check_param(path: str, p: torch.Tensor,
+                 was: Optional[tuple[int, bool, torch.device]]) -> None:
     """Raise naming ``path`` if a state cannot step param ``p`` as it is (its kernels read and
     write a param's memory as laid out when the state last took it); ``was``: the param's
-    number of elements and whether it was contiguous then, if it was taken before."""
+    number of elements, whether it was contiguous and its device then, if it was taken before."""
     if not p.dtype.is_floating_point:
         raise TypeError(f"param {path!r} is now {p.dtype}; only floating params can be "
                         "optimized (cast it back: param.data = param.data.to(<its dtype>))")
@@ -335,6 +337,11 @@ def _check_param(path: str, p: torch.Tensor, was: Optional[tuple[int, bool]]) ->
         raise ValueError(f"param {path!r} is a {kind} view: its memory holds other values than "
                          "it shows, and a step reads and writes that memory; give it plain "
                          f"memory (param.data = param.data.{fix}())")
+    if was is not None and p.device != was[2]:
+        raise ValueError(f"param {path!r} moved from {was[2]} to {p.device} since its optimizer "
+                         "state took it; where its state lives and the streams its steps order "
+                         "against are of that device: move it back, or init a state for the "
+                         "params where they are now")
     if was is not None and p.numel() != was[0]:
         raise ValueError(f"param {path!r} now has {p.numel()} elements but its optimizer state "
                          f"was made for {was[0]}; init a state for the params as they are now "

@@ -542,6 +542,27 @@ def test_host_leaves_on_two_devices_are_refused_naming_both(delayed, other):
         fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=delayed).init(params)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("delayed", [False, True, STALE], ids=["plain", "lookahead", "stale"])
+def test_a_param_moved_to_another_device_after_init_is_refused_naming_it(delayed):
+    """A host leaf's steps order against its device's streams (and a delayed update lands the
+    leaves of one device): a param moved to another device after ``init`` is refused at the
+    next update, naming it, before anything is changed."""
+    params = {"w": torch.ones(70_000, device="cuda", dtype=torch.bfloat16),
+              "b": torch.ones(4, device="cuda", dtype=torch.bfloat16)}
+    opt = fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=delayed)
+    state = opt.init(params)
+    params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
+    params["w"].data = params["w"].data.cpu()
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"param 'w' moved from cuda:0 to cpu.*move it back"):
+        opt.update(grads, state)
+    params["w"].data = params["w"].data.cuda()
+    params, state = opt.update({k: torch.ones_like(v) for k, v in params.items()}, state)
+    fo.flush(state)
+
+
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_small_leaves_take_their_lookahead_packed_as_they_would_alone(kernel, device):

@@ -1,5 +1,6 @@
 """Grad streaming: updates start during backward and equal the plain update bit for bit."""
 
+import threading
 import time
 
 import optree
@@ -272,3 +273,66 @@ def test_committed_step_with_leaves_ahead_and_in_place_bit_for_bit(layout):
         want, got = (pa, getattr(sa[-1], field)), (pb, getattr(sb[-1], field))
         for x_, y_ in zip(optree.tree_leaves(want), optree.tree_leaves(got), strict=True):
             assert torch.equal(x_, y_), field
+
+
+def _towers(dtype=torch.bfloat16):
+    """Two MLPs of leaves big enough to go unpacked (each has views of its own state)."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([torch.nn.Sequential(
+        torch.nn.Linear(16, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 16)).to(dtype)
+        for _ in range(2)])
+
+
+@pytest.mark.parametrize("front", ["noclip", "clip"])
+def test_grads_fed_from_two_threads_at_once_give_the_plain_steps_bits(front, monkeypatch):
+    """Autograd runs each device's backward in a thread of its own, so a model on two devices
+    feeds a streamed step from two threads at once: here two towers' backwards, each in its own
+    thread, started together. Over steps whose state the speculative step swaps (its leaves'
+    views remade, slowly here, at the first feed), every leaf gets the plain update's bits, and
+    no run is left open (which would hang the step)."""
+    from functional_offload.optimizers.forms import base
+    remake = base.with_flat_views
+    monkeypatch.setattr(base, "with_flat_views", lambda leaf: (time.sleep(0.01), remake(leaf))[1])
+    out = [_two_towers(front, streamed=False)]
+    worker = threading.Thread(target=lambda: out.append(_two_towers(front, streamed=True)),
+                              daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "the streamed steps hung"
+    assert_same(*out[0], *out[1])
+
+
+def _two_towers(front: str, streamed: bool) -> tuple:
+    """Twelve steps of :func:`_towers` with the chain ``FRONTS[front]``, streamed with each
+    tower's backward in a thread of its own (the two started together), or plain."""
+    model = _towers()
+    params = dict(model.named_parameters())
+    opt = FRONTS[front](fo.adamw(1e-2, weight_decay=0.1,
+                                 executor=HostExecutor(chunk_bytes=4096, threads=2)))
+    state = opt.init(params)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(12):
+        losses = [tower(torch.randn(32, 16, generator=g).bfloat16()).float().square().mean()
+                  for tower in model]
+        if streamed:
+            start, errors = threading.Barrier(2), []
+
+            def backward(loss):
+                try:
+                    start.wait()
+                    loss.backward()
+                except BaseException as e:  # noqa: BLE001 - raised below
+                    errors.append(e)
+            with fo.stream(opt, state) as s:
+                threads = [threading.Thread(target=backward, args=(x,)) for x in losses]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+            assert not errors, errors
+            params, state = s.finish()
+        else:
+            sum(losses).backward()
+            params, state = opt.update({k: p.grad for k, p in params.items()}, state)
+        model.zero_grad(set_to_none=True)
+    return params, state
