@@ -257,11 +257,16 @@ class HostExecutor:
                 self._transports[device] = transport_for(device)
                 self._busy[device] = threading.Lock()
                 self._rings[device] = None
-        ring = self._rings[device]
-        need = self.slots * 2 * self.chunk(device, beside)
-        if self.stages(device) and (ring is None or ring.numel() < need):
+        half = self.chunk(device, beside)
+        if self._ring_short(device, half):
             with self._busy[device]:  # (once a run in flight on it has ended)
-                self.ring(device, self.chunk(device, beside))
+                self.ring(device, half)
+
+    def _ring_short(self, device: torch.device, half: int) -> bool:
+        """Whether runs for params on ``device`` copy through a ring that it lacks, or whose
+        slots are smaller than two halves of ``half`` bytes."""
+        ring = self._rings[device]
+        return self.stages(device) and (ring is None or ring.numel() < self.slots * 2 * half)
 
     @property
     def pinned_bytes(self) -> int:
@@ -315,15 +320,15 @@ class HostExecutor:
         ``slots`` slots of two halves of ``half`` bytes at least. A smaller one is replaced,
         once the copies out still reading it are done. Called holding the ring
         (:meth:`holding`) for a device :meth:`reserve` took."""
-        ring, need = self._rings[device], self.slots * 2 * half
-        if not self.stages(device) or (ring is not None and ring.numel() >= need):
-            return ring
+        if not self._ring_short(device, half):
+            return self._rings[device]
         events = self._slot_events[device]
         for event in events:
             self._transports[device].wait_host(event)
         events[:] = [None] * self.slots
-        self._rings[device] = ring = None  # (let go of the old one before allocating)
-        self._rings[device] = torch.empty(need, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self._rings[device] = None  # (let go of the old one before allocating)
+        self._rings[device] = torch.empty(self.slots * 2 * half, dtype=torch.uint8,
+                                          pin_memory=device.type == "cuda")
         return self._rings[device]
 
     def slot_events(self, device: torch.device) -> list:
