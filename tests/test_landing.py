@@ -562,6 +562,16 @@ def engine_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
 
 
+class _Job:
+    """A GPU engine's job played on the CPU: ``prepare`` keeps the grads and the outputs of its
+    ``leaves``; a test's ``run`` steps them."""
+
+    leaves: list[int] = []
+
+    def prepare(self, gs, outs):
+        self.gs, self.outs = gs, outs
+
+
 def _negate(work):
     """A kernel whose new params are the grads negated."""
     for piece, a, b in work.claims():
@@ -591,11 +601,8 @@ def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped
     params = [torch.zeros(n) for n in sizes]
     gate = threading.Event()
 
-    class Engine:  # new params: -grad, leaf 0's last piece only once the gate opens
+    class Engine(_Job):  # new params: -grad, leaf 0's last piece only once the gate opens
         leaves = [0, 2]
-
-        def prepare(self, gs, outs):
-            self.gs, self.outs = gs, outs
 
         def run(self, done):
             g, o, n = self.gs, self.outs, sizes[0]
@@ -630,11 +637,8 @@ def test_a_failed_step_lands_the_run_s_finished_leaves_into_their_own_params(eng
     grads = [torch.randn(n, generator=gen) for n in sizes]
     params = [torch.zeros(n) for n in sizes]
 
-    class Engine:
+    class Engine(_Job):
         leaves = [0]
-
-        def prepare(self, gs, outs):
-            self.gs, self.outs = gs, outs
 
         def run(self, done):
             self.outs[0][:] = -self.gs[0]
