@@ -13,12 +13,18 @@ place).
 ``--beside-gemm`` times the phases again while a train of bf16 matmuls of the 6.7 B model's MLP
 shape (8,192 tokens, d=4,096) runs on a second stream, as the engine's math of a delayed step
 runs beside the next forward and backward.
+
+``--beside-train N`` asks what the engine's math costs the training stream when they run at
+once: a train of 60 such matmuls alone, the one-pass kernel ``N`` times in a row on another
+stream alone, and both at once (each the least of five, CUDA events, wall from the first start
+to the last end). The matmuls' time together less alone, over the kernel's time alone, is the
+share of the engine's math that the training stream pays for (1: none of it hides).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +42,8 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=22_000_000)
     ap.add_argument("--beside-gemm", action="store_true",
                     help="also time the phases beside matmuls on a second stream")
+    ap.add_argument("--beside-train", type=int, default=0, metavar="N",
+                    help="the cost to a train of matmuls of N one-pass kernels beside it")
     args = ap.parse_args()
     n = args.numel
     dev = "cuda"
@@ -106,6 +114,11 @@ def main() -> None:
             times = [one_pass() for _ in range(8)]
             if times[0] is not None:
                 print(f"  {'one pass (kernels/adam_cuda.py)':<36} {min(times[3:]):7.3f} ms")
+    if args.beside_train:
+        from functional_offload.kernels import adam_cuda
+        train(args.beside_train, a, b, c, side, lambda: adam_cuda.adamw_split_q8(
+            p.view(torch.int16), master[1], g, mu, nu, h.lr, h.beta1, h.beta2, h.eps,
+            h.weight_decay, h.step), n)
     nbytes = master.numel() * 2 + mu.numel() + nu.numel()
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     device = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -121,6 +134,42 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"{'copy the chunk ' + name + ' (pinned)':<36} {a.elapsed_time(b) / 10:7.3f} ms "
               f"({nbytes / 2**20:.0f} MiB)")
+
+
+def train(calls: int, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+          side: "torch.cuda.Stream", kernel: Callable[[], None], n: int) -> None:
+    """Print the cost to 60 matmuls ``a @ b`` on the current stream of ``calls`` of ``kernel``
+    (one engine chunk's math of ``n`` elements) on ``side`` at once."""
+    home = torch.cuda.current_stream()
+
+    def once(mm: bool, math: bool) -> tuple[float, float]:
+        """(the matmuls' ms, the kernels' ms), each from a common start to its stream's end."""
+        torch.cuda.synchronize()
+        t0, e_mm, e_math = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        t0.record()
+        side.wait_stream(home)
+        with torch.cuda.stream(side):
+            for _ in range(calls if math else 0):
+                kernel()
+            e_math.record()
+        for _ in range(60 if mm else 0):
+            torch.mm(a, b, out=c)
+        e_mm.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(e_mm), t0.elapsed_time(e_math)
+
+    for _ in range(2):
+        once(True, True)
+    mm = min(once(True, False)[0] for _ in range(5))
+    math = min(once(False, True)[1] for _ in range(5))
+    both = [once(True, True) for _ in range(5)]
+    mm2, math2 = min(x[0] for x in both), min(x[1] for x in both)
+    print(f"beside a train of 60 matmuls ({a.shape[0]}x{a.shape[1]} @ {b.shape[0]}x{b.shape[1]}, "
+          f"bf16), {calls} one-pass kernels of {n / 1e6:.1f} M elements "
+          f"({calls * n / 1e9:.2f} G elements):")
+    print(f"  matmuls alone {mm:8.2f} ms, kernels alone {math:8.2f} ms")
+    print(f"  at once: matmuls {mm2:8.2f} ms, kernels {math2:8.2f} ms; "
+          f"the matmuls paid {(mm2 - mm) / math:5.2f} of the kernels' time")
 
 
 if __name__ == "__main__":
