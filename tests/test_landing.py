@@ -542,11 +542,18 @@ def test_a_missed_landing_in_a_partition_part_is_refused_before_any_part_steps()
     assert all(torch.equal(plain[k], landed[k]) for k in plain)
 
 
+class _Done:
+    """A CUDA event's calls, played on the CPU: complete as soon as recorded."""
+
+    def query(self):
+        return True
+
+
 class _NoStream:
     """A CUDA stream's calls, played on the CPU (the landing orders nothing here)."""
 
     def record_event(self):
-        return None
+        return _Done()
 
     def wait_event(self, event):
         pass
@@ -623,6 +630,57 @@ def test_a_leaf_stepped_by_the_engine_lands_early_only_once_all_of_it_is_stepped
     gate.set()
     early.join(10)
     assert returned.is_set()
+    landing.land(None)
+    for p, g in zip(params, grads):
+        assert torch.equal(p, -g)
+
+
+def test_an_early_landing_waits_only_for_the_engine_math_of_the_leaves_it_copies(
+        engine_on_cpu, monkeypatch):
+    """The GPU engine queues its chunks ahead: a leaf landed early waits (on the caller's
+    stream) for the math of its own last chunk, and another engine leaf whose math is still
+    queued is not copied with it (it lands on its own call, or with the rest)."""
+    sizes = [1024, 512, 2048]  # the engine's: 0 and 2; the run's: 1
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    params = [torch.zeros(n) for n in sizes]
+    waited = []
+
+    class Mark:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    marks = iter([Mark(True), Mark(False)])  # leaf 0's chunk has run, leaf 2's is queued
+
+    class Stream:
+        def record_event(self):
+            return next(marks)
+
+        def wait_event(self, event):
+            waited.append(event)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    stepped = threading.Event()
+
+    class Engine(_Job):  # new params: -grad
+        leaves = [0, 2]
+
+        def run(self, done):
+            for j in self.leaves:
+                self.outs[j][:] = -self.gs[j]
+                done([(j, 0, sizes[j])])
+            stepped.set()
+
+    landing = _landing(grads, params, Engine())
+    landing.run.wait()
+    assert stepped.wait(10)
+    landing.land_leaves([0])
+    assert torch.equal(params[0], -grads[0]) and torch.equal(params[1], -grads[1])
+    assert torch.equal(params[2], torch.zeros(sizes[2])), "a leaf whose math is queued landed"
+    assert [m.done for m in waited] == [True]  # leaf 0's chunk's, not the later one's
     landing.land(None)
     for p, g in zip(params, grads):
         assert torch.equal(p, -g)

@@ -35,6 +35,7 @@ the run's do, once their math is queued.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -230,6 +231,8 @@ class Landing:
         self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
         self._engine_error: list[Optional[BaseException]] = [None]
         self._engine_event: list[Optional[torch.cuda.Event]] = [None]  # its last chunk's math
+        # per leaf it steps, its last chunk's math: (that chunk's place in the order, event)
+        self._engine_marks: dict[int, tuple[int, torch.cuda.Event]] = {}
         self._engine: Optional[threading.Thread] = None
         if engine is not None:  # started before the run has leaves: if it cannot start, the
             try:                # run ends with none, and nothing was written
@@ -250,15 +253,20 @@ class Landing:
                run: Any) -> threading.Thread:
         """The engine's thread, on the executor's engine stream, which waits for ``ready``;
         each chunk's math queued marks its pieces done (as the run's chunk_done does) and the
-        event the landing waits for; its end counts as a part's. Its error cancels the CPU
-        kernel's ``run`` (the step has failed: the landing raises it)."""
+        events the landing waits for (the last chunk's; each leaf's); its end counts as a
+        part's. Its error cancels the CPU kernel's ``run`` (the step has failed: the landing
+        raises it)."""
         error, event, ended_at = self._engine_error, self._engine_event, self._engine_ended
         device, progress = self.device, self._progress  # (not self: no cycle through the thread)
+        marks, counted = self._engine_marks, itertools.count()
 
         def done(pieces: Pieces) -> None:
             mark = torch.cuda.current_stream(device).record_event()
             with progress:
                 event[0] = mark
+                n = next(counted)
+                for j, _, _ in pieces:
+                    marks[j] = (n, mark)
             chunk_done(None, [Segment(j, lo, hi, 0) for j, lo, hi in pieces])
 
         def body() -> None:
@@ -455,19 +463,23 @@ class Landing:
                 self._progress.wait_for(lambda: self._ended[0] >= self._part_count or all(
                     self._left[j] <= 0 for j in want))
                 more, self._taken = self._finished[self._taken:], len(self._finished)
-                engine_event = self._engine_event[0]
+                marks = dict(self._engine_marks)
             if self._ended[0] >= self._part_count:  # all ended (all done, or failed: raise the error)
                 self.wait()
                 failure = self._failure()
                 if failure is not None:
                     raise failure
+            # (the engine queues its chunks ahead: a leaf of it not asked for lands with these
+            # only once its math is done, else its own call would wait for it)
+            more = [j for j in more if j not in marks or marks[j][1].query()]
             copy = [j for j in dict.fromkeys(want + more) if j not in self._copied]
+            last = max((marks[j] for j in copy if j in marks), default=None, key=lambda m: m[0])
             pairs = [(p, x) for j in copy if self.targets[j] is not None
                      for (_, p), x in zip(self.targets[j], self._parts(j, self._up[j]))]
             if pairs:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
-                if engine_event is not None:  # and the engine's math of those it stepped
-                    torch.cuda.current_stream(self.device).wait_event(engine_event)
+                if last is not None:  # and the engine's math of those it stepped
+                    torch.cuda.current_stream(self.device).wait_event(last[1])
                 if self.device.type == "cuda":  # the buffer is read on this stream too
                     pairs[0][1].record_stream(torch.cuda.current_stream(self.device))
                     self._read_on.add(torch.cuda.current_stream(self.device))

@@ -24,7 +24,8 @@ from functional_offload.executor.chunking import ALIGN, HostLeaf, Segment
 from functional_offload.executor.run import Run
 from functional_offload.executor.shield import shielding
 from functional_offload.executor.timeline import Timeline
-from functional_offload.executor.transport import Transport, streams_apart, transport_for
+from functional_offload.executor.transport import (CudaTransport, Transport, streams_apart,
+                                                   transport_for)
 from functional_offload.kernels.work import Kernel
 
 __all__ = ["HostExecutor", "SplitStep", "default_executor", "physical_cores", "node_share"]
@@ -212,6 +213,8 @@ class HostExecutor:
         self._transports: dict[torch.device, Transport] = {}
         self._engine_streams: dict[torch.device, list] = {}
         self._math_streams: dict[torch.device, list] = {}
+        self._engine_copies: dict[torch.device, list] = {}  # the engine transport's streams
+        self._engine_transports: dict[torch.device, Transport] = {}
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
@@ -292,6 +295,16 @@ class HostExecutor:
         self.reserve(device)
         return self._transports[device]
 
+    def engine_transport(self, device: torch.device) -> Transport:
+        """The GPU engine's copies on ``device`` (kept): a D2H and an H2D stream of their own,
+        apart from :meth:`transport`'s, so that the engine's copies, queued chunks ahead, and
+        the CPU kernel's runs' wait for none of each other's."""
+        streams = self._own_streams(self._engine_copies, device, 2)
+        with self._reserving:
+            if device not in self._engine_transports:
+                self._engine_transports[device] = CudaTransport(device, (streams[0], streams[1]))
+            return self._engine_transports[device]
+
     def engine_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The stream a delayed step's GPU engine runs on (one per device, kept): the caching
         allocator reuses a freed block on the stream it was allocated on, so its buffers,
@@ -311,7 +324,7 @@ class HostExecutor:
         with self._reserving:
             if device not in kept:
                 taken = [t.stream_in, t.stream_out, *self._engine_streams.get(device, ()),
-                         *self._math_streams.get(device, ())]
+                         *self._math_streams.get(device, ()), *self._engine_copies.get(device, ())]
                 kept[device] = streams_apart(device, n, taken)
             return kept[device]
 

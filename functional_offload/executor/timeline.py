@@ -2,7 +2,7 @@
 
 Attach one to an executor (``HostExecutor(timeline=Timeline())``); each update then records
 spans on lanes ``D2H`` and ``H2D`` (CUDA events with timing on the copy streams), ``D2H engine``
-and ``H2D engine`` (the GPU engine's state going up and down, on the same copy streams),
+and ``H2D engine`` (the GPU engine's state going up and down, on its own copy streams),
 ``GPU update`` (the device kernels, on the stream they run on: the GPU engine's chunks on its
 math streams, so their spans may overlap) and one lane per CPU worker thread (``kernel c<k>``:
 a piece of chunk ``k``). The training loop may record lanes of its own with

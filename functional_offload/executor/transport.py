@@ -67,12 +67,14 @@ class LocalTransport(Transport):
 
 
 class CudaTransport(Transport):
-    """Params on a CUDA device: a D2H and an H2D stream, ordered by CUDA events."""
+    """Params on a CUDA device: a D2H and an H2D stream (``streams``: those two, else new
+    ones), ordered by CUDA events."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device,
+                 streams: Optional[tuple["torch.cuda.Stream", "torch.cuda.Stream"]] = None):
         self.device = device
-        self.stream_in = torch.cuda.Stream(device)
-        self.stream_out = torch.cuda.Stream(device)
+        self.stream_in, self.stream_out = streams or (torch.cuda.Stream(device),
+                                                      torch.cuda.Stream(device))
 
     def ready(self) -> torch.cuda.Event:
         return torch.cuda.current_stream(self.device).record_event()

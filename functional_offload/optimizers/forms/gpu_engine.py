@@ -6,12 +6,15 @@ and the new state comes back down. Grads and params never cross PCIe; the state 
 
 The engine's host state is pinned (:class:`~functional_offload.optimizers.terminal.Terminal`
 allocates it so), so each piece of a chunk is copied up from it and back into it in place, on
-the transport's streams, into and out of one of ``S`` device buffers of the executor's
+copy streams of the engine's own (:meth:`~functional_offload.executor.HostExecutor.
+engine_transport`), into and out of one of ``S`` device buffers of the executor's
 ``engine_chunk_bytes``: the device memory taken is ``engine_chunk_bytes × slots``, and the
 temporaries of the math of the chunks in flight, each cached for its math stream (two). Host
 DRAM sees each state byte read once (up) and written once (down). Chunk ``k + S`` reuses the
-buffer of chunk ``k`` once chunk ``k``'s state is back in host memory. Chunk ``k``'s math runs
-on the executor's math stream ``k mod 2``
+buffer of chunk ``k``: its copies up wait on the GPU for chunk ``k``'s copies down, so the
+thread queues every chunk without waiting and waits on the host only at the end (a CUDA call
+made while a training loop's backward fills its stream's queue waits for one of its kernels:
+calls made before cost none). Chunk ``k``'s math runs on the executor's math stream ``k mod 2``
 (:meth:`~functional_offload.executor.HostExecutor.engine_math_streams`), beside the previous
 chunk's. Every copy down has landed when :meth:`GpuEngine.finish` returns. (A state tensor that
 is not pinned — replaced by the caller — is still copied right, synchronously.)
@@ -217,7 +220,7 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
             todo = chunks(self.work.leaves, on, capacity)
             bufs = [torch.empty(capacity, dtype=torch.uint8, device=device)
                     for _ in range(min(ex.slots, len(todo)))]
-            out.append(Prepared(ex.transport(device), todo,
+            out.append(Prepared(ex.engine_transport(device), todo,
                                 {i: gs[i].reshape(-1) for i in on}, bufs))
         return out
 
@@ -243,9 +246,8 @@ class GpuEngine(AtFinish):  # finish leaves nothing in flight: nothing to cancel
         at = 0  # the chunk being queued, or whose copies down are being waited for
         try:
             for k, chunk in enumerate(todo):
-                if k >= ex.slots:  # the buffer's last chunk is back on the host
-                    at, event = landing.popleft()
-                    t.wait_host(event)
+                if k >= ex.slots:  # its copies up wait for the buffer's last chunk's down
+                    t.wait_out(landing.popleft()[1])
                 at = k
                 with torch.cuda.stream(maths[k % len(maths)]):
                     landing.append((k, self._chunk(t, k, chunk, bufs[k % ex.slots], grads, done,
