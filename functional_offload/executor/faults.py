@@ -2,9 +2,11 @@
 
 :mod:`functional_offload.testing` builds its context managers on these; nothing else uses them.
 A hook is called from the thread that lands the run's chunks (its lander, or the thread
-running a one-chunk run alone) with the chunk's index in its run and the paths
-of the params tree's leaves it holds (each member of a packed run of small leaves), after the previous chunk of the run completed; what it raises fails the run at
-that chunk (earlier chunks stay applied), what it sleeps delays the chunk.
+running a one-chunk run alone) with the chunk's index in its run and the paths of the params
+tree's leaves it holds (each member of a packed run of small leaves), after the previous chunk
+of the run completed (the GPU engine's: before it queues the chunk, the earlier ones queued);
+what it raises fails the run at that chunk (earlier chunks stay applied), what it sleeps
+delays the chunk.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the caller's (compute) stream is ordered against them with events only — no de
 so the pipeline's logic runs (and is tested) on a machine without a GPU.
 
 :func:`transport_for` gives one transport per GPU for the whole process: the host executors and
-activation offload copy on the same two streams of a device, instead of two each.
+activation offload copy on the same two streams of a device, instead of two each (an
+executor's GPU engine copies on a pair of its own).
 """
 
 from __future__ import annotations
