@@ -487,7 +487,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dram-numel", type=int, default=1 << 28, help="fp32 elements per DRAM array")
     ap.add_argument("--timeline", default="",
                     help="folder for a Chrome trace and a PNG of the last step of each of ours "
-                         "(of the last two for delayed ones), with the forward and backward")
+                         "(of the last two for delayed ones), with the forward, backward and "
+                         "what the update queues on the compute stream, and the caller's "
+                         "calls of them on the host clock")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model on the CPU, 1+2 steps, a small floor (sets the options above)")
     ap.add_argument("--one", help="run one system in this process and print its JSON")

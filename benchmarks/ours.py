@@ -133,10 +133,13 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
     def mark() -> Any:  # a point on the compute stream, for the timeline's forward/backward lane
         return timeline.stamp(device) if timeline is not None else None
 
+    def now() -> Any:  # a point on the host clock, for the timeline's lane of the calls
+        return timeline.stamp(torch.device("cpu")) if timeline is not None else None
+
     def step(loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        t0 = mark()
+        h0, t0 = now(), mark()
         loss = loss_fn()
-        t1 = mark()
+        h1, t1 = now(), mark()
         if mode == "stream":
             with fo.stream(opt, holder[0]) as s:
                 loss.backward()
@@ -145,7 +148,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
             ahead[{True: "kept", False: "redone", None: "held"}[s.committed]] += 1
         else:
             loss.backward()
-            t2 = mark()
+            h2, t2 = now(), mark()
             grads = {k: p.grad for k, p in params.items()}
             norm = fo.global_norm(grads) if norms is not None or shadow is not None else None
             if norms is not None:
@@ -158,6 +161,7 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
                 shadow_opt.param_groups[0]["lr"] = rate(len(shadow)) if callable(rate) else rate
                 shadow_opt.step()
             _, holder[0] = opt.update(grads, holder[0])
+            h3, t3 = now(), mark()
             if shadow is not None:
                 ps = [p.detach().float() for p in params.values()]
                 rounded = [x.bfloat16().float() for x in exact]
@@ -169,6 +173,10 @@ def build_ours(mode: str, params: dict[str, torch.Tensor], fraction: float, *,
         if timeline is not None:
             timeline.span("GPU fwd/bwd", "forward", t0, t1)
             timeline.span("GPU fwd/bwd", "backward", t1, t2)
+            if mode != "stream":  # what the update queued on the compute stream, and the calls
+                timeline.span("GPU fwd/bwd", "update", t2, t3)
+                for name, a, b in (("forward", h0, h1), ("backward", h1, h2), ("update", h2, h3)):
+                    timeline.span("calls (host)", name, a, b)
         for p in params.values():
             p.grad = None
         return loss.detach()
