@@ -448,9 +448,9 @@ class Landing:
         stream (after its reads of the old ones). The copy stream is not made to wait for the
         caller's stream, so the run's later copies up go on while the caller computes. Every
         other leaf whose copies up were issued meanwhile (of the GPU engine's, whose math has
-        run) lands with them (one copy for all: the later calls for those find them landed). Raises the run's error if it failed first.
-        Without a look-ahead only (its params land with the next step's grads). A leaf landed
-        here is left out of :meth:`land`'s copies."""
+        run) lands with them (one copy for all: the later calls for those find them landed).
+        Raises the run's error if it failed first. Without a look-ahead only (its params land
+        with the next step's grads). A leaf landed here is left out of :meth:`land`'s copies."""
         if self.ahead is not None:
             raise ValueError("a look-ahead's params land with the next step's grads, all at "
                              "once: land leaves early only without one (fo.Delay(lookahead="
