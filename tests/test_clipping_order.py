@@ -101,6 +101,23 @@ def test_mixed_dtypes_are_grouped_and_summed_as_clip_grad_norm():
         assert_same(out[f"p{i}"], w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_and_small_leaves_clip_as_clip_grad_norm_without_touching_the_input(dtype):
+    g = torch.Generator().manual_seed(0)
+    big = 1 << 20  # a leaf this large is multiplied into a tensor of its own, smaller share one
+    grads = [torch.randn(big, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype),
+             torch.randn(64, big // 32, generator=g).to(dtype).t(),  # large, not contiguous
+             torch.randn(5, generator=g).to(dtype), torch.randn(big - 1, generator=g).to(dtype)]
+    kept = [x.clone() for x in grads]
+    tree = {f"p{i}": x for i, x in enumerate(grads)}
+    want_norm, want = torch_clip(grads, 1.0)
+    out, _ = fo.clip_by_global_norm(1.0).update(tree, ())
+    for i, w in enumerate(want):
+        assert_same(out[f"p{i}"], w)
+        assert out[f"p{i}"].shape == grads[i].shape and out[f"p{i}"].is_contiguous()
+        assert_same(grads[i], kept[i])
+
+
 def test_leaf_norms_come_in_leaf_order_with_mixed_dtypes():
     grads = draw(0, 5, (torch.float32, torch.bfloat16))
     for n, g in zip(leaf_norms(grads, 2.0), grads):

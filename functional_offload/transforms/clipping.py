@@ -82,11 +82,17 @@ def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
     return out
 
 
+# elements: a contiguous leaf this large is multiplied into a tensor of its own (one read, one
+# write of its bytes); the others share one buffer (one allocation, at twice the bytes: copied,
+# then scaled)
+_ONE_BUFFER_BELOW = 1 << 20
+
+
 def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor, groups: Groups) -> list[torch.Tensor]:
-    """``leaves`` times ``coef``, as new tensors: per device and dtype of plain tensors one
-    buffer, scaled in place by torch's multi-tensor multiply (as ``clip_grad_norm_`` scales
-    grads). One allocation per group, not one per leaf: with hundreds of small leaves those
-    dominate the cost."""
+    """``leaves`` times ``coef``, as new tensors, per device and dtype by torch's multi-tensor
+    multiply (as ``clip_grad_norm_`` scales grads): the large leaves each into a tensor of its
+    own, the small ones of a group into one buffer, scaled in place (with hundreds of small
+    leaves, one allocation per leaf dominates the cost)."""
     if len(groups) == 1:
         (device, _), = groups
         return _scaled_group(leaves, coef.to(device))
@@ -101,12 +107,23 @@ def _scaled_group(members: list[torch.Tensor], coef: torch.Tensor) -> list[torch
     """``members`` (one device and dtype) times ``coef`` (on their device), as new tensors."""
     if set(map(type, members)) != {torch.Tensor}:  # DTensor shards (FSDP2), other subclasses:
         return list(torch._foreach_mul(members, coef))  # their own multiply, a new tensor each
-    flat = torch._utils._flatten_dense_tensors(members)
-    if len(members) == 1:  # flattening one contiguous tensor gives a view of it
-        flat = flat.clone()
-    views = list(torch._utils._unflatten_dense_tensors(flat, members))
-    torch._foreach_mul_(views, coef)
-    return views
+    out: list[torch.Tensor] = [coef] * len(members)
+    own = [g.numel() >= _ONE_BUFFER_BELOW and g.is_contiguous() for g in members]
+    big = [i for i, o in enumerate(own) if o]
+    if big:
+        for i, v in zip(big, torch._foreach_mul([members[i] for i in big], coef)):
+            out[i] = v
+    small = [i for i, o in enumerate(own) if not o]  # (and the others: contiguous, as these)
+    if small:
+        part = [members[i] for i in small]
+        flat = torch._utils._flatten_dense_tensors(part)
+        if len(part) == 1:  # flattening one contiguous tensor gives a view of it
+            flat = flat.clone()
+        views = torch._utils._unflatten_dense_tensors(flat, part)
+        torch._foreach_mul_(views, coef)
+        for i, v in zip(small, views):
+            out[i] = v
+    return out
 
 
 def _global_norm(leaves: list[torch.Tensor], groups: Groups,
