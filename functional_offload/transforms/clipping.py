@@ -113,7 +113,7 @@ def _scaled_group(members: list[torch.Tensor], coef: torch.Tensor) -> list[torch
     if big:
         for i, v in zip(big, torch._foreach_mul([members[i] for i in big], coef)):
             out[i] = v
-    small = [i for i, o in enumerate(own) if not o]  # (and the others: contiguous, as these)
+    small = [i for i, o in enumerate(own) if not o]  # and the non-contiguous: made contiguous
     if small:
         part = [members[i] for i in small]
         flat = torch._utils._flatten_dense_tensors(part)
