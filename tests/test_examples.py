@@ -89,3 +89,13 @@ def test_every_benchmark_entry_has_its_date_and_commit():
     for heading in entries:
         assert re.search(r"\b2026-\d\d-\d\d\b", heading), heading
         assert re.search(r"\b[0-9a-f]{7}\b", heading), heading
+
+
+def test_the_docs_relative_links_and_images_exist():
+    """Every relative link or image of the README and the docs names a file of the repository."""
+    for name, text in user_docs().items():
+        for target in re.findall(r"\]\(([^)\s#]+)[^)]*\)", text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(name), target))
+            assert os.path.exists(path), (name, target)
