@@ -230,7 +230,6 @@ class Landing:
                                  ahead=ahead is not None, beside=True)
         self._engine_ended: list[Optional[float]] = [None]  # time.perf_counter() at its end
         self._engine_error: list[Optional[BaseException]] = [None]
-        self._engine_event: list[Optional[torch.cuda.Event]] = [None]  # its last chunk's math
         # per leaf it steps, its last chunk's math: (that chunk's place in the order, event)
         self._engine_marks: dict[int, tuple[int, torch.cuda.Event]] = {}
         self._engine: Optional[threading.Thread] = None
@@ -253,17 +252,16 @@ class Landing:
                run: Any) -> threading.Thread:
         """The engine's thread, on the executor's engine stream, which waits for ``ready``;
         each chunk's math queued marks its pieces done (as the run's chunk_done does) and the
-        events the landing waits for (the last chunk's; each leaf's); its end counts as a
+        events the landing waits for (each leaf's last chunk's); its end counts as a
         part's. Its error cancels the CPU kernel's ``run`` (the step has failed: the landing
         raises it)."""
-        error, event, ended_at = self._engine_error, self._engine_event, self._engine_ended
+        error, ended_at = self._engine_error, self._engine_ended
         device, progress = self.device, self._progress  # (not self: no cycle through the thread)
         marks, counted = self._engine_marks, itertools.count()
 
         def done(pieces: Pieces) -> None:
             mark = torch.cuda.current_stream(device).record_event()
             with progress:
-                event[0] = mark
                 n = next(counted)
                 for j, _, _ in pieces:
                     marks[j] = (n, mark)
@@ -502,7 +500,8 @@ class Landing:
                      for lo, hi in [(max(at, s.start), min(at + p.numel(), s.stop))] if lo < hi]
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
-            t.wait_out(self._engine_event[0])  # the engine's params are written (None: none)
+            # the engine's params are written: its last chunk's math (None: it stepped none)
+            t.wait_out(max(self._engine_marks.values(), key=lambda m: m[0], default=(0, None))[1])
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
             if tl:

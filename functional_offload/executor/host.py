@@ -214,7 +214,6 @@ class HostExecutor:
         self._engine_streams: dict[torch.device, list] = {}
         self._math_streams: dict[torch.device, list] = {}
         self._engine_copies: dict[torch.device, list] = {}  # the engine transport's streams
-        self._engine_transports: dict[torch.device, Transport] = {}
         self._busy: dict[torch.device, threading.Lock] = {}
         self._reserving = threading.Lock()
         self._pool: Optional[cf.ThreadPoolExecutor] = None
@@ -296,14 +295,11 @@ class HostExecutor:
         return self._transports[device]
 
     def engine_transport(self, device: torch.device) -> Transport:
-        """The GPU engine's copies on ``device`` (kept): a D2H and an H2D stream of their own,
+        """The GPU engine's copies on ``device``: on a D2H and an H2D stream of their own (kept),
         apart from :meth:`transport`'s, so that the engine's copies, queued chunks ahead, and
         the CPU kernel's runs' wait for none of each other's."""
-        streams = self._own_streams(self._engine_copies, device, 2)
-        with self._reserving:
-            if device not in self._engine_transports:
-                self._engine_transports[device] = CudaTransport(device, (streams[0], streams[1]))
-            return self._engine_transports[device]
+        stream_in, stream_out = self._own_streams(self._engine_copies, device, 2)
+        return CudaTransport(device, (stream_in, stream_out))
 
     def engine_stream(self, device: torch.device) -> "torch.cuda.Stream":
         """The stream a delayed step's GPU engine runs on (one per device, kept): the caching
