@@ -109,11 +109,17 @@ class GradientTransformation(NamedTuple):
     ``global_scale``: set by transforms that multiply every grad by one factor computed from
     all of them (clipping), so that a streamed chain can start the step before the factor is
     known and redo it only if the factor is not 1.
+
+    ``fresh_updates``: ``update`` returns new tensors that nothing else holds (not its input,
+    not its state). Last in front of a terminal optimizer in a :func:`~functional_offload.chain`,
+    it lets that optimizer's step keep them instead of copying them (a delayed step's landing
+    writes its new params into their bytes).
     """
 
     init: TransformInitFn
     update: TransformUpdateFn
     global_scale: Optional[GlobalScaleFn] = None
+    fresh_updates: bool = False
 
 
 class Optimizer(NamedTuple):
@@ -179,6 +185,8 @@ class StepCache:
     #     forward landed them (fo.land): the next delayed step's host run takes them so
     landing_buffer: Any = None  # the device buffer of the delayed step an update landed, for
     #     that update's own delayed step (dropped by the update if it takes none)
+    owned_grads: Any = None  # during a chain's update, the grads its front made (id -> tensor,
+    #     held by nothing else): a delayed step's landing keeps them instead of copying them
 
     def invalidate(self, why: str) -> None:
         """Drop what ``why`` makes stale: ``"layout"`` (another identity: the layout and all

@@ -73,13 +73,22 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         counts = terminal_counts(state[-1])
         marks = [(x, int(x)) for x in mark_tensors(state[:-1])]
         try:
-            caches = [s.params.cache for s in terminal_states(state[-1])
-                      if s.params.cache is not None]
-            if any(c.wants_scale for c in caches):
-                updates, front_state = through(front, updates, state[:-1], caches)
+            terminals = terminal_states(state[-1])
+            caches = [s.params.cache for s in terminals if s.params.cache is not None]
+            updates, front_state = through(front, updates, state[:-1],
+                                           caches if any(c.wants_scale for c in caches) else None)
+            # the front's new tensors go to the terminal's step to keep, where nothing (no
+            # wrapper) stands between them
+            owner = (caches[0] if front and front[-1].fresh_updates and len(caches) == 1
+                     and terminals[0] is state[-1] else None)
+            if owner is not None:
+                owner.owned_grads = {id(g): g for g in optree.tree_leaves(updates)}
+            try:
                 params, last_state = last.update(updates, state[-1])
-                return params, (*front_state, last_state)
-            return through(transforms, updates, state)
+            finally:
+                if owner is not None:
+                    owner.owned_grads = None
+            return params, (*front_state, last_state)
         except BaseException:
             # the front's transforms are pure: their states are as they were but for their
             # marks, so a terminal step that did not happen leaves the whole chain usable

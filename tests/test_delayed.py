@@ -104,6 +104,78 @@ def test_grads_are_free_once_update_returns(device, delay):
         assert torch.equal(a, b)
 
 
+def _copying(t: fo.GradientTransformation) -> fo.GradientTransformation:
+    """``t``'s math without ``fresh_updates``: the step after it copies its grads."""
+    return fo.GradientTransformation(t.init, t.update, t.global_scale)
+
+
+def _unpacked_params(device) -> dict:
+    """Leaves too large to pack (bf16 and fp32) and a small packed one."""
+    g = torch.Generator().manual_seed(0)
+    return {"emb": torch.randn(300, 256, generator=g).to(device, torch.bfloat16),
+            "w": torch.randn(260, 256, generator=g).to(device),
+            "t": torch.randn(290, 256, generator=g).to(device, torch.bfloat16),
+            "b": torch.randn(16, generator=g).to(device, torch.bfloat16)}
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("delay", DELAYS)
+def test_a_clip_s_new_grads_are_kept_by_the_landing_with_the_bits_of_a_copy(device, delay):
+    """A delayed step behind ``clip_by_global_norm`` (``fresh_updates``) writes its new params
+    into the clip's new grads instead of copying them first: the same params as where its
+    grads are copied, with a clip that scales and one that does not, and the caller's grads
+    are neither read late nor written (they are NaN-filled as soon as each update returns,
+    while a slowed kernel reads in the background)."""
+    from functional_offload.testing import slow_host_kernel
+
+    for max_norm in (1e-3, 1e6):
+        grads = grad_seq(_unpacked_params(device), 3)
+        for g in grads:  # one grad not contiguous (the clip's new one is)
+            g["t"] = g["t"].t().contiguous().t()
+        outs = []
+        for clip in (fo.clip_by_global_norm(max_norm), _copying(fo.clip_by_global_norm(max_norm))):
+            p = _unpacked_params(device)
+            opt = fo.chain(clip, fo.adamw(1e-2, placement=fo.placement.on_host(),
+                                          delayed=DELAYS[delay], executor=small_executor()))
+            s = opt.init(p)
+            with slow_host_kernel(0.0005):
+                for g in clone(grads):
+                    kept = clone(g)
+                    p, s = opt.update(g, s)
+                    for x, y in zip(optree.tree_leaves(g), optree.tree_leaves(kept)):
+                        assert torch.equal(x, y)  # not written
+                        x.fill_(float("nan"))
+            fo.flush(s)
+            outs.append(clone(p))
+        for k in outs[1]:
+            assert torch.equal(outs[0][k], outs[1][k]), (max_norm, k)
+
+
+@pytest.mark.cuda
+def test_a_delayed_step_behind_a_clip_allocates_no_copy_of_its_grads():
+    """The first delayed step behind a clip allocates the clip's new grads, where its landing
+    writes its new params, and no buffer for a copy of them (as it does where they are
+    copied)."""
+    peaks = []
+    for clip in (fo.clip_by_global_norm(1e-3), _copying(fo.clip_by_global_norm(1e-3))):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        params = {f"w{i}": torch.randn(1024, 1024, device="cuda", generator=g).bfloat16()
+                  for i in range(4)}
+        grads = {k: torch.randn(p.shape, device="cuda", generator=g).bfloat16()
+                 for k, p in params.items()}
+        opt = fo.chain(clip, fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=STALE,
+                                      executor=small_executor()))
+        state = opt.init(params)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _, state = opt.update(grads, state)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        fo.flush(state)
+    nbytes = 4 * 1024 * 1024 * 2
+    assert nbytes <= peaks[0] < 1.5 * nbytes and peaks[1] - peaks[0] >= nbytes, peaks
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_param_groups_sharing_an_executor(kernel):
     """``TorchOptimizer`` with two groups, delayed, one executor: group 0's host step still runs

@@ -1,10 +1,11 @@
 """The delayed parameter update's step in flight: a run in the background, landed later.
 
 :class:`Landing` first copies the grads into a buffer of its own on their device (one fused
-copy on the caller's stream), so the caller may free, zero or accumulate into its grads at once.
-The run then copies each chunk of grads down from that buffer, and each chunk's new params up
-into the same bytes as soon as the chunk's kernel is done — during the caller's next forward and
-backward. The step lands when :meth:`Landing.land` is called (by the next update, or ``flush``):
+copy on the caller's stream), so the caller may free, zero or accumulate into its grads at once;
+grads that are the landing's own (``own``: new tensors nothing else holds, a clip's) stay where
+they are, as their own regions. The run then copies each chunk of grads down from its region,
+and each chunk's new params up into the same bytes as soon as the chunk's kernel is done —
+during the caller's next forward and backward. The step lands when :meth:`Landing.land` is called (by the next update, or ``flush``):
 one device-side copy of the new params over the params, after the work the caller queued
 meanwhile (which read the old params). Landing is idempotent and runs to its end even when the
 caller's thread is interrupted (the caller runs it through
@@ -72,15 +73,17 @@ class EngineJob(Protocol):
 
 def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
              device: torch.device, ahead: bool,
-             reuse: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                         list[Optional[torch.Tensor]],
-                                                         list[Optional[torch.Tensor]],
-                                                         list[Optional[torch.Tensor]]]:
+             reuse: Optional[list[torch.Tensor]],
+             kept: Sequence[bool]) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                 list[Optional[torch.Tensor]],
+                                                 list[Optional[torch.Tensor]],
+                                                 list[Optional[torch.Tensor]]]:
     """One buffer on ``device``: per leaf a region for its grad, one for its new param (or
     look-ahead base) and, with ``ahead``, one for its look-ahead rate (the grad's dtype) and,
     for a bf16 grad, one for its base's residual (``int8``); the first two share their bytes
     when the dtypes have one size (chunk ``k``'s params are copied up only after its grads were
-    copied down)."""
+    copied down). A leaf whose grad is ``kept`` has the grad itself as its grad's region (and
+    its param's, where they share bytes)."""
     size = 0
 
     def take(nbytes: int, align: int = ALIGN) -> int:
@@ -89,9 +92,9 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
         return at
 
     spans = []
-    for leaf, target in zip(leaves, targets):
+    for leaf, target, keep in zip(leaves, targets, kept):
         n, g_size = leaf.grad.numel(), leaf.grad.element_size()
-        g_at = take(n * g_size)
+        g_at = None if keep else take(n * g_size)
         spans.append((g_at, g_at if target is None or target[0][1].element_size() == g_size
                       else take(n * target[0][1].element_size())))
     # the rates after every param: the leaves' rates lie end to end, as in a slot (one copy)
@@ -120,8 +123,9 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
     grads, params, rates, residuals = [], [], [], []
     for (g_at, p_at), r_at, e_at, leaf, target in zip(spans, rate_at, res_at, leaves, targets):
         n, dtype = leaf.grad.numel(), leaf.grad.dtype
-        grads.append(region(g_at, n, dtype))
-        params.append(None if target is None else region(p_at, n, target[0][1].dtype))
+        grads.append(leaf.grad if g_at is None else region(g_at, n, dtype))
+        params.append(None if target is None else leaf.grad.view(target[0][1].dtype)
+                      if p_at is None else region(p_at, n, target[0][1].dtype))
         rates.append(region(r_at, n, dtype))
         residuals.append(region(e_at, n, torch.int8))
     return buf, grads, params, rates, residuals
@@ -149,14 +153,17 @@ class Landing:
     rates, grads, hyper, next_hyper)``, for leaves that carry the next step's hyperparameters
     (``HostLeaf.ahead_hyper``); ``fresh[i][k]``: param ``k`` of leaf ``i`` is not the last
     look-ahead's (default: all); ``engine``: the leaves the GPU engine steps instead of the
-    run (without ``ahead`` only); see the module."""
+    run (without ``ahead`` only); ``own[i]``: leaf ``i``'s grad is the landing's to keep and
+    overwrite (nothing else holds it): a dense one on the device is not copied; see the
+    module."""
 
     def __init__(self, executor: HostExecutor, leaves: Sequence[HostLeaf], kernel: Kernel,
                  targets: Sequence[Targets], threads: Optional[int] = None,
                  ahead: Optional[Callable[..., None]] = None,
                  fresh: Optional[Sequence[Sequence[bool]]] = None,
                  engine: Optional[EngineJob] = None,
-                 buffer: Optional[list[torch.Tensor]] = None):
+                 buffer: Optional[list[torch.Tensor]] = None,
+                 own: Optional[Sequence[bool]] = None):
         if engine is not None and (ahead is not None or any(targets[j] is None
                                                            for j in engine.leaves)):
             raise ValueError("the GPU engine steps leaves with params to write, without a "
@@ -172,11 +179,19 @@ class Landing:
         self.device = leaves[0].grad.device
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
+        kept = [bool(own is not None and own[j]) and type(leaf.grad) is torch.Tensor
+                and leaf.grad.device == self.device and leaf.grad.is_contiguous()
+                for j, leaf in enumerate(leaves)]
         buf, grads, self._up, self._rates, self._residuals = _regions(
-            leaves, self.targets, self.device, ahead is not None, buffer)
+            leaves, self.targets, self.device, ahead is not None, buffer, kept)
         self._buf: Optional[torch.Tensor] = buf  # kept for the next step only if land() is asked
         self._read_on: set[Any] = set()  # streams land_leaves read it on (other than the caller's)
-        torch._foreach_copy_(grads, [leaf.grad for leaf in leaves])  # the caller's grads are free now
+        # the memory the run reads and writes: the buffer and the grads kept (one per storage)
+        self._memory = [buf, *{g.untyped_storage().data_ptr(): g
+                               for g, k in zip(grads, kept) if k}.values()]
+        copied = [(g, leaf.grad) for g, leaf, k in zip(grads, leaves, kept) if not k]
+        if copied:  # the caller's grads are free now
+            torch._foreach_copy_(*map(list, zip(*copied)))
         on_engine = set(engine.leaves) if engine is not None else set()
         stream = executor.engine_stream(self.device) if engine is not None else None
         if engine is not None:  # (a failure here: nothing started) its buffers on its stream
@@ -184,12 +199,12 @@ class Landing:
                 engine.prepare({j: grads[j] for j in on_engine},
                                {j: self._up[j] for j in on_engine})
             for on in (stream, *executor.engine_math_streams(self.device)):
-                buf.record_stream(on)  # its math reads the grads and writes the params there
+                self._used_on(on)  # its math reads the grads and writes the params there
         self.began = time.perf_counter()
         t = executor.transport(self.device)
         for copies in (t.stream_in, t.stream_out):
-            if copies is not None:  # the run reads and writes ``buf`` on the copy streams
-                buf.record_stream(copies)
+            if copies is not None:  # the run reads and writes them on the copy streams
+                self._used_on(copies)
         self._done: list[Segment] = []  # segments whose new params are copied up (or in place)
         self._lock = threading.Lock()
         self._landed = False
@@ -246,6 +261,12 @@ class Landing:
                               leaves, grads, self._up, self._rates, self._residuals))
                           if j not in on_engine], ready)
         self.run.close()
+
+    def _used_on(self, stream: Any) -> None:
+        """The buffer and the grads kept are used on ``stream`` too: their memory is not
+        reused before its work queued so far is done."""
+        for t in self._memory:
+            t.record_stream(stream)
 
     def _start(self, engine: EngineJob, stream: "torch.cuda.Stream", ready: Any,
                chunk_done: Callable[[Any, Optional[list[Segment]]], None],
@@ -395,6 +416,7 @@ class Landing:
             self.ahead_landed = moved
         self._set_values(use)
         self._up = self._rates = self._residuals = self._values = self._hypers = []
+        self._memory = []
 
     def _gather(self, moved: list[tuple[int, int]],
                 grads: Sequence[Sequence[Optional[torch.Tensor]]]
@@ -479,7 +501,7 @@ class Landing:
                 if last is not None:  # and the engine's math of those it stepped
                     torch.cuda.current_stream(self.device).wait_event(last[1])
                 if self.device.type == "cuda":  # the buffer is read on this stream too
-                    pairs[0][1].record_stream(torch.cuda.current_stream(self.device))
+                    self._used_on(torch.cuda.current_stream(self.device))
                     self._read_on.add(torch.cuda.current_stream(self.device))
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             self._copied.update(copy)
@@ -506,4 +528,5 @@ class Landing:
             t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
             if tl:
                 tl.span("H2D", "land params", s0, tl.stamp(self.device, t.stream_out))
-        self._up = []  # the buffer goes (once the copies above ran: it is recorded on the stream)
+        self._up = self._memory = []  # the buffer and the grads kept go (once the copies above
+        #                                ran: they are recorded on the stream)

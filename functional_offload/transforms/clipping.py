@@ -166,7 +166,8 @@ def clip_by_global_norm(max_norm: float, *,
     grads keep their dtype.
 
     The factor stays a device tensor (no host sync); new tensors are returned, the input
-    gradients are not modified. Its ``global_scale`` is that factor: a streamed step
+    gradients are not modified (``fresh_updates``: a delayed step after it in a chain keeps
+    them for its landing, without a copy). Its ``global_scale`` is that factor: a streamed step
     (:func:`~functional_offload.stream`) runs ahead as if it were 1 and is redone when not.
 
     Example::
@@ -208,4 +209,4 @@ def clip_by_global_norm(max_norm: float, *,
             scaled = [None if g is None else next(it) for g in leaves]
         return optree.tree_unflatten(spec, scaled), state
 
-    return GradientTransformation(init, update, factor)
+    return GradientTransformation(init, update, factor, fresh_updates=True)

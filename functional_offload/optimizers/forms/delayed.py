@@ -250,7 +250,8 @@ class Delayed(AtFinish):
         every = work.ex.engine == "gpu" and work.ahead is None  # the engine steps every leaf
         runs = packed_leaves(work, gs) if work.cache.packs and not every else []
         run_of = {i: k for k, (_, run) in enumerate(runs) for i in run.members}
-        leaves, targets, members = [], [], []
+        owned = work.cache.owned_grads or {}  # grads nothing else holds: the landing's to keep
+        leaves, targets, members, own = [], [], [], []
         for i in rest:  # a packed run at its first member's place in the order
             if i in run_of:
                 leaf, run = runs[run_of.pop(i)]
@@ -260,11 +261,13 @@ class Delayed(AtFinish):
                 targets.append([(at, work.leaves[m].param.view(-1))
                                 for at, m in zip(run.at, run.members)])
                 members.append(run.members)
+                own.append(False)
             elif every or i not in work.static.packed:
                 leaves.append(work.host_leaf(i, gs[i], None))
                 targets.append([(0, work.leaves[i].param.view(-1))] if work.leaves[i].has_master
                                else None)
                 members.append((i,))
+                own.append(owned.get(id(gs[i])) is gs[i])
         division, engine = self._engine(gs, members)
         reuse = [work.cache.landing_buffer] if work.cache.landing_buffer is not None else []
         work.cache.landing_buffer = None  # (the landing takes it from the list, or lets it go)
@@ -272,7 +275,7 @@ class Delayed(AtFinish):
                           ahead=(None if work.ahead is None
                                  else partial(land, work.t.spec.land_ahead)),
                           fresh=[[m not in work.held_ahead for m in run] for run in members],
-                          engine=engine, buffer=reuse)
+                          engine=engine, buffer=reuse, own=own)
         self.started = True  # (a failure before, e.g. allocating, changed nothing)
         landed = None
         if division is not None:
