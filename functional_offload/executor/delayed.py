@@ -1,15 +1,15 @@
 """The delayed parameter update's step in flight: a run in the background, landed later.
 
-:class:`Landing` first copies the grads into a buffer of its own on their device (one fused
-copy on the caller's stream), so the caller may free, zero or accumulate into its grads at once;
+:class:`Landing` first copies the grads into a buffer of its own on their device (one fused copy
+on the caller's stream), so the caller may free, zero or accumulate into its grads at once;
 grads that are the landing's own (``own``: new tensors nothing else holds, a clip's) stay where
 they are, as their own regions. The run then copies each chunk of grads down from its region,
 and each chunk's new params up into the same bytes as soon as the chunk's kernel is done —
-during the caller's next forward and backward. The step lands when :meth:`Landing.land` is called (by the next update, or ``flush``):
-one device-side copy of the new params over the params, after the work the caller queued
-meanwhile (which read the old params). Landing is idempotent and runs to its end even when the
-caller's thread is interrupted (the caller runs it through
-:func:`~functional_offload.executor.shield.shielded`).
+during the caller's next forward and backward. The step lands when :meth:`Landing.land` is
+called (by the next update, or ``flush``): one device-side copy of the new params over the
+params, after the work the caller queued meanwhile (which read the old params). Landing is
+idempotent and runs to its end even when the caller's thread is interrupted (the caller runs it
+through :func:`~functional_offload.executor.shield.shielded`).
 
 With a look-ahead (``ahead``, the optimizer's device side of it) the run leaves two values per
 element in place of the new param, the look-ahead's *base* and *rate* (``kernels/host.py``): the
@@ -75,9 +75,9 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
              device: torch.device, ahead: bool,
              reuse: Optional[list[torch.Tensor]],
              kept: Sequence[bool]) -> tuple[torch.Tensor, list[torch.Tensor],
-                                                 list[Optional[torch.Tensor]],
-                                                 list[Optional[torch.Tensor]],
-                                                 list[Optional[torch.Tensor]]]:
+                                            list[Optional[torch.Tensor]],
+                                            list[Optional[torch.Tensor]],
+                                            list[Optional[torch.Tensor]]]:
     """One buffer on ``device``: per leaf a region for its grad, one for its new param (or
     look-ahead base) and, with ``ahead``, one for its look-ahead rate (the grad's dtype) and,
     for a bf16 grad, one for its base's residual (``int8``); the first two share their bytes
