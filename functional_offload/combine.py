@@ -75,6 +75,7 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         try:
             terminals = terminal_states(state[-1])
             caches = [s.params.cache for s in terminals if s.params.cache is not None]
+            given = updates
             updates, front_state = through(front, updates, state[:-1],
                                            caches if any(c.wants_scale for c in caches) else None)
             # the front's new tensors go to the terminal's step to keep, where nothing (no
@@ -82,7 +83,7 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
             owner = (caches[0] if front and front[-1].fresh_updates and len(caches) == 1
                      and terminals[0] is state[-1] else None)
             if owner is not None:
-                owner.owned_grads = {id(g): g for g in optree.tree_leaves(updates)}
+                owner.owned_grads = _owned(given, updates)
             try:
                 params, last_state = last.update(updates, state[-1])
             finally:
@@ -111,6 +112,18 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         return _Chained(inner, front, state, update)
 
     return Optimizer(init, update, begin)
+
+
+def _owned(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
+    """The leaves of ``made`` (by ``id``) that a ``fresh_updates`` front made for one leaf
+    each: none of ``given``'s leaves, none given to two leaves."""
+    seen: dict[int, torch.Tensor] = {}
+    twice = {id(g) for g in optree.tree_leaves(given)}
+    for g in optree.tree_leaves(made):
+        if id(g) in seen:
+            twice.add(id(g))
+        seen[id(g)] = g
+    return {k: g for k, g in seen.items() if k not in twice}
 
 
 def through(transforms: Sequence[AnyTransformation], updates: Updates, state: Sequence[Any],

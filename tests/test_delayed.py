@@ -151,6 +151,40 @@ def test_a_clip_s_new_grads_are_kept_by_the_landing_with_the_bits_of_a_copy(devi
             assert torch.equal(outs[0][k], outs[1][k]), (max_norm, k)
 
 
+def _tie(u: dict) -> dict:
+    """Leaves ``a`` and ``b`` given one new tensor, the sum of their grads (tied weights)."""
+    s = u["a"] + u["b"]
+    return {**u, "a": s, "b": s}
+
+
+@pytest.mark.parametrize("front", ["tied", "identity"])
+def test_a_fresh_front_s_shared_or_given_tensors_are_copied(front):
+    """A ``fresh_updates`` front's tensor given to two leaves, or a grad passed through as it
+    came, is copied by the landing, not kept (its bytes are another leaf's grad, or the
+    caller's): the params of the same front without ``fresh_updates``, and the caller's grads
+    untouched."""
+    fn = _tie if front == "tied" else (lambda u: u)
+    outs = []
+    for fresh in (True, False):
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(300, 256, generator=g).bfloat16()
+        params = {"a": w.clone(), "b": w.clone()}
+        t = fo.GradientTransformation(lambda p: fo.EmptyState(), lambda u, s: (fn(u), s),
+                                      fresh_updates=fresh)
+        opt = fo.chain(t, fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=STALE,
+                                   executor=small_executor()))
+        state = opt.init(params)
+        for _ in range(3):
+            grads = {k: torch.randn(300, 256, generator=g).bfloat16() for k in params}
+            kept = clone(grads)
+            params, state = opt.update(grads, state)
+            assert all(torch.equal(grads[k], kept[k]) for k in grads)
+        fo.flush(state)
+        outs.append(clone(params))
+    for k in outs[1]:
+        assert torch.equal(outs[0][k], outs[1][k]), k
+
+
 @pytest.mark.cuda
 def test_a_delayed_step_behind_a_clip_allocates_no_copy_of_its_grads():
     """The first delayed step behind a clip allocates the clip's new grads, where its landing

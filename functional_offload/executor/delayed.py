@@ -131,6 +131,13 @@ def _regions(leaves: Sequence[HostLeaf], targets: Sequence[Targets],
     return buf, grads, params, rates, residuals
 
 
+def _alone(grad: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``grad`` (1-D) can be a landing's region itself: a dense tensor on ``device``
+    whose memory is its bytes alone (not a view into a larger block others may hold)."""
+    return (type(grad) is torch.Tensor and grad.device == device and grad.is_contiguous()
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
+
+
 def _by_leaf(pairs: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
     """``(leaf, param)`` pairs grouped by leaf, in order."""
     out: dict[int, list[int]] = {}
@@ -179,16 +186,14 @@ class Landing:
         self.device = leaves[0].grad.device
         self._values = [_value(leaf) for leaf in leaves] if ahead else []
         self._hypers = [(leaf.hyper, leaf.ahead_hyper) for leaf in leaves] if ahead else []
-        kept = [bool(own is not None and own[j]) and type(leaf.grad) is torch.Tensor
-                and leaf.grad.device == self.device and leaf.grad.is_contiguous()
+        kept = [bool(own is not None and own[j]) and _alone(leaf.grad, self.device)
                 for j, leaf in enumerate(leaves)]
         buf, grads, self._up, self._rates, self._residuals = _regions(
             leaves, self.targets, self.device, ahead is not None, buffer, kept)
         self._buf: Optional[torch.Tensor] = buf  # kept for the next step only if land() is asked
         self._read_on: set[Any] = set()  # streams land_leaves read it on (other than the caller's)
-        # the memory the run reads and writes: the buffer and the grads kept (one per storage)
-        self._memory = [buf, *{g.untyped_storage().data_ptr(): g
-                               for g, k in zip(grads, kept) if k}.values()]
+        # the memory the run reads and writes: the buffer and the grads kept
+        self._memory = [x for x in (buf, *(g for g, k in zip(grads, kept) if k)) if x.numel()]
         copied = [(g, leaf.grad) for g, leaf, k in zip(grads, leaves, kept) if not k]
         if copied:  # the caller's grads are free now
             torch._foreach_copy_(*map(list, zip(*copied)))
@@ -415,6 +420,8 @@ class Landing:
             use = [jk for jk in use if jk not in landed]
             self.ahead_landed = moved
         self._set_values(use)
+        if self.device.type == "cuda":  # the look-ahead read them on the caller's stream
+            self._used_on(torch.cuda.current_stream(self.device))
         self._up = self._rates = self._residuals = self._values = self._hypers = []
         self._memory = []
 

@@ -83,9 +83,9 @@ def leaf_norms(updates: Updates, ord: float) -> list[torch.Tensor]:
 
 
 # elements: a contiguous leaf this large is multiplied into a tensor of its own (one read, one
-# write of its bytes); the others share one buffer (one allocation, at twice the bytes: copied,
-# then scaled)
-_ONE_BUFFER_BELOW = 1 << 20
+# write of its bytes, and memory of its own that a delayed step's landing may keep); the others
+# share one buffer (one allocation, at twice the bytes: copied, then scaled)
+_ONE_BUFFER_BELOW = 1 << 16
 
 
 def _scaled(leaves: list[torch.Tensor], coef: torch.Tensor, groups: Groups) -> list[torch.Tensor]:
