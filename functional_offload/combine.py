@@ -6,11 +6,14 @@
 - :class:`Wrapped`, the base of a wrapper's step around an inner optimizer's step
   (``apply_if_finite``, ``inject_hyperparams``, ``MultiSteps``), and :func:`run_inner`, the one
   place an interrupt after a completed inner step is reconciled with the wrapper's state.
+- :func:`fresh_leaves` and :func:`keeping`: the grads a ``fresh_updates`` transform made, handed
+  to the terminal step after it to keep.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import optree
 import torch
@@ -22,7 +25,8 @@ from functional_offload.state import (check_usable, claim, grads_for, mark_tenso
 from functional_offload.tree import flatten_like
 from functional_offload.typing import OptState, Params, Updates
 
-__all__ = ["chain", "HeldStep", "merge_grads", "begin_step", "run_inner", "through", "Wrapped"]
+__all__ = ["chain", "HeldStep", "merge_grads", "begin_step", "run_inner", "through", "Wrapped",
+           "fresh_leaves", "keeping"]
 
 AnyTransformation = Union[GradientTransformation, Optimizer]
 
@@ -73,22 +77,14 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
         counts = terminal_counts(state[-1])
         marks = [(x, int(x)) for x in mark_tensors(state[:-1])]
         try:
-            terminals = terminal_states(state[-1])
-            caches = [s.params.cache for s in terminals if s.params.cache is not None]
+            caches = [s.params.cache for s in terminal_states(state[-1])
+                      if s.params.cache is not None]
             given = updates
             updates, front_state = through(front, updates, state[:-1],
                                            caches if any(c.wants_scale for c in caches) else None)
-            # the front's new tensors go to the terminal's step to keep, where nothing (no
-            # wrapper) stands between them
-            owner = (caches[0] if front and front[-1].fresh_updates and len(caches) == 1
-                     and terminals[0] is state[-1] else None)
-            if owner is not None:
-                owner.owned_grads = _owned(given, updates)
-            try:
+            made = fresh_leaves(given, updates) if front and front[-1].fresh_updates else {}
+            with keeping(state[-1], made):
                 params, last_state = last.update(updates, state[-1])
-            finally:
-                if owner is not None:
-                    owner.owned_grads = None
             return params, (*front_state, last_state)
         except BaseException:
             # the front's transforms are pure: their states are as they were but for their
@@ -114,9 +110,9 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
     return Optimizer(init, update, begin)
 
 
-def _owned(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
-    """The leaves of ``made`` (by ``id``) that a ``fresh_updates`` front made for one leaf
-    each: none of ``given``'s leaves, none given to two leaves."""
+def fresh_leaves(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
+    """The leaves of ``made`` (by ``id``), the output of a ``fresh_updates`` transform fed
+    ``given``, that it made for one leaf each: none of ``given``'s, none given to two leaves."""
     seen: dict[int, torch.Tensor] = {}
     twice = {id(g) for g in optree.tree_leaves(given)}
     for g in optree.tree_leaves(made):
@@ -124,6 +120,24 @@ def _owned(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
             twice.add(id(g))
         seen[id(g)] = g
     return {k: g for k, g in seen.items() if k not in twice}
+
+
+@contextlib.contextmanager
+def keeping(state: OptState, made: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While a terminal optimizer steps on ``state`` (a terminal state itself: no wrapper
+    around it), its step may keep the grads of ``made`` (:func:`fresh_leaves`) rather than
+    copy them (``StepCache.owned_grads``)."""
+    terminals = terminal_states(state) if made else []
+    cache = (terminals[0].params.cache if len(terminals) == 1 and terminals[0] is state
+             else None)
+    if cache is None:
+        yield
+        return
+    cache.owned_grads = made
+    try:
+        yield
+    finally:
+        cache.owned_grads = None
 
 
 def through(transforms: Sequence[AnyTransformation], updates: Updates, state: Sequence[Any],

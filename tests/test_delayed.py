@@ -151,6 +151,35 @@ def test_a_clip_s_new_grads_are_kept_by_the_landing_with_the_bits_of_a_copy(devi
             assert torch.equal(outs[0][k], outs[1][k]), (max_norm, k)
 
 
+def test_torch_optimizer_s_clip_hands_its_new_grads_to_a_delayed_step():
+    """``TorchOptimizer(max_grad_norm=...)`` with a delayed step: the clip's new grads go to
+    the landing as a chain's do, with the params of a chain whose clip's grads are copied, and
+    the caller's grads untouched."""
+    grads = grad_seq(_unpacked_params("cpu"), 3)
+    live = {k: p.requires_grad_() for k, p in _unpacked_params("cpu").items()}
+    opt = fo.TorchOptimizer(list(live.values()), lr=1e-2, max_grad_norm=1e-3,
+                            placement=fo.placement.on_host(), delayed=STALE,
+                            executor=small_executor())
+    for want in grads:
+        for k, p in live.items():
+            p.grad = want[k].clone()
+        opt.step()
+        for k, p in live.items():
+            assert torch.equal(p.grad, want[k]), k  # not written
+            p.grad.fill_(float("nan"))  # nor read late
+    opt.flush()
+    params = _unpacked_params("cpu")
+    chain = fo.chain(_copying(fo.clip_by_global_norm(1e-3)),
+                     fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=STALE,
+                              executor=small_executor()))
+    state = chain.init(params)
+    for g in clone(grads):
+        params, state = chain.update(g, state)
+    fo.flush(state)
+    for k, p in live.items():
+        assert torch.equal(p.detach(), params[k]), k
+
+
 def _tie(u: dict) -> dict:
     """Leaves ``a`` and ``b`` given one new tensor, the sum of their grads (tied weights)."""
     s = u["a"] + u["b"]

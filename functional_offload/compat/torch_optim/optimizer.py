@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from functional_offload.base import Optimizer
-from functional_offload.combine import through
+from functional_offload.combine import fresh_leaves, keeping, through
 from functional_offload.state import (FAILED, flush, land, refuse_missed_landings,
                                       tensors_of, terminal_states)
 from functional_offload.compat.torch_optim.algorithms import Algorithm, algorithm_for
@@ -204,12 +204,14 @@ class TorchOptimizer(torch.optim.Optimizer):
             self._states.ready(run, self.state)
         for run in runs:
             self._gather(run)
+        made: dict = {}  # the clip's new grads: the steps may keep them, as in a chain
         if self._clip is not None and runs:
             caches = [s.params.cache for r in runs for s in terminal_states(r.slot.state)
                       if s.params.cache is not None and s.params.cache.wants_scale]
             # delayed=Delay(exact_when_clipped=True) is told whether the clip scaled, as in a chain
-            clipped, _ = through([self._clip], [r.grads for r in runs], (self._clip.init(None),),
-                                 caches or None)
+            raw = [r.grads for r in runs]
+            clipped, _ = through([self._clip], raw, (self._clip.init(None),), caches or None)
+            made = fresh_leaves(raw, clipped)
             for r, g in zip(runs, clipped):
                 r.grads = g
         # a missed landing is refused before any group steps
@@ -229,7 +231,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 if idle:  # its step count stays; a delayed step in flight lands, as at an update
                     new = flush(state)
                 else:
-                    _, new = run.opt.update(run.grads, given)
+                    with keeping(given, made):
+                        _, new = run.opt.update(run.grads, given)
             except BaseException as e:
                 if int(state.count) == count + 1:  # a signal's handler raised once the step
                     new = given  # had completed into the state passed in (the core's contract)
