@@ -114,12 +114,12 @@ def fresh_leaves(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
     """The leaves of ``made`` (by ``id``), the output of a ``fresh_updates`` transform fed
     ``given``, that it made for one leaf each: none of ``given``'s, none given to two leaves."""
     seen: dict[int, torch.Tensor] = {}
-    twice = {id(g) for g in optree.tree_leaves(given)}
+    held = {id(g) for g in optree.tree_leaves(given)}  # and, below, those given to two leaves
     for g in optree.tree_leaves(made):
         if id(g) in seen:
-            twice.add(id(g))
+            held.add(id(g))
         seen[id(g)] = g
-    return {k: g for k, g in seen.items() if k not in twice}
+    return {k: g for k, g in seen.items() if k not in held}
 
 
 @contextlib.contextmanager
