@@ -542,21 +542,29 @@ def test_a_missed_landing_in_a_partition_part_is_refused_before_any_part_steps()
     assert all(torch.equal(plain[k], landed[k]) for k in plain)
 
 
-class _Done:
-    """A CUDA event's calls, played on the CPU: complete as soon as recorded."""
+class _Mark:
+    """A CUDA event's calls, played on the CPU: complete or not, as ``done`` says."""
+
+    def __init__(self, done=True):
+        self.done = done
 
     def query(self):
-        return True
+        return self.done
 
 
-class _NoStream:
-    """A CUDA stream's calls, played on the CPU (the landing orders nothing here)."""
+class _Stream:
+    """A CUDA stream's calls, played on the CPU (the landing orders nothing here): the events
+    it records are ``marks`` in turn (complete ones without), and ``waited`` keeps those its
+    waits were given."""
+
+    def __init__(self, marks=None):
+        self.marks, self.waited = marks, []
 
     def record_event(self):
-        return _Done()
+        return _Mark() if self.marks is None else next(self.marks)
 
     def wait_event(self, event):
-        pass
+        self.waited.append(event)
 
 
 @pytest.fixture
@@ -566,7 +574,7 @@ def engine_on_cpu(monkeypatch):
     monkeypatch.setattr(HostExecutor, "engine_stream", lambda self, device: None)
     monkeypatch.setattr(HostExecutor, "engine_math_streams", lambda self, device: [])
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _Stream())
 
 
 class _Job:
@@ -644,25 +652,8 @@ def test_an_early_landing_waits_only_for_the_engine_math_of_the_leaves_it_copies
     gen = torch.Generator().manual_seed(2)
     grads = [torch.randn(n, generator=gen) for n in sizes]
     params = [torch.zeros(n) for n in sizes]
-    waited = []
-
-    class Mark:
-        def __init__(self, done):
-            self.done = done
-
-        def query(self):
-            return self.done
-
-    marks = iter([Mark(True), Mark(False)])  # leaf 0's chunk has run, leaf 2's is queued
-
-    class Stream:
-        def record_event(self):
-            return next(marks)
-
-        def wait_event(self, event):
-            waited.append(event)
-
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: Stream())
+    stream = _Stream(iter([_Mark(True), _Mark(False)]))  # leaf 0's chunk has run; 2's queued
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: stream)
     stepped = threading.Event()
 
     class Engine(_Job):  # new params: -grad
@@ -680,7 +671,7 @@ def test_an_early_landing_waits_only_for_the_engine_math_of_the_leaves_it_copies
     landing.land_leaves([0])
     assert torch.equal(params[0], -grads[0]) and torch.equal(params[1], -grads[1])
     assert torch.equal(params[2], torch.zeros(sizes[2])), "a leaf whose math is queued landed"
-    assert [m.done for m in waited] == [True]  # leaf 0's chunk's, not the later one's
+    assert [m.done for m in stream.waited] == [True]  # leaf 0's chunk's, not the later one's
     landing.land(None)
     for p, g in zip(params, grads):
         assert torch.equal(p, -g)

@@ -146,6 +146,13 @@ def _by_leaf(pairs: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
     return out
 
 
+def _latest(marks: dict[int, tuple[int, Any]], which: Any) -> Optional[Any]:
+    """Of the engine's marks of leaves ``which``, the event of the chunk queued last (None:
+    the engine stepped none of them)."""
+    last = max((marks[j] for j in which if j in marks), default=None, key=lambda m: m[0])
+    return None if last is None else last[1]
+
+
 def _value(leaf: HostLeaf) -> torch.Tensor:
     """The leaf's new value as its param takes it: the master, or a split master's high half."""
     value = leaf.state[0]
@@ -500,13 +507,13 @@ class Landing:
             # only once its math is done, else its own call would wait for it)
             more = [j for j in more if j not in marks or marks[j][1].query()]
             copy = [j for j in dict.fromkeys(want + more) if j not in self._copied]
-            last = max((marks[j] for j in copy if j in marks), default=None, key=lambda m: m[0])
+            last = _latest(marks, copy)
             pairs = [(p, x) for j in copy if self.targets[j] is not None
                      for (_, p), x in zip(self.targets[j], self._parts(j, self._up[j]))]
             if pairs:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
                 if last is not None:  # and the engine's math of those it stepped
-                    torch.cuda.current_stream(self.device).wait_event(last[1])
+                    torch.cuda.current_stream(self.device).wait_event(last)
                 if self.device.type == "cuda":  # the buffer is read on this stream too
                     self._used_on(torch.cuda.current_stream(self.device))
                     self._read_on.add(torch.cuda.current_stream(self.device))
@@ -530,7 +537,7 @@ class Landing:
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
             # the engine's params are written: its last chunk's math (None: it stepped none)
-            t.wait_out(max(self._engine_marks.values(), key=lambda m: m[0], default=(0, None))[1])
+            t.wait_out(_latest(self._engine_marks, self._engine_marks))
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
             if tl:
