@@ -53,7 +53,9 @@ step over all timed steps including the final flush (``fo.flush(state)``) and a 
 peak GPU memory and its part above the bf16 model, pinned host memory (the CUDA caching host
 allocator's bytes; it rounds blocks up to powers of two), host state, and the host memory a
 system took per param (the process's resident set grown from before the system was built to
-after its flush: state, staging and pinned buffers; the ``fwdbwd`` row gives the rest). The floor process (first,
+after its flush: state, staging and pinned buffers; the ``fwdbwd`` row gives the rest), and the
+longest of the interpreter's garbage collections in the timed steps (the garbage is collected
+once after the warm-up: the full collection that follows building falls there). The floor process (first,
 fresh) times our CPU kernel through the public API on the model's leaf shapes and the host DRAM
 bandwidth (``host_floor.py``); a system's floor = its offloaded params / the kernel rate of its
 moments' format (fp32, bf16 or 8-bit moments, fp32 masters; torchao, whose CPU step is torch's
@@ -305,14 +307,19 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         stats0 = torch.cuda.memory_stats(device)
         host0 = torch.cuda.host_memory_stats()
+    gc.collect()  # the building's and warm-up's garbage (a long run's first steps) goes now,
+    #               not in a timed step's full collection
     pauses: list[float] = []  # the interpreter's garbage collections in the timed steps, s
+    full: list[float] = []  # those of every generation (each walks all objects not frozen)
     began = [0.0]
 
-    def collected(phase: str, _: dict) -> None:
+    def collected(phase: str, facts: dict) -> None:
         if phase == "start":
             began[0] = time.perf_counter()
         else:
             pauses.append(time.perf_counter() - began[0])
+            if facts["generation"] == 2:
+                full.append(pauses[-1])
     gc.callbacks.append(collected)
     # Per step: until the training stream's work is done (what a loop reading the loss waits
     # for; a delayed step's host part may still run). Mean: wall time of all timed steps with the
@@ -332,7 +339,8 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
     finally:
         gc.callbacks.remove(collected)
-    info.update(gc_count=len(pauses), gc_s=round(sum(pauses), 4), gc_max_s=round(max(pauses, default=0.0), 4))
+    info.update(gc_count=len(pauses), gc_s=round(sum(pauses), 4), gc_max_s=round(max(pauses, default=0.0), 4),
+                gc_full=len(full), gc_full_s=round(sum(full), 4))
     t0 = time.perf_counter()
     flush()
     sync(device)
@@ -412,7 +420,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                    f"{fb['step_s']:.3f} s")
     out.append(f"{'system':<12} {'clip':>4} {'step s':>7} {'2nd+ s':>7} {'mean s':>7} {'flush s':>7} {'x fb':>6} {'host s':>7} "
                f"{'x plain':>7} {'floor s':>8} {'ovh/flr':>7} {'bound s':>8} {'x bound':>7} {'peak GiB':>9} "
-               f"{'extra':>6} {'pin MiB':>8} {'host B/p':>8}")
+               f"{'extra':>6} {'pin MiB':>8} {'host B/p':>8} {'gc ms':>6}")
     # the host step: a system's mean less the fwdbwd row's; x plain: over plain:F's, same F
     host_of = {r["system"]: r["mean_s"] - fb["mean_s"] for r in rows
                if fb and "mean_s" in r and r["system"] != "floor"}
@@ -440,7 +448,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                    f"{floor if r['offloaded'] else nan:>8.3f} {ovh:>7.2f} "
                    f"{b:>8.3f} {r['mean_s'] / b:>7.2f} {r.get('peak_gib', nan):>9.2f} "
                    f"{r.get('peak_extra_gib', nan):>6.2f} {pin:>8} "
-                   f"{r.get('host_bytes_per_param', nan):>8.2f}"
+                   f"{r.get('host_bytes_per_param', nan):>8.2f} {r.get('gc_max_s', nan) * 1e3:>6.1f}"
                    + (f"  ahead {r['ahead']}" if name.startswith("stream") and r.get("ahead") else ""))
     out.append("step s = the median step; 2nd+ s = the mean of the timed steps after the first (a "
                "delayed system's first follows the warm-up's flush and waits for nothing); "
@@ -449,6 +457,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> list[str]:
                "(same F, same run); ovh/flr = (mean - fwd - bwd) / floor; x bound = mean / bound; "
                "extra = peak GiB above the bf16 model; host B/p = the process's resident memory "
                "grown from before the system was built to after the flush, per param; "
+               "gc ms = the longest of the interpreter's garbage collections in the timed steps; "
                "no* = cannot clip")
     return out
 
