@@ -18,6 +18,7 @@ every other step), so that a drift of the machine's speed falls on all of them.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -77,6 +78,8 @@ def run(layout: str, shapes: list[tuple[int, ...]], args: argparse.Namespace, th
     systems = steppers(params, threads)
     times: dict[str, list[float]] = {name: [] for name in systems}
     for i in range(args.warmup + args.steps):  # interleaved, the order reversed every other
+        if i == args.warmup:  # the garbage of building and warm-up goes before the timed steps
+            gc.collect()
         for name in list(systems)[::1 if i % 2 else -1]:  # step: the machine's drift and
             t0 = time.perf_counter()                      # a system's place are shared
             systems[name][1](grad_sets[i % 2])

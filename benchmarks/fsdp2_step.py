@@ -38,6 +38,7 @@ largest parameter difference over all ranks after the 3 steps; ``ok`` when the n
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -163,6 +164,7 @@ def run_system(spec: str, args: argparse.Namespace, device: torch.device, mesh: 
         step(loss_fn)
     flush()
     sync(device)
+    gc.collect()  # the building's and warm-up's garbage goes before the timed steps
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
