@@ -310,7 +310,7 @@ def run_one(spec: str, args: argparse.Namespace) -> dict:
     gc.collect()  # the building's and warm-up's garbage (a long run's first steps) goes now,
     #               not in a timed step's full collection
     pauses: list[float] = []  # the interpreter's garbage collections in the timed steps, s
-    full: list[float] = []  # those of every generation (each walks all objects not frozen)
+    full: list[float] = []  # those of the oldest generation (each walks every object)
     began = [0.0]
 
     def collected(phase: str, facts: dict) -> None:
