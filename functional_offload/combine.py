@@ -22,7 +22,7 @@ from functional_offload.base import (GradientTransformation, Optimizer, Optimize
                                      StepBase, StepCache)
 from functional_offload.state import (check_usable, claim, grads_for, mark_tensors, params_of,
                                       release, stepped, terminal_counts, terminal_states)
-from functional_offload.tree import flatten_like
+from functional_offload.tree import flatten_like, local
 from functional_offload.typing import OptState, Params, Updates
 
 __all__ = ["chain", "HeldStep", "merge_grads", "begin_step", "run_inner", "through", "Wrapped",
@@ -112,10 +112,11 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
 
 def fresh_leaves(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
     """The leaves of ``made`` (by ``id``), the output of a ``fresh_updates`` transform fed
-    ``given``, that it made for one leaf each: none of ``given``'s, none given to two leaves."""
+    ``given``, that it made for one leaf each: none of ``given``'s, none given to two leaves.
+    A DTensor's leaf is its local shard, the tensor the steps are handed."""
     seen: dict[int, torch.Tensor] = {}
-    held = {id(g) for g in optree.tree_leaves(given)}  # and, below, those given to two leaves
-    for g in optree.tree_leaves(made):
+    held = {id(local(g)) for g in optree.tree_leaves(given)}  # and those given to two leaves
+    for g in map(local, optree.tree_leaves(made)):
         if id(g) in seen:
             held.add(id(g))
         seen[id(g)] = g

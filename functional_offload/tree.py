@@ -441,6 +441,10 @@ def local(t: Any) -> Any:
     """The local shard of a DTensor (a plain tensor sharing its storage); anything else as is.
 
     Under FSDP2 a param is a DTensor and each rank updates its own shard: optimizer state,
-    placement and the executor all work on these local tensors.
+    placement and the executor all work on these local tensors. Outside autograd: a grad's
+    shard is the same tensor at each call (what the steps know a clip's new grads by).
     """
-    return t.to_local() if is_dtensor(t) else t
+    if not is_dtensor(t):
+        return t
+    with torch.no_grad():
+        return t.to_local()

@@ -199,6 +199,38 @@ def ours_run(mesh: DeviceMesh, device: torch.device, xs: list, clip: Optional[fl
     return out
 
 
+def recording(clip: fo.GradientTransformation, fresh: bool, last: dict) -> fo.GradientTransformation:
+    """``clip`` with ``fresh_updates=fresh``, keeping in ``last`` the local shards of the new
+    grads of its last update (``"made"``) and copies of their values as made (``"values"``)."""
+    def update(updates: Any, state: Any) -> tuple[Any, Any]:
+        out, state = clip.update(updates, state)
+        with torch.no_grad():
+            last["made"] = {k: g.to_local() for k, g in out.items()}
+        last["values"] = {k: g.clone() for k, g in last["made"].items()}
+        return out, state
+    return fo.GradientTransformation(clip.init, update, clip.global_scale, fresh_updates=fresh)
+
+
+def kept_run(mesh: DeviceMesh, device: torch.device, fresh: bool, delayed: fo.Delay) -> dict:
+    """A delayed step behind :func:`recording` ``clip_by_global_norm(CLIPS)`` on a bf16
+    ``Linear(256, 600)`` (fp32 masters; weight shards of 76,800 elements), :data:`STEPS` steps of fixed grads: this rank's shards after ``fo.flush``, and which of the
+    clip's last new shards were written after it made them (by a landing that kept them)."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 600).to(device, torch.bfloat16)
+    fully_shard(model, mesh=mesh)
+    params = dict(model.named_parameters())
+    last: dict[str, dict[str, torch.Tensor]] = {}
+    opt = fo.chain(recording(fo.clip_by_global_norm(CLIPS), fresh, last),
+                   fo.adamw(**HYPER, cpu_kernel="torch", executor=small_executor(),
+                            placement=fo.placement.on_host(), delayed=delayed))
+    state = opt.init(params)
+    for grads in format_grads(params, mesh):
+        _, state = opt.update(grads, state)
+    fo.flush(state)
+    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
+            "written": {k: not torch.equal(g, last["values"][k]) for k, g in last["made"].items()}}
+
+
 def state_values(state: Any) -> dict[str, torch.Tensor]:
     """This rank's state tensors (its shards' moments and masters, the step count)."""
     return {k: v.detach().cpu().clone() for k, v in fo.state_dict(state).items()}
@@ -418,6 +450,10 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "stream no clip": lambda: ours_run(mesh, device, xs, NO_CLIP, streamed=True),
             "delayed clip": lambda: ours_run(mesh, device, xs, CLIPS, delayed=fo.Delay(lookahead=False)),
             "ahead clip": lambda: ours_run(mesh, device, xs, CLIPS, delayed=True),
+            "kept": lambda: kept_run(mesh, device, True, fo.Delay(lookahead=False)),
+            "copied": lambda: kept_run(mesh, device, False, fo.Delay(lookahead=False)),
+            "kept ahead": lambda: kept_run(mesh, device, True, fo.Delay()),
+            "copied ahead": lambda: kept_run(mesh, device, False, fo.Delay()),
             "torch optimizer": lambda: torch_optimizer_run(mesh, device, xs, folder),
             "half offloaded": lambda: ours_run(mesh, device, xs,
                                                placement=fo.placement.offload_fraction(0.5)),

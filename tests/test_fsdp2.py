@@ -186,6 +186,18 @@ def test_the_lookahead_lands_the_next_steps_params_on_shards(ranks):
                               for k in run["params"]) ** 0.5
         assert off(ours) < 0.35 * off(stale), (r, off(ours), off(stale))  # 0.22 measured (3rd step)
 
+@pytest.mark.parametrize("ahead", ["", " ahead"])
+def test_a_delayed_step_keeps_the_clip_s_new_shards(ranks, ahead):
+    """A delayed step behind ``clip_by_global_norm`` on bf16 shards writes its new params into
+    the clip's new local shards rather than copying them first, as on whole tensors: the
+    params of the same clip whose shards are copied."""
+    for r, (kept, copied) in enumerate(zip(results(ranks, "kept" + ahead),
+                                           results(ranks, "copied" + ahead))):
+        assert all(kept["written"].values()), f"rank {r}: {kept['written']}"
+        assert not any(copied["written"].values()), f"rank {r}: {copied['written']}"
+        assert_same(kept["params"], copied["params"], None, f"rank {r}")
+
+
 def test_torch_optimizer_equals_torch_and_resumes_from_dcp(ranks):
     """``fo.TorchOptimizer(model.named_parameters(), fo.adamw, max_grad_norm=...)`` in a module
     loop (backward, ``step``, ``zero_grad``); its states saved with DCP and loaded into a fresh
