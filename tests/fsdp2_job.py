@@ -211,14 +211,21 @@ def recording(clip: fo.GradientTransformation, fresh: bool, last: dict) -> fo.Gr
     return fo.GradientTransformation(clip.init, update, clip.global_scale, fresh_updates=fresh)
 
 
-def kept_run(mesh: DeviceMesh, device: torch.device, fresh: bool, delayed: fo.Delay) -> dict:
-    """A delayed step behind :func:`recording` ``clip_by_global_norm(CLIPS)`` on a bf16
-    ``Linear(256, 600)`` (fp32 masters; weight shards of 76,800 elements), :data:`STEPS` steps of fixed grads: this rank's shards after ``fo.flush``, and which of the
-    clip's last new shards were written after it made them (by a landing that kept them)."""
+def kept_model(mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
+    """A bf16 ``Linear(256, 600)`` from seed 0, sharded (weight shards of 76,800 elements):
+    its params."""
     torch.manual_seed(0)
     model = nn.Linear(256, 600).to(device, torch.bfloat16)
     fully_shard(model, mesh=mesh)
-    params = dict(model.named_parameters())
+    return dict(model.named_parameters())
+
+
+def kept_run(mesh: DeviceMesh, device: torch.device, fresh: bool, delayed: fo.Delay) -> dict:
+    """A delayed step behind :func:`recording` ``clip_by_global_norm(CLIPS)`` on
+    :func:`kept_model` (fp32 masters), :data:`STEPS` steps of fixed grads: this rank's shards
+    after ``fo.flush``, and which of the clip's last new shards were written after it made them
+    (by a landing that kept them)."""
+    params = kept_model(mesh, device)
     last: dict[str, dict[str, torch.Tensor]] = {}
     opt = fo.chain(recording(fo.clip_by_global_norm(CLIPS), fresh, last),
                    fo.adamw(**HYPER, cpu_kernel="torch", executor=small_executor(),
@@ -229,6 +236,24 @@ def kept_run(mesh: DeviceMesh, device: torch.device, fresh: bool, delayed: fo.De
     fo.flush(state)
     return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
             "written": {k: not torch.equal(g, last["values"][k]) for k, g in last["made"].items()}}
+
+
+def kept_torch_optimizer_run(mesh: DeviceMesh, device: torch.device) -> dict:
+    """:func:`kept_run`'s steps without a look-ahead by ``fo.TorchOptimizer(max_grad_norm=CLIPS,
+    delayed=...)`` (its clip's new shards go to the landing as a chain's): this rank's shards
+    after ``flush``."""
+    params = kept_model(mesh, device)
+    opt = fo.TorchOptimizer(list(params.values()), fo.adamw, max_grad_norm=CLIPS,
+                            cpu_kernel="torch", executor=small_executor(),
+                            placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False),
+                            **HYPER)
+    for grads in format_grads(params, mesh):
+        for n, p in params.items():
+            p.grad = grads[n]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.flush()
+    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()}}
 
 
 def state_values(state: Any) -> dict[str, torch.Tensor]:
@@ -454,6 +479,7 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "copied": lambda: kept_run(mesh, device, False, fo.Delay(lookahead=False)),
             "kept ahead": lambda: kept_run(mesh, device, True, fo.Delay()),
             "copied ahead": lambda: kept_run(mesh, device, False, fo.Delay()),
+            "kept torch optimizer": lambda: kept_torch_optimizer_run(mesh, device),
             "torch optimizer": lambda: torch_optimizer_run(mesh, device, xs, folder),
             "half offloaded": lambda: ours_run(mesh, device, xs,
                                                placement=fo.placement.offload_fraction(0.5)),

@@ -198,6 +198,14 @@ def test_a_delayed_step_keeps_the_clip_s_new_shards(ranks, ahead):
         assert_same(kept["params"], copied["params"], None, f"rank {r}")
 
 
+def test_torch_optimizer_s_clip_hands_its_new_shards_to_a_delayed_step(ranks):
+    """``TorchOptimizer(max_grad_norm=..., delayed=...)`` on shards: the params of the chain
+    whose landing keeps the clip's new shards."""
+    for r, (ours, chain) in enumerate(zip(results(ranks, "kept torch optimizer"),
+                                          results(ranks, "kept"))):
+        assert_same(ours["params"], chain["params"], None, f"rank {r}")
+
+
 def test_torch_optimizer_equals_torch_and_resumes_from_dcp(ranks):
     """``fo.TorchOptimizer(model.named_parameters(), fo.adamw, max_grad_norm=...)`` in a module
     loop (backward, ``step``, ``zero_grad``); its states saved with DCP and loaded into a fresh
