@@ -112,15 +112,20 @@ def chain(*transforms: AnyTransformation) -> AnyTransformation:
 
 def fresh_leaves(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
     """The leaves of ``made`` (by ``id``), the output of a ``fresh_updates`` transform fed
-    ``given``, that it made for one leaf each: none of ``given``'s, none given to two leaves.
-    A DTensor's leaf is its local shard, the tensor the steps are handed."""
+    ``given``, that it made for one leaf each: none in the memory of one of ``given``'s or of
+    another of its own (one tensor given to two leaves, or two views of one: ``g.detach()``, two
+    DTensors made from one local tensor). A DTensor's leaf is its local shard, the tensor the
+    steps are handed."""
+    def memory(g: torch.Tensor) -> int:
+        return g.untyped_storage().data_ptr()
+
+    held = {memory(local(g)) for g in optree.tree_leaves(given)}
     seen: dict[int, torch.Tensor] = {}
-    held = {id(local(g)) for g in optree.tree_leaves(given)}  # and those given to two leaves
     for g in map(local, optree.tree_leaves(made)):
-        if id(g) in seen:
-            held.add(id(g))
-        seen[id(g)] = g
-    return {k: g for k, g in seen.items() if k not in held}
+        if memory(g) in seen:
+            held.add(memory(g))
+        seen[memory(g)] = g
+    return {id(g): g for at, g in seen.items() if at not in held}
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections import OrderedDict
 from datetime import timedelta
 from typing import Any, Callable, Optional
 
@@ -236,6 +237,48 @@ def kept_run(mesh: DeviceMesh, device: torch.device, fresh: bool, delayed: fo.De
     fo.flush(state)
     return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
             "written": {k: not torch.equal(g, last["values"][k]) for k, g in last["made"].items()}}
+
+
+def rewrap(g: DTensor, t: torch.Tensor) -> DTensor:
+    """``t`` as the local shard of a new DTensor laid out as ``g``."""
+    return DTensor.from_local(t, g.device_mesh, g.placements, run_check=False, shape=g.shape,
+                              stride=g.stride())
+
+
+def tied(u: dict, s: torch.Tensor) -> dict:
+    """Each leaf of ``u`` a new DTensor over the one shard ``s``."""
+    return {k: rewrap(g, s) for k, g in u.items()}
+
+
+# fronts whose new DTensors hold shards they did not make for one leaf alone
+REWRAPS: dict[str, Callable[[dict], dict]] = {
+    "rewrapped": lambda u: {k: rewrap(g, g.to_local()) for k, g in u.items()},  # the caller's
+    "tied": lambda u: tied(u, (u["a.weight"] + u["b.weight"]).to_local()),  # one for both
+}
+
+
+def rewrap_run(mesh: DeviceMesh, device: torch.device, front: str, fresh: bool) -> dict:
+    """A delayed step behind ``REWRAPS[front]`` with ``fresh_updates=fresh``, on two bf16
+    ``Linear(256, 600)`` weights (``a``, ``b``) sharded, :data:`STEPS` steps of fixed grads:
+    this rank's shards after ``fo.flush`` and whether a caller's grad shard was written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict((k, nn.Linear(256, 600, bias=False)) for k in "ab"))
+    fully_shard(model.to(device, torch.bfloat16), mesh=mesh)
+    params = dict(model.named_parameters())
+    t = fo.GradientTransformation(lambda p: fo.EmptyState(),
+                                  lambda u, s: (REWRAPS[front](u), s), fresh_updates=fresh)
+    opt = fo.chain(t, fo.adamw(**HYPER, cpu_kernel="torch", executor=small_executor(),
+                               placement=fo.placement.on_host(),
+                               delayed=fo.Delay(lookahead=False)))
+    state = opt.init(params)
+    given = format_grads(params, mesh)
+    kept = [{k: g.to_local().clone() for k, g in grads.items()} for grads in given]
+    for grads in given:
+        _, state = opt.update(grads, state)
+    fo.flush(state)
+    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
+            "written": any(not torch.equal(g.to_local(), k[n])
+                           for grads, k in zip(given, kept) for n, g in grads.items())}
 
 
 def kept_torch_optimizer_run(mesh: DeviceMesh, device: torch.device) -> dict:
@@ -480,6 +523,8 @@ def job(rank: int, folder: str, device_type: str) -> None:
             "kept ahead": lambda: kept_run(mesh, device, True, fo.Delay()),
             "copied ahead": lambda: kept_run(mesh, device, False, fo.Delay()),
             "kept torch optimizer": lambda: kept_torch_optimizer_run(mesh, device),
+            **{f"{front} {fresh}": (lambda f=front, x=fresh: rewrap_run(mesh, device, f, x))
+               for front in REWRAPS for fresh in (True, False)},
             "torch optimizer": lambda: torch_optimizer_run(mesh, device, xs, folder),
             "half offloaded": lambda: ours_run(mesh, device, xs,
                                                placement=fo.placement.offload_fraction(0.5)),

@@ -186,13 +186,23 @@ def _tie(u: dict) -> dict:
     return {**u, "a": s, "b": s}
 
 
-@pytest.mark.parametrize("front", ["tied", "identity"])
+def _tie_views(u: dict) -> dict:
+    """:func:`_tie` with ``b`` given a view of ``a``'s tensor, another object."""
+    s = u["a"] + u["b"]
+    return {**u, "a": s, "b": s.view_as(s)}
+
+
+FRONTS = {"tied": _tie, "tied views": _tie_views, "identity": lambda u: u,
+          "detached": lambda u: {k: g.detach() for k, g in u.items()}}
+
+
+@pytest.mark.parametrize("front", FRONTS)
 def test_a_fresh_front_s_shared_or_given_tensors_are_copied(front):
-    """A ``fresh_updates`` front's tensor given to two leaves, or a grad passed through as it
-    came, is copied by the landing, not kept (its bytes are another leaf's grad, or the
-    caller's): the params of the same front without ``fresh_updates``, and the caller's grads
-    untouched."""
-    fn = _tie if front == "tied" else (lambda u: u)
+    """A ``fresh_updates`` front's tensor given to two leaves (one object, or views of one), or
+    a grad passed through as it came (itself, or a new view of it), is copied by the landing,
+    not kept (its bytes are another leaf's grad, or the caller's): the params of the same front
+    without ``fresh_updates``, and the caller's grads untouched."""
+    fn = FRONTS[front]
     outs = []
     for fresh in (True, False):
         g = torch.Generator().manual_seed(0)

@@ -198,6 +198,17 @@ def test_a_delayed_step_keeps_the_clip_s_new_shards(ranks, ahead):
         assert_same(kept["params"], copied["params"], None, f"rank {r}")
 
 
+@pytest.mark.parametrize("front", list(job.REWRAPS))
+def test_a_fresh_front_s_shards_made_anew_over_given_or_shared_ones_are_copied(ranks, front):
+    """A ``fresh_updates`` front whose new DTensors hold the caller's shards (made anew over
+    them) or one shard for two leaves is copied by the landing, not kept: the params of the
+    same front without ``fresh_updates``, and the caller's grads untouched."""
+    for r, (fresh, plain) in enumerate(zip(results(ranks, f"{front} True"),
+                                           results(ranks, f"{front} False"))):
+        assert not fresh["written"] and not plain["written"], f"rank {r}"
+        assert_same(fresh["params"], plain["params"], None, f"rank {r}")
+
+
 def test_torch_optimizer_s_clip_hands_its_new_shards_to_a_delayed_step(ranks):
     """``TorchOptimizer(max_grad_norm=..., delayed=...)`` on shards: the params of the chain
     whose landing keeps the clip's new shards."""
