@@ -116,15 +116,13 @@ def fresh_leaves(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
     another of its own (one tensor given to two leaves, or two views of one: ``g.detach()``, two
     DTensors made from one local tensor). A DTensor's leaf is its local shard, the tensor the
     steps are handed."""
-    def memory(g: torch.Tensor) -> int:
-        return g.untyped_storage().data_ptr()
-
-    held = {memory(local(g)) for g in optree.tree_leaves(given)}
+    held = {local(g).untyped_storage().data_ptr() for g in optree.tree_leaves(given)}
     seen: dict[int, torch.Tensor] = {}
     for g in map(local, optree.tree_leaves(made)):
-        if memory(g) in seen:
-            held.add(memory(g))
-        seen[memory(g)] = g
+        at = g.untyped_storage().data_ptr()
+        if at in seen:
+            held.add(at)
+        seen[at] = g
     return {id(g): g for at, g in seen.items() if at not in held}
 
 
