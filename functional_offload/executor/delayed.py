@@ -146,10 +146,12 @@ def _by_leaf(pairs: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
     return out
 
 
-def _latest(marks: dict[int, tuple[int, Any]], which: Any) -> Optional[Any]:
-    """Of the engine's marks of leaves ``which``, the event of the chunk queued last (None:
-    the engine stepped none of them)."""
-    last = max((marks[j] for j in which if j in marks), default=None, key=lambda m: m[0])
+def _latest(marks: dict[int, tuple[int, Any]],
+            which: Optional[Sequence[int]] = None) -> Optional[Any]:
+    """Of the engine's marks of leaves ``which`` (default: all), the event of the chunk queued
+    last (None: the engine stepped none of them)."""
+    last = max((marks[j] for j in (marks if which is None else which) if j in marks),
+               default=None, key=lambda m: m[0])
     return None if last is None else last[1]
 
 
@@ -514,9 +516,11 @@ class Landing:
                 self.ex.order_after_copies(self.device)  # their copies up are issued
                 if last is not None:  # and the engine's math of those it stepped
                     torch.cuda.current_stream(self.device).wait_event(last)
-                if self.device.type == "cuda":  # the buffer is read on this stream too
-                    self._used_on(torch.cuda.current_stream(self.device))
-                    self._read_on.add(torch.cuda.current_stream(self.device))
+                cuda = self.device.type == "cuda"
+                here = torch.cuda.current_stream(self.device) if cuda else None
+                if here is not None and here not in self._read_on:
+                    self._used_on(here)  # read on this stream too (recorded once: the memory's
+                    self._read_on.add(here)  # free waits for all the stream's work until then)
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
             self._copied.update(copy)
             self._landed_leaves.update(want)
@@ -537,7 +541,7 @@ class Landing:
         if pairs:
             t.wait_out(ready)  # the caller's reads of the old params come first
             # the engine's params are written: its last chunk's math (None: it stepped none)
-            t.wait_out(_latest(self._engine_marks, self._engine_marks))
+            t.wait_out(_latest(self._engine_marks))
             s0 = tl.stamp(self.device, t.stream_out) if tl else None
             t.copy_out_all([d for d, _ in pairs], [s for _, s in pairs])
             if tl:
