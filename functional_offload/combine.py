@@ -115,15 +115,22 @@ def fresh_leaves(given: Updates, made: Updates) -> dict[int, torch.Tensor]:
     ``given``, that it made for one leaf each: none in the memory of one of ``given``'s or of
     another of its own (one tensor given to two leaves, or two views of one: ``g.detach()``, two
     DTensors made from one local tensor). A DTensor's leaf is its local shard, the tensor the
-    steps are handed."""
-    held = {local(g).untyped_storage().data_ptr() for g in optree.tree_leaves(given)}
+    steps are handed. Leaves other than dense tensors are none (the step refuses them)."""
+    held = {g.untyped_storage().data_ptr() for g in _dense(given)}
     seen: dict[int, torch.Tensor] = {}
-    for g in map(local, optree.tree_leaves(made)):
+    for g in _dense(made):
         at = g.untyped_storage().data_ptr()
         if at in seen:
             held.add(at)
         seen[at] = g
     return {id(g): g for at, g in seen.items() if at not in held}
+
+
+def _dense(tree: Updates) -> Iterator[torch.Tensor]:
+    """The dense tensors of ``tree`` (DTensors' local shards)."""
+    for g in map(local, optree.tree_leaves(tree)):
+        if isinstance(g, torch.Tensor) and g.layout is torch.strided:
+            yield g
 
 
 @contextlib.contextmanager

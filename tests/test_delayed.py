@@ -224,6 +224,20 @@ def test_a_fresh_front_s_shared_or_given_tensors_are_copied(front):
         assert torch.equal(outs[0][k], outs[1][k]), k
 
 
+@pytest.mark.parametrize("bad", ["sparse", "number"])
+def test_a_fresh_front_s_leaf_that_is_no_dense_tensor_gets_the_step_s_error(bad):
+    """A ``fresh_updates`` front that returns a sparse tensor or a number for a leaf gets the
+    error the step gives such a grad, naming the leaf."""
+    out = torch.eye(4).to_sparse() if bad == "sparse" else 3.0
+    t = fo.GradientTransformation(lambda p: fo.EmptyState(), lambda u, s: ({"w": out}, s),
+                                  fresh_updates=True)
+    opt = fo.chain(t, fo.adamw(1e-2, placement=fo.placement.on_host(), delayed=STALE,
+                               executor=small_executor()))
+    state = opt.init({"w": torch.zeros(4, 4)})
+    with pytest.raises(TypeError, match="grad 'w'"):
+        opt.update({"w": torch.ones(4, 4)}, state)
+
+
 @pytest.mark.cuda
 def test_a_delayed_step_behind_a_clip_allocates_no_copy_of_its_grads():
     """The first delayed step behind a clip allocates the clip's new grads, where its landing
