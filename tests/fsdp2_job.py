@@ -212,30 +212,34 @@ def recording(clip: fo.GradientTransformation, fresh: bool, last: dict) -> fo.Gr
     return fo.GradientTransformation(clip.init, update, clip.global_scale, fresh_updates=fresh)
 
 
-def kept_model(mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
-    """A bf16 ``Linear(256, 600)`` from seed 0, sharded (weight shards of 76,800 elements):
-    its params."""
+def kept_model(mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """A bf16 ``Linear(256, 600)`` from seed 0, sharded (weight shards of 76,800 elements)."""
     torch.manual_seed(0)
     model = nn.Linear(256, 600).to(device, torch.bfloat16)
     fully_shard(model, mesh=mesh)
-    return dict(model.named_parameters())
+    return model
+
+
+def fixed_steps(opt: fo.Optimizer, model: nn.Module, given: list[dict]) -> None:
+    """``opt`` (a fresh state) on ``model``'s params, an update for each of ``given``'s grads,
+    then ``fo.flush``."""
+    state = opt.init(dict(model.named_parameters()))
+    for grads in given:
+        _, state = opt.update(grads, state)
+    fo.flush(state)
 
 
 def kept_run(mesh: DeviceMesh, device: torch.device, fresh: bool, delayed: fo.Delay) -> dict:
     """A delayed step behind :func:`recording` ``clip_by_global_norm(CLIPS)`` on
     :func:`kept_model` (fp32 masters), :data:`STEPS` steps of fixed grads: this rank's shards
-    after ``fo.flush``, and which of the clip's last new shards were written after it made them
+    after the flush, and which of the clip's last new shards were written after it made them
     (by a landing that kept them)."""
-    params = kept_model(mesh, device)
+    model = kept_model(mesh, device)
     last: dict[str, dict[str, torch.Tensor]] = {}
-    opt = fo.chain(recording(fo.clip_by_global_norm(CLIPS), fresh, last),
-                   fo.adamw(**HYPER, cpu_kernel="torch", executor=small_executor(),
-                            placement=fo.placement.on_host(), delayed=delayed))
-    state = opt.init(params)
-    for grads in format_grads(params, mesh):
-        _, state = opt.update(grads, state)
-    fo.flush(state)
-    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
+    fixed_steps(fo.chain(recording(fo.clip_by_global_norm(CLIPS), fresh, last),
+                         adamw_chain(placement=fo.placement.on_host(), delayed=delayed)),
+                model, format_grads(dict(model.named_parameters()), mesh))
+    return {"params": shards(model),
             "written": {k: not torch.equal(g, last["values"][k]) for k, g in last["made"].items()}}
 
 
@@ -260,23 +264,17 @@ REWRAPS: dict[str, Callable[[dict], dict]] = {
 def rewrap_run(mesh: DeviceMesh, device: torch.device, front: str, fresh: bool) -> dict:
     """A delayed step behind ``REWRAPS[front]`` with ``fresh_updates=fresh``, on two bf16
     ``Linear(256, 600)`` weights (``a``, ``b``) sharded, :data:`STEPS` steps of fixed grads:
-    this rank's shards after ``fo.flush`` and whether a caller's grad shard was written."""
+    this rank's shards after the flush and whether a caller's grad shard was written."""
     torch.manual_seed(0)
     model = nn.Sequential(OrderedDict((k, nn.Linear(256, 600, bias=False)) for k in "ab"))
     fully_shard(model.to(device, torch.bfloat16), mesh=mesh)
-    params = dict(model.named_parameters())
     t = fo.GradientTransformation(lambda p: fo.EmptyState(),
                                   lambda u, s: (REWRAPS[front](u), s), fresh_updates=fresh)
-    opt = fo.chain(t, fo.adamw(**HYPER, cpu_kernel="torch", executor=small_executor(),
-                               placement=fo.placement.on_host(),
-                               delayed=fo.Delay(lookahead=False)))
-    state = opt.init(params)
-    given = format_grads(params, mesh)
+    given = format_grads(dict(model.named_parameters()), mesh)
     kept = [{k: g.to_local().clone() for k, g in grads.items()} for grads in given]
-    for grads in given:
-        _, state = opt.update(grads, state)
-    fo.flush(state)
-    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()},
+    fixed_steps(fo.chain(t, adamw_chain(placement=fo.placement.on_host(),
+                                        delayed=fo.Delay(lookahead=False))), model, given)
+    return {"params": shards(model),
             "written": any(not torch.equal(g.to_local(), k[n])
                            for grads, k in zip(given, kept) for n, g in grads.items())}
 
@@ -285,7 +283,8 @@ def kept_torch_optimizer_run(mesh: DeviceMesh, device: torch.device) -> dict:
     """:func:`kept_run`'s steps without a look-ahead by ``fo.TorchOptimizer(max_grad_norm=CLIPS,
     delayed=...)`` (its clip's new shards go to the landing as a chain's): this rank's shards
     after ``flush``."""
-    params = kept_model(mesh, device)
+    model = kept_model(mesh, device)
+    params = dict(model.named_parameters())
     opt = fo.TorchOptimizer(list(params.values()), fo.adamw, max_grad_norm=CLIPS,
                             cpu_kernel="torch", executor=small_executor(),
                             placement=fo.placement.on_host(), delayed=fo.Delay(lookahead=False),
@@ -296,7 +295,7 @@ def kept_torch_optimizer_run(mesh: DeviceMesh, device: torch.device) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     opt.flush()
-    return {"params": {n: p.detach().to_local().cpu().clone() for n, p in params.items()}}
+    return {"params": shards(model)}
 
 
 def state_values(state: Any) -> dict[str, torch.Tensor]:
