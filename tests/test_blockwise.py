@@ -366,6 +366,14 @@ def test_what_8bit_moments_do_not_support_is_refused_naming_it():
         fo.adamw(mu_dtype=torch.uint8).init({"w": torch.zeros(100_000, dtype=torch.float64)})
     with pytest.raises(ValueError, match="mu_dtype"):
         fo.TorchOptimizer([torch.zeros(10, requires_grad=True)], fo.adamw, mu_dtype=torch.uint8).step()
+    mixed = fo.adamw(mu_dtype=torch.uint8, nu_dtype=torch.bfloat16, cpu_kernel="native",
+                     placement=fo.placement.on_host())
+    with pytest.raises(ValueError, match=r"param 'b' would have .* moments \(8-bit moments are "
+                                         r"for leaves of more than 65536 elements; its 300 keep "
+                                         r"fp32 ones\); .*one moment dtype"):
+        mixed.init({"b": torch.zeros(300), "w": torch.zeros(100_000)})
+    with pytest.raises(ValueError, match=r"param 'w' would have .*'torch.uint8'\] moments; "):
+        mixed.init({"w": torch.zeros(100_000)})
 
 
 def test_the_plan_counts_8bit_bytes():

@@ -282,10 +282,15 @@ class Terminal:
             if host and self.cpu_kernel == "native" and (
                     self._value_dtype(p) != torch.float32 or len(moment_dtypes) > 1
                     or not moment_dtypes <= {torch.float32, torch.bfloat16, torch.uint8}):
+                small = (torch.uint8 in self.moment_dtypes.values() and self._small(p)
+                         and torch.uint8 not in moment_dtypes)
+                why = (f" (8-bit moments are for leaves of more than {PACK_MAX} elements; its "
+                       f"{self._whole.get(id(p), p.numel())} keep fp32 ones)" if small else "")
                 raise ValueError(f"cpu_kernel='native': param {path!r} would have a "
                                  f"{self._value_dtype(p)} value and {sorted(map(str, moment_dtypes))} "
-                                 "moments; the native kernel takes fp32 values and fp32, bf16 or "
-                                 "block-wise 8-bit moments of one format (use cpu_kernel='auto')")
+                                 f"moments{why}; the native kernel takes fp32 values and fp32, bf16 "
+                                 "or block-wise 8-bit moments of one format (use cpu_kernel='auto', "
+                                 "or one moment dtype)")
             if host and self.delayed and is_quantized(p):
                 raise ValueError(f"param {path!r} is a quantized {type(p).__name__}, which the "
                                  "delayed update cannot land (it is written whole, through its "
