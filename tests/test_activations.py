@@ -134,6 +134,47 @@ def test_views_of_one_storage_are_copied_once():
     assert torch.equal(a.grad, ref.grad)
 
 
+@pytest.mark.parametrize("lands", ["waited", "issued"])
+def test_a_storage_saved_again_after_an_inplace_change_is_copied_again(lands):
+    """A storage saved, changed in place, and saved again in one group (the first save's node
+    never reached in backward, e.g. a norm only logged): the second save gets a copy of its
+    own, of the changed bytes, not the first one's, which may have landed before the change."""
+    def loss(w, x, off=None):
+        with off.group(0) if off else contextlib.nullcontext():
+            t = x @ w
+            stat = t.norm()  # saves t, never backpropagated
+            t.mul_(0.5)
+            y = t.sin()  # saves t again, changed
+        with off.group(1) if off else contextlib.nullcontext():
+            return y.sum() + 0 * stat.detach()
+
+    w0, x = torch.randn(16, 16), torch.randn(16, 16)
+    w = w0.clone().requires_grad_()
+    want = torch.autograd.grad(loss(w, x), w)[0]
+    with copy_on_cpu(lands):
+        off = fo.ActivationOffload(2, offload=1, min_bytes=0)
+    _, got = off.value_and_grad(lambda w, x: loss(w, x, off))(w0, x)
+    assert torch.equal(got, want) and off.stats["tensors"] >= 2
+
+
+@pytest.mark.parametrize("how", ["keyword", "in a list"])
+def test_a_recomputed_group_s_keyword_or_nested_input_changed_in_place_raises(how):
+    """A recomputed group's tensor inputs given as keywords or inside a container are kept and
+    checked as positional ones are: changed in place after the group, backward raises instead
+    of recomputing from the changed values."""
+    w = torch.randn(8, 8, requires_grad=True)
+    off = ActivationOffload(2, offload=0, recompute_groups=[0])
+    block = lambda x, w: ((x + 1) @ w).sin()  # noqa: E731 (x itself is saved by no op)
+    with off.record():
+        h = torch.randn(4, 8) * 1.0
+        y = (off.run(0, block, x=h, w=w) if how == "keyword"
+             else off.run(0, lambda xs, w: block(xs[0], w), [h], w))
+        y = off.run(1, torch.tanh, y)
+        h.add_(5.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 @pytest.mark.parametrize("view", ["conj", "neg", "fft"])
 def test_conjugate_and_negative_views_keep_their_flag(view):
     """A saved conjugate (or negative) view's flag is part of its value: such tensors stay
@@ -457,6 +498,10 @@ def test_testing_hooks():
     assert copies.stats["offloaded_bytes"] > 0 and passes.stats["offloaded_bytes"] == 0
     with pytest.raises(TypeError, match="copy_on_cpu"):  # a test's knob, not the constructor's
         ActivationOffload(GROUPS, 1, copy_on_cpu=True)
+    for bad in ("now", True, None):
+        with pytest.raises(ValueError, match="lands must be 'waited' or 'issued'"):
+            with copy_on_cpu(bad):
+                pass
     with manual_clock() as clock:
         clock.advance(0.25)
         assert clock() == 0.25

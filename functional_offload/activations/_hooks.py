@@ -7,12 +7,12 @@ copy CPU tensors.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 __all__ = ["now", "set_clock", "copies_cpu", "set_copies_cpu"]
 
 _clock: Callable[[], float] = time.perf_counter
-_copy_on_cpu = False
+_copy_on_cpu: Optional[str] = None
 
 
 def now() -> float:
@@ -27,13 +27,14 @@ def set_clock(clock: Callable[[], float]) -> Callable[[], float]:
     return before
 
 
-def copies_cpu() -> bool:
-    """Whether an :class:`~functional_offload.ActivationOffload` made now copies CPU tensors."""
+def copies_cpu() -> Optional[str]:
+    """Whether an :class:`~functional_offload.ActivationOffload` made now copies CPU tensors,
+    and when each copy runs: None (it does not), ``"waited"`` or ``"issued"``."""
     return _copy_on_cpu
 
 
-def set_copies_cpu(on: bool) -> bool:
+def set_copies_cpu(lands: Optional[str]) -> Optional[str]:
     """Set :func:`copies_cpu`; returns what it was."""
     global _copy_on_cpu
-    before, _copy_on_cpu = _copy_on_cpu, on
+    before, _copy_on_cpu = _copy_on_cpu, lands
     return before

@@ -70,7 +70,8 @@ class Pool:
 
 class CpuCopy:
     """A copy stream's event on the CPU (tests: ``testing.copy_on_cpu``): the copy runs when it
-    is waited for, so sources stay alive, in flight, as they do on a GPU."""
+    is waited for, so sources stay alive, in flight, as they do on a GPU (or at once, where the
+    test asks for copies that land as they are issued)."""
 
     __slots__ = ("dst", "src", "done", "log")
 
@@ -90,14 +91,17 @@ class CpuCopy:
 
 
 class Stored:
-    """One storage copied to the host, shared by every view of it saved in its group."""
+    """One storage copied to the host, shared by every view of it saved in its group at the
+    version it was copied at (``version``: its tensor's then)."""
 
-    __slots__ = ("pool", "step", "group", "key", "host", "nbytes", "device", "stream", "src",
-                 "open", "offloaded", "device_copy", "reloaded", "unpacks_left", "__weakref__")
+    __slots__ = ("pool", "step", "group", "key", "version", "host", "nbytes", "device", "stream",
+                 "src", "open", "offloaded", "device_copy", "reloaded", "unpacks_left",
+                 "__weakref__")
 
-    def __init__(self, pool: Pool, step: Any, group: int, key: tuple, host: torch.Tensor,
-                 src: torch.Tensor, stream: Any):
+    def __init__(self, pool: Pool, step: Any, group: int, key: tuple, version: int,
+                 host: torch.Tensor, src: torch.Tensor, stream: Any):
         self.pool, self.step, self.group, self.key, self.host = pool, step, group, key, host
+        self.version = version
         self.nbytes, self.device, self.stream, self.src = host.numel(), src.device, stream, src
         self.open = True  # its group is still running
         self.offloaded: Any = None  # event: the copy to the host is done
@@ -204,7 +208,7 @@ class Mover:
     """Copies storages down on the transport's stream in and back on its stream out; bounds
     bytes in flight."""
 
-    def __init__(self, pool: Pool, copy_on_cpu: bool, stats: dict):
+    def __init__(self, pool: Pool, copy_on_cpu: Optional[str], stats: dict):
         self.pool, self.copy_on_cpu, self.stats = pool, copy_on_cpu, stats
         self.inflight: list[weakref.ref] = []  # copies whose source is still held, oldest first
         self.live: dict[tuple, Stored] = {}  # (device, storage ptr) -> copy, in the open group
@@ -266,22 +270,28 @@ class Mover:
         self.retire()
 
     def offload(self, t: torch.Tensor, step: Any, group: int) -> Optional[Stored]:
-        """The host copy of ``t``'s storage (started now), or None when the host cap is hit."""
+        """The host copy of ``t``'s storage (started now, unless one of its group holds the
+        storage at ``t``'s version: changed in place since, it is copied again), or None when
+        the host cap is hit."""
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         s = self.live.get(key)
-        if s is not None:
+        if s is not None and s.version == t._version:
             return s
+        if s is not None:  # no later save shares the earlier copy: it retires as a closed one
+            s.open = False
         host, last_read = self.pool.take(storage.nbytes(), pin=t.device.type == "cuda")
         if host is None:
             return None
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         tr = self.transport(t.device)
         down = tr.stream_in
-        s = Stored(self.pool, step, group, key, host, src, down)
+        s = Stored(self.pool, step, group, key, t._version, host, src, down)
         log = self.measure.copies["d2h"] if self.measure is not None else None
         if down is None:
             s.offloaded = CpuCopy(host, src, log)
+            if self.copy_on_cpu == "issued":  # (testing.copy_on_cpu)
+                s.offloaded.synchronize()
         else:
             tr.wait_in(tr.ready())
             tr.wait_in(last_read)  # the buffer's last copy back went first

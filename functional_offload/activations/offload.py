@@ -48,6 +48,15 @@ def _storage_ptr(t: torch.Tensor) -> Optional[int]:
         return None
 
 
+def _call(fn: Callable[..., Any], leaves: list, spec: Any, *tensors: torch.Tensor) -> Any:
+    """``fn(*args, **kwargs)`` of the ``(args, kwargs)`` flattened to ``leaves`` by ``spec``,
+    their tensors replaced by ``tensors`` in order."""
+    given = iter(tensors)
+    args, kwargs = optree.tree_unflatten(spec, [next(given) if isinstance(x, torch.Tensor) else x
+                                                for x in leaves])
+    return fn(*args, **kwargs)
+
+
 class ActivationOffload:
     """Keep, offload to pinned host memory, or recompute what each layer group saves for backward.
 
@@ -136,7 +145,8 @@ class ActivationOffload:
         if step is None or not torch.is_grad_enabled():
             self._check_recording(index)
             return fn(*args, **kwargs)
-        tensors = [a for a in optree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        leaves, spec = optree.tree_flatten((args, kwargs))
+        tensors = [a for a in leaves if isinstance(a, torch.Tensor)]
         if step.decisions is None:
             self._resolve(step, tuple((tuple(a.shape), a.dtype) for a in tensors),
                           tensors[0].device if tensors else None)
@@ -149,9 +159,11 @@ class ActivationOffload:
                 step.measure.inputs[index] = sum(seen.values())
             if step.decisions[index] in _RECOMPUTING:
                 self.stats["recomputed_groups"] += 1
-                # fn's keywords bound here: checkpoint would take some (debug, context_fn...)
-                return checkpoint(Recomputed(functools.partial(fn, **kwargs), index), *args,
-                                  use_reentrant=False)
+                # every tensor, keyword or in a container, goes to checkpoint as an argument of
+                # its own (it keeps those, checking their versions; fn's other keywords are
+                # bound here: checkpoint would take some, debug, context_fn...)
+                return checkpoint(Recomputed(functools.partial(_call, fn, leaves, spec), index),
+                                  *tensors, use_reentrant=False)
             return fn(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -26,13 +26,17 @@ __all__ = ["copy_on_cpu", "manual_clock", "ManualClock"]
 
 
 @contextlib.contextmanager
-def copy_on_cpu() -> Iterator[None]:
+def copy_on_cpu(lands: str = "waited") -> Iterator[None]:
     """:class:`~functional_offload.ActivationOffload` objects made inside the block copy CPU
     tensors too, for their whole life (without it the CPU passes tensors through, as there is
     no faster memory to move them to): offloaded groups go through the pinned pool's
-    bookkeeping with deferred copies — a copy runs when it is waited for, so sources stay alive,
-    in flight, as on a GPU — and budget mode plans with offload as it does on a GPU."""
-    before = set_copies_cpu(True)
+    bookkeeping, and budget mode plans with offload as it does on a GPU. ``lands``: when each
+    copy runs, at either end of what a GPU's copy stream may do: ``"waited"`` (the default)
+    when it is waited for, so sources stay alive, in flight; ``"issued"`` at once, so that a
+    source changed in place later does not reach the copy."""
+    if lands not in ("waited", "issued"):
+        raise ValueError(f"lands must be 'waited' or 'issued', got {lands!r}")
+    before = set_copies_cpu(lands)
     try:
         yield
     finally:
