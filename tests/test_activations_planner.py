@@ -252,7 +252,7 @@ def test_group_marks_are_never_recomputed_and_shape_changes_replan():
         warnings.simplefilter("always")
         for a, b in zip(grads(blocks, x, off, "group"), grads(blocks, x), strict=True):
             assert torch.equal(a, b)
-    assert any("cannot be met" in str(w.message) for w in caught)
+    assert any("cannot be met" in str(w.message) and " over)" in str(w.message) for w in caught)
     assert set(off.plan.decisions) == {KEEP} and not off.plan.feasible
     grads(blocks, x, off, "group")  # the plan
     grads(blocks, torch.randn(64, D), off, "group")  # new shapes under the old plan: noticed
@@ -432,11 +432,18 @@ def test_bad_profiles_and_decisions_are_refused_naming_the_field():
                                 ("saved_bytes", [-100] * 4, "saved_bytes holds -100"),
                                 ("forward_s", [float("nan")] * 4, "forward_s holds nan"),
                                 ("backward_ratio", -3.0, "backward_ratio is -3.0"),
-                                ("h2d_bytes_per_s", float("inf"), "h2d_bytes_per_s is inf")):
+                                ("h2d_bytes_per_s", float("inf"), "h2d_bytes_per_s is inf"),
+                                ("recomputable", ["no"] * 4, "recomputable holds 'no'")):
         with pytest.raises(ValueError, match=match):
             dataclasses.replace(good, **{field: value})
+    for n in (-1, 0, True, 2.0):
+        with pytest.raises(ValueError, match=f"num_groups must be an int >= 1, got {n!r}"):
+            fo.activations.Profile.uniform(n, saved_bytes=1 << 20, forward_s=1e-3)
     for decisions in (["keep"] * 3, ["keep", "kept", "keep", "keep"]):
         with pytest.raises(ValueError, match="one decision per group"):
             fo.activations.simulate(good, decisions)
     with pytest.raises(ValueError, match="prefetch must be an int >= 1"):
         fo.activations.simulate(good, ["keep"] * 4, prefetch=0)
+    for bound in (-5, 1.5, True):
+        with pytest.raises(ValueError, match="max_inflight_bytes must be None or an int >= 0"):
+            fo.activations.simulate(good, ["keep"] * 4, max_inflight_bytes=bound)

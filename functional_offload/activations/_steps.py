@@ -160,7 +160,8 @@ class Budget:
         self.stats["plans"] += 1
         if not p.feasible:
             warnings.warn(f"budget_bytes={self.budget_bytes} cannot be met: the least-memory plan "
-                          f"peaks at {p.peak_bytes} bytes, {p.profile.other_head_bytes} of them "
+                          f"peaks at {p.peak_bytes} bytes ({p.peak_bytes - self.budget_bytes} "
+                          f"over), {p.profile.other_head_bytes} of them "
                           "outside the layer groups (the loss head, grads): raise the budget or "
                           "shrink what lies outside the groups (e.g. compute the loss in chunks)",
                           RuntimeWarning, stacklevel=2)

@@ -13,6 +13,8 @@ import dataclasses
 import math
 from typing import NamedTuple, Optional, Sequence
 
+from functional_offload.checks import is_int
+
 __all__ = ["KEEP", "OFFLOAD", "RECOMPUTE", "RECOMPUTE_OFFLOAD", "Profile", "Simulation",
            "held_bytes", "inflight_bound", "simulate"]
 
@@ -48,7 +50,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         """Refuse what no step measures, naming the field: per-group lists of unequal lengths
-        (or none), negative byte counts, negative or non-finite times and rates."""
+        (or none), negative byte counts of what the groups save or take (the memory outside them
+        is counted from the step's start, and may be negative), recomputable flags that are not
+        bools, negative or non-finite times and rates."""
         lists = ("saved_bytes", "small_bytes", "input_bytes", "forward_s", "recomputable",
                  "other_fwd_bytes", "other_bwd_bytes")
         n = len(self.saved_bytes)
@@ -61,6 +65,9 @@ class Profile:
             bad = next((x for x in getattr(self, name) if not 0 <= x < math.inf), None)
             if bad is not None:
                 raise ValueError(f"Profile.{name} holds {bad!r}; it must be finite and >= 0")
+        bad = next((x for x in self.recomputable if not isinstance(x, bool)), None)
+        if bad is not None:
+            raise ValueError(f"Profile.recomputable holds {bad!r}; it must hold bools")
         for name in ("outside_s", "d2h_bytes_per_s", "h2d_bytes_per_s"):
             if not 0 <= getattr(self, name) < math.inf:
                 raise ValueError(f"Profile.{name} is {getattr(self, name)!r}; it must be finite "
@@ -74,6 +81,8 @@ class Profile:
                 head_bytes: int = 0, pcie_bytes_per_s: float = 0.0,
                 backward_ratio: float = 2.0) -> "Profile":
         """A profile of ``num_groups`` identical groups and a loss head of ``head_bytes``."""
+        if not is_int(num_groups) or num_groups < 1:
+            raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
         n = num_groups
         return cls([saved_bytes] * n, [0] * n, [input_bytes] * n, [forward_s] * n, [True] * n,
                    [0] * n, [0] * n, head_bytes, backward_ratio, 0.0, pcie_bytes_per_s,
@@ -193,6 +202,10 @@ def simulate(p: Profile, decisions: Sequence[str], *, max_inflight_bytes: Option
                          f"{[KEEP, OFFLOAD, RECOMPUTE, RECOMPUTE_OFFLOAD]}; got {list(decisions)}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be an int >= 1, got {prefetch!r}")
+    if max_inflight_bytes is not None and not (is_int(max_inflight_bytes)
+                                               and max_inflight_bytes >= 0):
+        raise ValueError(f"max_inflight_bytes must be None or an int >= 0, got "
+                         f"{max_inflight_bytes!r}")
     if p.d2h_bytes_per_s <= 0:  # nothing moves: offloading keeps, recompute+offload recomputes
         decisions = [{OFFLOAD: KEEP, RECOMPUTE_OFFLOAD: RECOMPUTE}.get(d, d) for d in decisions]
     moved = [_moved(p, i, d) for i, d in enumerate(decisions)]
