@@ -166,7 +166,7 @@ def test_a_recomputed_group_s_keyword_or_nested_input_changed_in_place_raises(ho
     off = ActivationOffload(2, offload=0, recompute_groups=[0])
     block = lambda x, w: ((x + 1) @ w).sin()  # noqa: E731 (x itself is saved by no op)
     with off.record():
-        h = torch.randn(4, 8) * 1.0
+        h = torch.randn(4, 8)
         y = (off.run(0, block, x=h, w=w) if how == "keyword"
              else off.run(0, lambda xs, w: block(xs[0], w), [h], w))
         y = off.run(1, torch.tanh, y)

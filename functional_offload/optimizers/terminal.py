@@ -160,11 +160,15 @@ class Terminal:
         return hyper, self.spec.hyper({**values, self.spec.decay: 0.0}, n + 1)
 
     # ---- init -----------------------------------------------------------------------------
+    def _elements(self, p: torch.Tensor) -> int:
+        """The elements of the param ``p`` (a local tensor), counted over the whole param for a
+        DTensor's shard (as :meth:`init` noted them)."""
+        return self._whole.get(id(p), p.numel())
+
     def _small(self, p: torch.Tensor) -> bool:
-        """Whether the param ``p`` (a local tensor) has at most ``PACK_MAX`` elements, counted
-        over the whole param for a DTensor's shard (as :meth:`init` noted them): what decides a
-        leaf's format must be the same on every rank."""
-        return self._whole.get(id(p), p.numel()) <= PACK_MAX
+        """Whether the param ``p`` has at most ``PACK_MAX`` elements (:meth:`_elements`): what
+        decides a leaf's format must be the same on every rank."""
+        return self._elements(p) <= PACK_MAX
 
     def _moment_dtype(self, name: str, p: torch.Tensor) -> torch.dtype:
         """The moment's dtype for ``p``: the option's (block-wise 8-bit only for leaves of more
@@ -282,10 +286,9 @@ class Terminal:
             if host and self.cpu_kernel == "native" and (
                     self._value_dtype(p) != torch.float32 or len(moment_dtypes) > 1
                     or not moment_dtypes <= {torch.float32, torch.bfloat16, torch.uint8}):
-                small = (torch.uint8 in self.moment_dtypes.values() and self._small(p)
-                         and torch.uint8 not in moment_dtypes)
+                small = torch.uint8 in self.moment_dtypes.values() and self._small(p)
                 why = (f" (8-bit moments are for leaves of more than {PACK_MAX} elements; its "
-                       f"{self._whole.get(id(p), p.numel())} keep fp32 ones)" if small else "")
+                       f"{self._elements(p)} keep fp32 ones)" if small else "")
                 raise ValueError(f"cpu_kernel='native': param {path!r} would have a "
                                  f"{self._value_dtype(p)} value and {sorted(map(str, moment_dtypes))} "
                                  f"moments{why}; the native kernel takes fp32 values and fp32, bf16 "
